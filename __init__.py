@@ -1,0 +1,10 @@
+"""plait: a JAX-style functional tracing compiler for PyTorch tensors."""
+from . import backends, errors
+from .api import Jitted, Lowered, jit, make_graph
+from .config import config
+from .errors import PlaitError
+from .graph import Graph
+
+__version__ = "0.1.0"
+__all__ = ["Graph", "Jitted", "Lowered", "PlaitError", "backends", "config", "errors", "jit",
+           "make_graph"]

@@ -1,0 +1,152 @@
+"""The public entry points: jit, make_graph, and the Lowered view of one compilation.
+
+They only wire stages together: trace (tracer/), simplify (passes/), compile (backends/).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .backends import get_backend
+from .config import config
+from .errors import TraceError
+from .graph import Graph
+from .passes import simplify
+from .tracer import Static, TracedFunction, trace_function
+
+
+def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
+    """Split a call into its leaves and a hashable signature (the cache key)."""
+    static = {i % len(args) for i in static_argnums if -len(args) <= i < len(args)}
+    args = tuple(Static(a) if i in static else a for i, a in enumerate(args))
+    leaves, tree = pytree.tree_flatten((args, kwargs))
+    signature = [tree]
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            signature.append((tuple(x.shape), x.dtype, x.device, x.layout))
+            continue
+        if not isinstance(x, Static):
+            leaves[i] = x = Static(x)
+        try:
+            hash(x.value)
+        except TypeError:
+            raise TraceError(
+                f"argument leaf {x.value!r} of type {type(x.value).__name__} is neither a "
+                "tensor nor hashable; plait keys compilations on non-tensor arguments. Pass "
+                "it as a tensor, or make it hashable (e.g. a tuple).") from None
+        signature.append((type(x.value), x.value))
+    return leaves, tree, tuple(signature)
+
+
+class Lowered:
+    """One compilation of a jitted function for one signature, for inspection."""
+
+    def __init__(self, traced: TracedFunction, graph: Graph, backend: str):
+        self.traced = traced
+        self.graph = graph
+        self.backend = backend
+
+    @property
+    def traced_graph(self) -> Graph:
+        """The graph as traced, before any pass."""
+        return self.traced.graph
+
+    def as_text(self) -> str:
+        return self.graph.as_text()
+
+    def __repr__(self) -> str:
+        return f"<plait.Lowered backend={self.backend!r}\n{self.as_text()}>"
+
+
+class _Compiled:
+    """A compiled signature: run the graph, then rebuild the outputs and write back inputs."""
+
+    def __init__(self, lowered: Lowered):
+        self.lowered = lowered
+        traced = lowered.traced
+        self._run = get_backend(lowered.backend).factory(lowered.graph)
+        self._out_tree, self._out_leaves = traced.out_tree, traced.out_leaves
+        self._mutated = traced.mutated_inputs
+
+    def __call__(self, tensors: list[torch.Tensor]):
+        outs = self._run(tensors)
+        for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
+            with torch.no_grad():
+                tensors[i].copy_(outs[k])
+        leaves = [outs[x] if isinstance(x, int) else x.value for x in self._out_leaves]
+        return pytree.tree_unflatten(leaves, self._out_tree)
+
+
+class Jitted:
+    """``plait.jit(fn)``: compiles ``fn`` once per input signature and caches the result."""
+
+    def __init__(self, fn: Callable, static_argnums: Sequence[int] | int = (),
+                 backend: str | None = None):
+        self.fn = fn
+        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(
+            static_argnums)
+        self.backend = backend
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self.trace_count = 0
+        functools.update_wrapper(self, fn)
+
+    def _backend_name(self) -> str:
+        return self.backend or config.backend
+
+    def _key(self, args, kwargs):
+        leaves, tree, signature = _flatten(args, kwargs, self.static_argnums)
+        backend = get_backend(self._backend_name())
+        return leaves, tree, (signature, backend.cache_key(), config.cache_key())
+
+    def lower(self, *args, **kwargs) -> Lowered:
+        leaves, tree, _ = self._key(args, kwargs)
+        return self._lower(leaves, tree)
+
+    def _lower(self, leaves, tree) -> Lowered:
+        self.trace_count += 1
+        traced = trace_function(self.fn, leaves, tree)
+        graph = simplify(traced.graph) if config.simplify else traced.graph
+        return Lowered(traced, graph, self._backend_name())
+
+    def __call__(self, *args, **kwargs):
+        leaves, tree, key = self._key(args, kwargs)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise TraceError(
+                "an argument requires grad, but a plait.jit function is not recorded by "
+                "torch.autograd, so backward() would not reach it. Differentiate with "
+                "plait.grad / plait.vjp, or call it under torch.no_grad() (or pass detached "
+                "tensors).")
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = _Compiled(self._lower(leaves, tree))
+            if len(self._cache) > config.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return compiled(tensors)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+
+def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
+        backend: str | None = None):
+    """Compile ``fn`` for each new input signature (shapes, dtypes, devices, pytree structure,
+    and the values of non-tensor arguments). Usable as ``@jit`` or ``@jit(backend=...)``."""
+    if fn is None:
+        return functools.partial(jit, static_argnums=static_argnums, backend=backend)
+    return Jitted(fn, static_argnums, backend)
+
+
+def make_graph(fn: Callable, static_argnums: Sequence[int] | int = ()):
+    """``make_graph(fn)(*args)`` returns the (simplified) primitive graph of ``fn`` on args."""
+
+    def build(*args, **kwargs) -> Graph:
+        return Jitted(fn, static_argnums).lower(*args, **kwargs).graph
+
+    return build

@@ -1,0 +1,50 @@
+"""Backends turn a graph into a callable; they are registered by name.
+
+A backend factory takes a ``Graph`` and returns ``run(inputs: list[Tensor]) -> list[Tensor]``.
+A backend may bring a config object; its ``repr`` joins the compilation cache key, so changing
+it never serves code compiled under other settings.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+from ..errors import BackendError
+from . import eager
+
+
+@attrs.frozen
+class Backend:
+    name: str
+    factory: Callable
+    config: Any = None
+
+    def cache_key(self) -> tuple:
+        return (self.name, repr(self.config))
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str, factory: Callable, config: Any = None) -> None:
+    """Register (or replace) the backend ``name``."""
+    _BACKENDS[name] = Backend(name, factory, config)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise BackendError(f"unknown backend {name!r}; registered backends: "
+                           f"{sorted(_BACKENDS)}. Add one with "
+                           "plait.backends.register_backend(name, factory).") from None
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+register_backend("eager", eager.compile_graph)
+
+__all__ = ["Backend", "available_backends", "get_backend", "register_backend"]

@@ -1,0 +1,37 @@
+"""Every error plait raises at a user: one class per kind of problem, each message says the fix."""
+
+
+class PlaitError(Exception):
+    """Base class of every user-facing plait error."""
+
+
+class ConcretizationError(PlaitError):
+    """A traced value was needed as a concrete Python value (bool(), .item(), a Python branch)."""
+
+
+class UnsupportedOpError(PlaitError):
+    """An operator plait cannot trace (data-dependent output shape, no shape rule, ...)."""
+
+
+class UnsupportedDtypeError(PlaitError):
+    """A dtype or tensor layout plait does not handle (complex, sparse, quantized)."""
+
+
+class OpError(PlaitError):
+    """An operator failed while tracing: its arguments are invalid, or plait mishandles it."""
+
+
+class ShapeError(OpError):
+    """An operator got operands whose shapes (or dtypes) do not fit together."""
+
+
+class TraceError(PlaitError):
+    """The traced function or its arguments break a rule of tracing (unhashable static, ...)."""
+
+
+class GraphError(PlaitError):
+    """A graph is malformed: a cycle, a dangling operand, inconsistent types."""
+
+
+class BackendError(PlaitError):
+    """A backend is unknown, unavailable, or failed to run a graph."""

@@ -1,0 +1,178 @@
+"""The immutable primitive graph and the builder that makes one.
+
+NOTE [graph representation]
+A graph is a frozen ``networkx.MultiDiGraph`` whose nodes are integer ids carrying a ``Node``
+payload (attribute ``"node"``). A *data edge* ``u -> v`` has ``kind="data"``, ``operand=i``
+(which operand of ``v``) and ``index=j`` (which output of ``u``); a multigraph because one value
+may feed several operands of one node. A *control edge* has ``kind="control"``: ``u`` must run
+before ``v`` though no data flows. Graph inputs are ``input`` nodes, captured tensors are
+``constant`` nodes, so every operand is an edge. The ``Graph`` wrapper adds what networkx does
+not know: the ordered inputs and outputs, and caches (operands, topological order) that are safe
+because nothing can change after construction.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any, Iterable, Sequence
+
+import networkx as nx
+
+from ..errors import GraphError
+from .types import Node, Provenance, TensorType, Value
+
+DATA, CONTROL = "data", "control"
+
+
+class Graph:
+    """An immutable dataflow graph of primitives with ordered inputs and outputs."""
+
+    __slots__ = ("_g", "_inputs", "_outputs", "__dict__")
+
+    def __init__(self, g: nx.MultiDiGraph, inputs: Sequence[int], outputs: Sequence[Value]):
+        self._g = nx.freeze(g)
+        self._inputs = tuple(inputs)
+        self._outputs = tuple(outputs)
+
+    # -- structure -------------------------------------------------------------------------
+    @property
+    def nx(self) -> nx.MultiDiGraph:
+        """The underlying (frozen) networkx graph."""
+        return self._g
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> tuple[Value, ...]:
+        return self._outputs
+
+    def node(self, n: int) -> Node:
+        return self._g.nodes[n]["node"]
+
+    def type_of(self, value: Value) -> TensorType:
+        return self.node(value.node).out_types[value.index]
+
+    @property
+    def input_types(self) -> tuple[TensorType, ...]:
+        return tuple(self.node(n).out_types[0] for n in self._inputs)
+
+    @property
+    def output_types(self) -> tuple[TensorType, ...]:
+        return tuple(self.type_of(v) for v in self._outputs)
+
+    @functools.cached_property
+    def _operands(self) -> dict[int, tuple[Value, ...]]:
+        slots: dict[int, dict[int, Value]] = {n: {} for n in self._g.nodes}
+        for u, v, data in self._g.edges(data=True):
+            if data["kind"] == DATA:
+                slots[v][data["operand"]] = Value(u, data["index"])
+        return {n: tuple(s[i] for i in range(len(s))) for n, s in slots.items()}
+
+    def operands(self, n: int) -> tuple[Value, ...]:
+        return self._operands[n]
+
+    def control_preds(self, n: int) -> tuple[int, ...]:
+        return tuple(sorted({u for u, _, k in self._g.in_edges(n, data="kind") if k == CONTROL}))
+
+    def control_edges(self) -> list[tuple[int, int]]:
+        return sorted({(u, v) for u, v, k in self._g.edges(data="kind") if k == CONTROL})
+
+    def users(self, n: int) -> tuple[int, ...]:
+        return tuple(sorted({v for _, v, k in self._g.out_edges(n, data="kind") if k == DATA}))
+
+    @functools.cached_property
+    def order(self) -> tuple[int, ...]:
+        """A deterministic topological order (ties broken by creation order)."""
+        return tuple(nx.lexicographical_topological_sort(self._g))
+
+    def __len__(self) -> int:
+        return self._g.number_of_nodes()
+
+    # -- checks, text, hash ----------------------------------------------------------------
+    def validate(self) -> "Graph":
+        """Check acyclicity, operand wiring and types; return self or raise GraphError."""
+        from ..tracer.primitives import get_primitive
+
+        if not nx.is_directed_acyclic_graph(self._g):
+            raise GraphError(f"graph has a cycle: {nx.find_cycle(self._g)}")
+        for n in self._g.nodes:
+            node = self.node(n)
+            prim = get_primitive(node.prim)
+            operands = self.operands(n)
+            for v in operands:
+                if v.index >= len(self.node(v.node).out_types):
+                    raise GraphError(f"node %{n} ({node.prim}) reads output {v.index} of "
+                                     f"%{v.node}, which has {len(self.node(v.node).out_types)}")
+            if prim.infer is not None:
+                expected = prim.infer(*[self.type_of(v) for v in operands], **node.kwargs)
+                if tuple(expected) != node.out_types:
+                    raise GraphError(f"node %{n} ({node.prim}) is typed "
+                                     f"{[str(t) for t in node.out_types]} but its rule gives "
+                                     f"{[str(t) for t in expected]}")
+        for v in self._outputs:
+            if v.node not in self._g or v.index >= len(self.node(v.node).out_types):
+                raise GraphError(f"graph output {v} is not a value of the graph")
+        return self
+
+    def as_text(self, provenance: bool = True) -> str:
+        from .printer import graph_to_text
+
+        return graph_to_text(self, provenance=provenance)
+
+    def __str__(self) -> str:
+        return self.as_text()
+
+    def __repr__(self) -> str:
+        return f"<plait.Graph: {len(self)} nodes, {len(self._inputs)} inputs, " \
+               f"{len(self._outputs)} outputs>"
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Stable across processes: canonical text without provenance, plus constant bytes."""
+        return hashlib.sha256(self.as_text(provenance=False).encode()).hexdigest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Graph) and self.digest == other.digest
+
+
+class GraphBuilder:
+    """Mutable construction side of a Graph; ``build`` freezes it."""
+
+    def __init__(self):
+        self._g = nx.MultiDiGraph()
+        self._next_id = 0
+        self.inputs: list[int] = []
+
+    def add_node(self, prim: str, operands: Sequence[Value], params: dict[str, Any],
+                 out_types: Sequence[TensorType], provenance: Provenance = Provenance(),
+                 after: Iterable[int] = ()) -> list[Value]:
+        n = self._next_id
+        self._next_id += 1
+        self._g.add_node(n, node=Node(prim, Node.make_params(params), tuple(out_types), provenance))
+        for i, v in enumerate(operands):
+            self._g.add_edge(v.node, n, kind=DATA, operand=i, index=v.index)
+        for u in after:
+            self.add_control_edge(u, n)
+        return [Value(n, i) for i in range(len(out_types))]
+
+    def add_input(self, type: TensorType) -> Value:
+        (value,) = self.add_node("input", (), {"index": len(self.inputs)}, (type,))
+        self.inputs.append(value.node)
+        return value
+
+    def add_control_edge(self, before: int, after: int) -> None:
+        self._g.add_edge(before, after, kind=CONTROL)
+
+    def node(self, n: int) -> Node:
+        return self._g.nodes[n]["node"]
+
+    def type_of(self, value: Value) -> TensorType:
+        return self.node(value.node).out_types[value.index]
+
+    def build(self, outputs: Sequence[Value]) -> Graph:
+        return Graph(self._g.copy(), self.inputs, outputs)

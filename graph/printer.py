@@ -1,0 +1,67 @@
+"""Graph -> readable text, in the spirit of a jaxpr.
+
+    graph(%0: f32[4,8], %1: f32[8]) {
+      %2: f32[4,8] = broadcast_in_dim[broadcast_dimensions=(1,), shape=(4, 8)](%1)  # aten.add.Tensor  f.py:3
+      %3: f32[4,8] = add(%0, %2)
+      %4: f32[4,8] = mul(%3, %3) after(%2)
+      return (%3, %4)
+    }
+
+Values are renumbered in topological order, so two graphs that differ only in how their nodes
+were created print (and hash) the same. ``after(...)`` lists control predecessors.
+"""
+from __future__ import annotations
+
+import torch
+
+from .types import Constant, dtype_name
+
+
+def _format_param(value, canonical: bool) -> str:
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, Constant):
+        return f"const<{value.digest}>" if canonical else repr(value)
+    if isinstance(value, tuple):
+        inner = ", ".join(_format_param(v, canonical) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def graph_to_text(graph, provenance: bool = True) -> str:
+    canonical = not provenance
+    names: dict[tuple[int, int], str] = {}
+
+    def name(v) -> str:
+        return names[(v.node, v.index)]
+
+    def define(n: int) -> str:
+        node = graph.node(n)
+        outs = []
+        for i, t in enumerate(node.out_types):
+            names[(n, i)] = f"%{len(names)}"
+            outs.append(f"{names[(n, i)]}: {t}")
+        return ", ".join(outs)
+
+    header = ", ".join(define(n) for n in graph.inputs)
+    lines = [f"graph({header}) {{"]
+    for n in graph.order:
+        node = graph.node(n)
+        if node.prim == "input":
+            continue
+        lhs = define(n)
+        params = ", ".join(f"{k}={_format_param(v, canonical)}" for k, v in node.params)
+        args = ", ".join(name(v) for v in graph.operands(n))
+        line = f"  {lhs} = {node.prim}{f'[{params}]' if params else ''}({args})"
+        preds = graph.control_preds(n)
+        if preds:
+            line += " after(" + ", ".join(names[(p, 0)] for p in preds) + ")"
+        if provenance and (node.provenance.aten or node.provenance.source):
+            where = "  ".join(filter(None, (node.provenance.aten, node.provenance.source)))
+            line += f"  # {where}"
+        lines.append(line)
+    lines.append("  return (" + ", ".join(name(v) for v in graph.outputs) + ")")
+    lines.append("}")
+    return "\n".join(lines)

@@ -1,0 +1,629 @@
+"""ATen and prims ops -> plait primitives.
+
+Handlers receive the op's arguments (tracers, real tensors, Python values) and emit
+primitives with ``bind``. A handler may also call torch functions on tracers: those re-enter
+the dispatcher and are traced like any other op, which keeps the composite handlers (advanced
+indexing, scatter of a mask) short. Promotion and broadcasting of elementwise ops come from
+``torch._refs`` (reached through the decomposition table), which mirror eager exactly; the
+``prims`` handlers below then only need to line up Python scalars and 0-dim tensors.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..errors import ShapeError, UnsupportedOpError
+from ..graph import TensorType
+from .primitives import BINARY, COMPARISONS, UNARY, UNARY_PREDICATES
+from .trace import TracerTensor, _NeedsFallback, bind, current_trace
+
+aten, prims = torch.ops.aten, torch.ops.prims
+HANDLERS: dict = {}
+
+
+def handles(*ops):
+    def register(fn):
+        for op in ops:
+            if op is not None:  # ops missing from this torch version
+                HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+def _prim(name: str):
+    packet = getattr(prims, name, None)
+    return getattr(packet, "default", None)
+
+
+def type_of(x) -> TensorType:
+    return current_trace().type_of(x)
+
+
+def alias(x, is_view: bool = True) -> TracerTensor:
+    """A new tracer for the same value (never hand back the argument object itself: a later
+    write to one must not rebind the other)."""
+    trace = current_trace()
+    return TracerTensor(trace, trace.value_of(x), is_view)
+
+
+def view(x) -> TracerTensor:
+    x._is_view = True
+    return x
+
+
+def full(shape, value, dtype, device):
+    return bind("full", shape=tuple(shape), value=value, dtype=dtype, device=str(device))
+
+
+def broadcast_to(x, shape):
+    t = type_of(x)
+    shape = tuple(shape)
+    if t.shape == shape:
+        return x
+    lead = len(shape) - t.ndim
+    if lead < 0:
+        raise ShapeError(f"cannot broadcast {t} to {list(shape)}")
+    return bind("broadcast_in_dim", x, shape=shape, broadcast_dimensions=tuple(
+        range(lead, len(shape))))
+
+
+def convert(x, dtype):
+    return x if type_of(x).dtype == dtype else bind("convert", x, dtype=dtype)
+
+
+def reshape(x, shape):
+    return x if type_of(x).shape == tuple(shape) else bind("reshape", x, shape=tuple(shape))
+
+
+# ---------------------------------------------------------------------------------------
+# prims (the targets of torch._refs)
+# ---------------------------------------------------------------------------------------
+def _line_up(args):
+    """Scalars and 0-dim tensors among a prim's operands -> the shape/dtype of the others."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    ref = max(tensors, key=lambda t: type_of(t).ndim)
+    t = type_of(ref)
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(broadcast_to(convert(a, t.dtype), t.shape))
+        else:
+            out.append(full(t.shape, a, t.dtype, t.device))
+    return out
+
+
+def _elementwise(name):
+    return lambda *args: bind(name, *_line_up(args))
+
+
+for _name in UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS):
+    HANDLERS[_prim(_name)] = _elementwise(_name)
+
+
+@handles(_prim("where"))
+def _prims_where(pred, a, b):
+    tensors = [x for x in (pred, a, b) if isinstance(x, torch.Tensor)]
+    shape = max((type_of(x).shape for x in tensors), key=len)
+    dtype = next((type_of(x).dtype for x in (a, b) if isinstance(x, torch.Tensor)
+                  and type_of(x).ndim == len(shape)), None)
+    dtype = dtype or next(type_of(x).dtype for x in (a, b) if isinstance(x, torch.Tensor))
+    device = type_of(tensors[0]).device
+    pred = broadcast_to(pred, shape) if isinstance(pred, torch.Tensor) else full(
+        shape, bool(pred), torch.bool, device)
+    a, b = [broadcast_to(convert(x, dtype), shape) if isinstance(x, torch.Tensor)
+            else full(shape, x, dtype, device) for x in (a, b)]
+    return bind("where", pred, a, b)
+
+
+@handles(_prim("convert_element_type"))
+def _prims_convert(a, dtype):
+    return convert(a, dtype) if type_of(a).dtype != dtype else alias(a, False)
+
+
+@handles(_prim("broadcast_in_dim"))
+def _prims_broadcast(a, shape, broadcast_dimensions):
+    return view(bind("broadcast_in_dim", a, shape=tuple(shape),
+                     broadcast_dimensions=tuple(broadcast_dimensions)))
+
+
+@handles(_prim("reshape"))
+def _prims_reshape(a, shape):
+    return view(bind("reshape", a, shape=tuple(shape)))
+
+
+@handles(_prim("transpose"))
+def _prims_transpose(a, permutation):
+    return view(bind("transpose", a, permutation=tuple(permutation)))
+
+
+@handles(_prim("squeeze"))
+def _prims_squeeze(a, dimensions):
+    shape = [n for i, n in enumerate(type_of(a).shape) if i not in dimensions]
+    return view(bind("reshape", a, shape=tuple(shape)))
+
+
+@handles(_prim("split_dim"))
+def _prims_split_dim(a, dim, outer_length):
+    shape = list(type_of(a).shape)
+    shape[dim:dim + 1] = [outer_length, shape[dim] // outer_length]
+    return view(bind("reshape", a, shape=tuple(shape)))
+
+
+@handles(_prim("collapse_view"), _prim("collapse"))
+def _prims_collapse(a, start, end):
+    shape = list(type_of(a).shape)
+    shape[start:end] = [math.prod(shape[start:end])]
+    return view(bind("reshape", a, shape=tuple(shape)))
+
+
+@handles(_prim("view_of"))
+def _prims_view_of(a):
+    return alias(a)
+
+
+@handles(_prim("clone"), _prim("copy_strided"))
+def _prims_clone(a, *args, **kwargs):
+    return alias(a, False)
+
+
+@handles(_prim("slice"))
+def _prims_slice(a, start_indices, limit_indices, strides=None):
+    return view(bind("slice", a, start=tuple(start_indices), limit=tuple(limit_indices),
+                     step=tuple(strides or [1] * len(start_indices))))
+
+
+@handles(_prim("rev"))
+def _prims_rev(a, dims):
+    return bind("rev", a, dims=tuple(dims))
+
+
+@handles(_prim("cat"))
+def _prims_cat(tensors, dim):
+    return bind("concatenate", *tensors, dim=dim)
+
+
+@handles(_prim("iota"))
+def _prims_iota(length, *, start, step, dtype, device, requires_grad=False):
+    return bind("iota", length=length, start=start, step=step, dtype=dtype, device=str(device))
+
+
+@handles(_prim("full"))
+def _prims_full(shape, fill_value, *, dtype, device, requires_grad=False):
+    return full(shape, fill_value, dtype, device)
+
+
+@handles(_prim("full_like"))
+def _prims_full_like(a, fill_value, *, dtype, device, requires_grad=False):
+    return full(type_of(a).shape, fill_value, dtype, device)
+
+
+@handles(_prim("scalar_tensor"))
+def _prims_scalar_tensor(s, *, dtype=None, device=None):
+    return full((), s, dtype or torch.get_default_dtype(), device or "cpu")
+
+
+# Uninitialized memory: any value is correct; zeros keep runs reproducible.
+@handles(_prim("empty_strided"), _prim("empty_permuted"))
+def _prims_empty_strided(shape, _layout, *, dtype, device, requires_grad=False):
+    return full(shape, 0, dtype, device)
+
+
+@handles(_prim("empty"))
+def _prims_empty(shape, *, dtype, device, requires_grad=False):
+    return full(shape, 0, dtype, device)
+
+
+@handles(_prim("fill"))
+def _prims_fill(a, value):
+    t = type_of(a)
+    return full(t.shape, value, t.dtype, t.device)
+
+
+def _prims_reduction(name):
+    def handler(inp, dims, *, output_dtype=None):
+        out = bind(name, inp, dims=tuple(dims))
+        return convert(out, output_dtype) if output_dtype is not None else out
+
+    return handler
+
+
+for _name in ("sum", "prod", "amax", "amin"):
+    HANDLERS[_prim(_name)] = _prims_reduction(_name)
+
+
+@handles(_prim("var"))
+def _prims_var(inp, dims, correction, *, output_dtype=None):
+    t = type_of(inp)
+    dims = tuple(d % max(t.ndim, 1) for d in dims) if dims is not None else tuple(range(t.ndim))
+    n = math.prod(t.shape[d] for d in dims)
+    kept = tuple(i for i in range(t.ndim) if i not in dims)
+    mean = bind("div", bind("sum", inp, dims=dims), full(
+        [t.shape[i] for i in kept], n, t.dtype, t.device))
+    centered = bind("sub", inp, bind("broadcast_in_dim", mean, shape=t.shape,
+                                     broadcast_dimensions=kept))
+    squares = bind("sum", bind("mul", centered, centered), dims=dims)
+    out = bind("div", squares, full(type_of(squares).shape, max(0, n - correction), t.dtype,
+                                    t.device))
+    return convert(out, output_dtype) if output_dtype is not None else out
+
+
+@handles(_prim("copy_to"))
+def _prims_copy_to(a, b):
+    return current_trace().rebind(a, broadcast_to(convert(b, type_of(a).dtype),
+                                                  type_of(a).shape))
+
+
+@handles(_prim("device_put"))
+def _prims_device_put(a, device, non_blocking=False):
+    if torch.device(type_of(a).device) != torch.device(device):
+        raise _NeedsFallback("device transfer")
+    return alias(a, False)
+
+
+@handles(_prim("conj"), _prim("conj_physical"), _prim("real"))
+def _prims_real_identity(a):
+    return alias(a, False)
+
+
+@handles(_prim("as_strided"), _prim("as_strided_scatter"), _prim("view_of_dtype"),
+         _prim("resize"), _prim("xor_sum"))
+def _prims_no_equivalent(*args, **kwargs):
+    raise _NeedsFallback("prim without a plait equivalent")
+
+
+# ---------------------------------------------------------------------------------------
+# ATen ops handled directly: views, contractions, indexing, scans, sorting
+# ---------------------------------------------------------------------------------------
+@handles(aten.detach.default, aten.alias.default, aten.lift_fresh.default,
+         aten.lift_fresh_copy.default, aten.clone.default, aten.contiguous.default,
+         aten.positive.default, aten.resolve_conj.default, aten.resolve_neg.default)
+def _identity(x, *args, **kwargs):
+    return alias(x, False)
+
+
+@handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(x, shape):
+    t = type_of(x)
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(n for n in shape if n != -1)
+        shape[shape.index(-1)] = t.numel // known if known else 0
+    if math.prod(shape) != t.numel:
+        raise ShapeError(f"shape {list(shape)} is invalid for input of size {t.numel} ({t})")
+    return view(bind("reshape", x, shape=tuple(shape)))
+
+
+@handles(aten.permute.default)
+def _permute(x, dims):
+    ndim = type_of(x).ndim
+    return view(bind("transpose", x, permutation=tuple(d % max(ndim, 1) for d in dims)))
+
+
+@handles(aten.t.default, aten.transpose.int)
+def _transpose(x, dim0=0, dim1=1):
+    ndim = type_of(x).ndim
+    if ndim < 2:
+        return alias(x)
+    perm = list(range(ndim))
+    dim0, dim1 = dim0 % ndim, dim1 % ndim
+    perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
+    return view(bind("transpose", x, permutation=tuple(perm)))
+
+
+@handles(aten.expand.default)
+def _expand(x, size, *, implicit=False):
+    t = type_of(x)
+    lead = len(size) - t.ndim
+    shape = [t.shape[i - lead] if n == -1 else n for i, n in enumerate(size)]
+    return view(broadcast_to(x, shape)) if tuple(shape) != t.shape else alias(x)
+
+
+@handles(aten.unsqueeze.default)
+def _unsqueeze(x, dim):
+    shape = list(type_of(x).shape)
+    shape.insert(dim % (len(shape) + 1), 1)
+    return view(bind("reshape", x, shape=tuple(shape)))
+
+
+@handles(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(x, dim=None):
+    t = type_of(x)
+    dims = range(t.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
+    dims = {d % max(t.ndim, 1) for d in dims}
+    shape = [n for i, n in enumerate(t.shape) if not (i in dims and n == 1)]
+    return view(bind("reshape", x, shape=tuple(shape)))
+
+
+@handles(aten.select.int)
+def _select(x, dim, index):
+    t = type_of(x)
+    dim = dim % t.ndim
+    if not -t.shape[dim] <= index < t.shape[dim]:
+        raise IndexError(f"index {index} is out of bounds for dimension {dim} with size "
+                         f"{t.shape[dim]}")
+    index %= t.shape[dim]
+    start = [0] * t.ndim
+    limit = list(t.shape)
+    start[dim], limit[dim] = index, index + 1
+    sliced = bind("slice", x, start=tuple(start), limit=tuple(limit), step=(1,) * t.ndim)
+    return view(bind("reshape", sliced, shape=t.shape[:dim] + t.shape[dim + 1:]))
+
+
+@handles(aten.slice.Tensor)
+def _slice(x, dim=0, start=None, end=None, step=1):
+    t = type_of(x)
+    dim = dim % t.ndim
+    n = t.shape[dim]
+    start, end, _ = slice(start, end).indices(n) if step > 0 else (0, 0, 1)
+    if step <= 0:
+        raise ShapeError("slice step must be positive")
+    starts, limits = [0] * t.ndim, list(t.shape)
+    starts[dim], limits[dim] = start, max(start, end)
+    return view(bind("slice", x, start=tuple(starts), limit=tuple(limits),
+                     step=tuple(step if i == dim else 1 for i in range(t.ndim))))
+
+
+def _matmul_dtypes(op, a, b):
+    ta, tb = type_of(a), type_of(b)
+    if ta.dtype != tb.dtype:
+        raise ShapeError(f"{op}: expected both operands to have one dtype, got {ta} and {tb}")
+
+
+@handles(aten.mm.default)
+def _mm(a, b):
+    _matmul_dtypes("mm", a, b)
+    return bind("dot_general", a, b, contracting=((1,), (0,)), batch=((), ()))
+
+
+@handles(aten.bmm.default)
+def _bmm(a, b):
+    _matmul_dtypes("bmm", a, b)
+    return bind("dot_general", a, b, contracting=((2,), (1,)), batch=((0,), (0,)))
+
+
+@handles(aten.mv.default)
+def _mv(a, b):
+    _matmul_dtypes("mv", a, b)
+    return bind("dot_general", a, b, contracting=((1,), (0,)), batch=((), ()))
+
+
+@handles(aten.dot.default, aten.vdot.default)
+def _dot(a, b):
+    _matmul_dtypes("dot", a, b)
+    return bind("dot_general", a, b, contracting=((0,), (0,)), batch=((), ()))
+
+
+def _arg_reduction(name):
+    def handler(x, dim=None, keepdim=False):
+        t = type_of(x)
+        if dim is None:
+            flat = reshape(x, (t.numel,))
+            out = bind(name, flat, dims=(0,)) if t.ndim else full((), 0, torch.int64, t.device)
+            return reshape(out, (1,) * t.ndim) if keepdim else out
+        if t.ndim == 0:
+            return full((), 0, torch.int64, t.device)
+        dim = dim % t.ndim
+        out = bind(name, x, dims=(dim,))
+        return reshape(out, t.shape[:dim] + (1,) + t.shape[dim + 1:]) if keepdim else out
+
+    return handler
+
+
+HANDLERS[aten.argmax.default] = _arg_reduction("argmax")
+HANDLERS[aten.argmin.default] = _arg_reduction("argmin")
+
+
+def _value_and_index(reduction, arg):
+    def handler(x, dim, keepdim=False):
+        t = type_of(x)
+        if t.ndim == 0:
+            return alias(x, False), full((), 0, torch.int64, t.device)
+        dim = dim % t.ndim
+        values, indices = bind(reduction, x, dims=(dim,)), bind(arg, x, dims=(dim,))
+        if keepdim:
+            kept = t.shape[:dim] + (1,) + t.shape[dim + 1:]
+            values, indices = reshape(values, kept), reshape(indices, kept)
+        return values, indices
+
+    return handler
+
+
+HANDLERS[aten.max.dim] = _value_and_index("amax", "argmax")
+HANDLERS[aten.min.dim] = _value_and_index("amin", "argmin")
+
+
+def _scan(name):
+    def handler(x, dim, dtype=None):
+        t = type_of(x)
+        if dtype is None and name in ("cumsum", "cumprod") and not (
+                t.dtype.is_floating_point or t.dtype.is_complex):
+            dtype = torch.int64
+        x = convert(x, dtype) if dtype is not None else x
+        return bind(name, x, dim=dim % max(t.ndim, 1))
+
+    return handler
+
+
+for _name in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"):
+    HANDLERS[getattr(aten, _name).default] = _scan(_name)
+
+
+@handles(aten.gather.default)
+def _gather(x, dim, index, *, sparse_grad=False):
+    return bind("gather", x, index, dim=dim % max(type_of(x).ndim, 1))
+
+
+def _scatter(x, dim, index, src, reduce=None, include_self=True):
+    t = type_of(x)
+    if not isinstance(src, torch.Tensor):
+        src = full(type_of(index).shape, src, t.dtype, t.device)
+    return bind("scatter", x, index, src, dim=dim % max(t.ndim, 1), reduce=reduce,
+                include_self=include_self)
+
+
+_LEGACY_REDUCE = {"add": "sum", "multiply": "prod"}
+HANDLERS[aten.scatter.src] = HANDLERS[aten.scatter.value] = \
+    lambda x, dim, index, src: _scatter(x, dim, index, src)
+HANDLERS[aten.scatter.reduce] = HANDLERS[aten.scatter.value_reduce] = \
+    lambda x, dim, index, src, *, reduce: _scatter(x, dim, index, src, _LEGACY_REDUCE[reduce])
+HANDLERS[aten.scatter_add.default] = lambda x, dim, index, src: _scatter(x, dim, index, src,
+                                                                          "sum")
+HANDLERS[aten.scatter_reduce.two] = \
+    lambda x, dim, index, src, reduce, *, include_self=True: _scatter(x, dim, index, src,
+                                                                     reduce, include_self)
+
+
+@handles(aten.index_select.default)
+def _index_select(x, dim, index):
+    t = type_of(x)
+    if t.ndim == 0:
+        return _gather(x, 0, reshape(index, ()))
+    dim = dim % t.ndim
+    index = reshape(index, (type_of(index).numel,))
+    shape = list(t.shape)
+    shape[dim] = type_of(index).shape[0]
+    expanded = bind("broadcast_in_dim", index, shape=tuple(shape), broadcast_dimensions=(dim,))
+    return bind("gather", x, expanded, dim=dim)
+
+
+def _flatten_indexed(x, indices):
+    """Shared part of x[indices] and x[indices] = v: move the indexed dims to the front,
+    flatten them to one, and compute the linear index of every selected position."""
+    t = type_of(x)
+    indices = list(indices) + [None] * (t.ndim - len(indices))
+    for i in indices:
+        if i is not None and type_of(i).dtype in (torch.bool, torch.uint8):
+            raise _MaskIndex()
+    positions = [d for d, i in enumerate(indices) if i is not None]
+    rest = [d for d in range(t.ndim) if d not in positions]
+    bshape = tuple(torch.broadcast_shapes(*[type_of(indices[d]).shape for d in positions]))
+    linear = None
+    for d in positions:
+        n = t.shape[d]
+        i = indices[d].expand(bshape)
+        i = torch.where(i < 0, i + n, i)
+        linear = i if linear is None else linear * n + i
+    sizes = [t.shape[d] for d in rest]
+    flat = x.permute(positions + rest).reshape([math.prod(t.shape[d] for d in positions)] + sizes)
+    count = math.prod(bshape)
+    index = linear.reshape([count] + [1] * len(rest)).expand([count] + sizes)
+    adjacent = positions == list(range(positions[0], positions[-1] + 1)) and positions[0] > 0
+    return positions, rest, bshape, flat, index, adjacent
+
+
+class _MaskIndex(Exception):
+    pass
+
+
+def _place(out, nb, before, nrest):
+    """Advanced indexing puts the index dims where adjacent index positions were."""
+    perm = list(range(nb, nb + before)) + list(range(nb)) + list(range(nb + before, nb + nrest))
+    return out.permute(perm)
+
+
+@handles(aten.index.Tensor)
+def _index(x, indices):
+    try:
+        positions, rest, bshape, flat, index, adjacent = _flatten_indexed(x, indices)
+    except _MaskIndex:
+        raise UnsupportedOpError(
+            "indexing with a boolean mask has a data-dependent shape; use torch.where(mask, "
+            "x, other) or run it outside plait.jit") from None
+    t = type_of(x)
+    out = torch.gather(flat, 0, index).reshape(list(bshape) + [t.shape[d] for d in rest])
+    return _place(out, len(bshape), positions[0], len(rest)) if adjacent else out
+
+
+@handles(aten.index_put.default)
+def _index_put(x, indices, values, accumulate=False):
+    t = type_of(x)
+    try:
+        positions, rest, bshape, flat, index, adjacent = _flatten_indexed(x, indices)
+    except _MaskIndex:
+        return _mask_put(x, indices, values, accumulate)
+    nb, sizes = len(bshape), [t.shape[d] for d in rest]
+    target = list(bshape) + sizes
+    if adjacent:
+        before = positions[0]
+        target = sizes[:before] + list(bshape) + sizes[before:]
+        values = values.expand(target).permute(
+            list(range(before, before + nb)) + list(range(before)) +
+            list(range(before + nb, nb + len(sizes))))
+    values = values.expand(list(bshape) + sizes).reshape(list(type_of(index).shape))
+    values = values.to(t.dtype) if type_of(values).dtype != t.dtype else values
+    out = torch.scatter_add(flat, 0, index, values) if accumulate else torch.scatter(
+        flat, 0, index, values)
+    out = out.reshape([t.shape[d] for d in positions] + sizes)
+    inverse = [0] * t.ndim
+    for i, d in enumerate(positions + rest):
+        inverse[d] = i
+    return out.permute(inverse)
+
+
+def _mask_put(x, indices, values, accumulate):
+    """x[mask] = v with a scalar v is a select, and has a static shape."""
+    (mask, *more) = indices
+    if more or type_of(values).numel != 1 or type_of(mask).dtype not in (torch.bool,):
+        raise UnsupportedOpError(
+            "x[mask] = values with a boolean mask and more than one value has a "
+            "data-dependent shape; use torch.where(mask, value, x)")
+    t = type_of(x)
+    mask = mask.reshape(type_of(mask).shape + (1,) * (t.ndim - type_of(mask).ndim)).expand(t.shape)
+    values = values.reshape(()).to(t.dtype)
+    return torch.where(mask, x + values if accumulate else values, x)
+
+
+@handles(aten.sort.default)
+def _sort(x, dim=-1, descending=False):
+    return bind("sort", x, dim=dim % max(type_of(x).ndim, 1), descending=descending,
+                stable=False)
+
+
+@handles(aten.sort.stable)
+def _sort_stable(x, *, stable=None, dim=-1, descending=False):
+    return bind("sort", x, dim=dim % max(type_of(x).ndim, 1), descending=descending,
+                stable=bool(stable))
+
+
+@handles(aten.topk.default)
+def _topk(x, k, dim=-1, largest=True, sorted=True):
+    return bind("topk", x, k=k, dim=dim % max(type_of(x).ndim, 1), largest=largest,
+                sorted=sorted)
+
+
+@handles(aten.constant_pad_nd.default)
+def _constant_pad(x, pad, value=0):
+    t = type_of(x)
+    low, high = [0] * t.ndim, [0] * t.ndim
+    for i in range(len(pad) // 2):
+        low[t.ndim - 1 - i], high[t.ndim - 1 - i] = pad[2 * i], pad[2 * i + 1]
+    if min(low + high, default=0) < 0:
+        start = [max(0, -lo) for lo in low]
+        limit = [n - max(0, -hi) for n, hi in zip(t.shape, high)]
+        if any(s > l for s, l in zip(start, limit)):
+            raise ShapeError(f"constant_pad_nd: padding {list(pad)} leaves a negative size for {t}")
+        x = bind("slice", x, start=tuple(start), limit=tuple(limit), step=(1,) * t.ndim)
+        low, high = [max(0, v) for v in low], [max(0, v) for v in high]
+    if t.dtype == torch.bool:
+        value = bool(value)
+    elif not t.dtype.is_floating_point:
+        value = int(value)
+    return bind("pad", x, low=tuple(low), high=tuple(high), value=value)
+
+
+@handles(aten.copy.default)
+def _copy(dst, src, non_blocking=False):
+    t = type_of(dst)
+    return broadcast_to(convert(src, t.dtype), t.shape) if isinstance(src, torch.Tensor) else \
+        full(t.shape, src, t.dtype, t.device)
+
+
+@handles(aten.copy_.default)
+def _copy_(dst, src, non_blocking=False):
+    trace = current_trace()
+    value = _copy(dst, src)
+    return trace.rebind(dst, value if isinstance(value, TracerTensor) else
+                        TracerTensor(trace, trace.value_of(value)))

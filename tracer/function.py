@@ -1,0 +1,75 @@
+"""Trace a whole Python function: pytree arguments in, a graph plus output structure out."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from ..errors import TraceError
+from ..graph import Graph, TensorType
+from . import aten as _aten  # noqa: F401  (registers the handlers)
+from .trace import Trace, TracerTensor, check_dtype, tracing
+
+
+@attrs.frozen
+class Static:
+    """An argument that is part of the compilation key rather than a traced input."""
+
+    value: Any
+
+
+@attrs.frozen
+class TracedFunction:
+    """A traced function: its graph, and how graph values map back to Python values.
+
+    Graph outputs are the tensor leaves of the result, in ``out_tree`` order, followed by the
+    new values of the inputs the function mutated (``mutated_inputs`` indexes tensor inputs).
+    ``out_leaves`` holds each result leaf: an int (position among graph outputs) for a tensor
+    leaf, or ``Static(value)`` for a non-tensor leaf returned as is.
+    """
+
+    graph: Graph
+    out_tree: pytree.TreeSpec
+    out_leaves: tuple
+    mutated_inputs: tuple[int, ...]
+
+
+def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec) -> TracedFunction:
+    """Trace ``fn(*args, **kwargs)`` where ``(args, kwargs) = unflatten(leaves, in_tree)``.
+
+    Tensor leaves become graph inputs (in order); ``Static`` leaves are passed unwrapped.
+    """
+    trace = Trace()
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    with tracing(trace):
+        inputs = []
+        for i in tensor_pos:
+            check_dtype(leaves[i], "a function argument")
+            inputs.append(trace.new_input(TensorType.of(leaves[i])))
+        originals = [t._value for t in inputs]
+
+        def flat_fn(*tracers):
+            filled = list(leaves)
+            for i, t in zip(tensor_pos, tracers):
+                filled[i] = t
+            filled = [x.value if isinstance(x, Static) else x for x in filled]
+            args, kwargs = pytree.tree_unflatten(filled, in_tree)
+            return fn(*args, **kwargs)
+
+        out = torch.func.functionalize(flat_fn, remove="mutations")(*inputs)
+        out_flat, out_tree = pytree.tree_flatten(out)
+        outputs, out_leaves = [], []
+        for leaf in out_flat:
+            if isinstance(leaf, torch.Tensor):
+                out_leaves.append(len(outputs))
+                outputs.append(trace.value_of(leaf))
+            else:
+                out_leaves.append(Static(leaf))
+        mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]
+        outputs += [inputs[i]._value for i in mutated]
+    graph = trace.builder.build(outputs)
+    return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated))
+
+

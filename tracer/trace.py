@@ -1,0 +1,344 @@
+"""Tracing: run a Python function on tracer tensors and record a primitive graph.
+
+NOTE [how an op is traced]
+The user's function runs under ``torch.func.functionalize`` on ``TracerTensor`` inputs.
+Functionalization turns in-place ops, ``out=`` and writes through views into functional ops
+(and, at the end, a ``copy_`` into every mutated input, which becomes a write-back output).
+Every ATen op then reaches ``TracerTensor.__torch_dispatch__`` and ``Trace.dispatch``, which
+tries, in order:
+  1. a plait handler (``tracer/aten.py``) that emits primitives directly;
+  2. PyTorch's decomposition table (``torch._refs`` and ``torch._decomp``): the decomposition
+     runs on tracers, so its ops come back here, and ``torch.ops.prims`` ops map 1:1 to plait
+     primitives;
+  3. an opaque node that calls the ATen op at run time, typed by the op's meta kernel.
+Only the outermost op of a user call records provenance and wraps errors; the ops a
+decomposition issues inherit that provenance.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..config import config
+from ..errors import (ConcretizationError, OpError, PlaitError, TraceError,
+                      UnsupportedDtypeError, UnsupportedOpError)
+from ..graph import Constant, Graph, GraphBuilder, Provenance, TensorType, Value
+from .primitives import OperandSlot, get_primitive
+
+aten = torch.ops.aten
+
+_TRACES: list["Trace"] = []
+_SKIP_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+              os.path.dirname(torch.__file__), os.path.dirname(contextlib.__file__))
+
+
+class TracerTensor(torch.Tensor):
+    """A tensor that records the ops applied to it instead of computing them.
+
+    It reports its shape, dtype and device like a real tensor (always dense and contiguous)
+    but owns no storage; ``_value`` names the graph value it stands for.
+    """
+
+    _trace: "Trace"
+    _value: Value
+    _is_view: bool
+
+    @staticmethod
+    def __new__(cls, trace: "Trace", value: Value, is_view: bool = False):
+        t = trace.builder.type_of(value)
+        self = torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype,
+                                                   device=torch.device(t.device),
+                                                   requires_grad=False)
+        self._trace, self._value, self._is_view = trace, value, is_view
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return current_trace(func).dispatch(func, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        return f"TracerTensor({self._trace.builder.type_of(self._value)})"
+
+    # Python's own protocols reach ATen as ops with no tensor result; say what went wrong.
+    def __bool__(self):
+        raise _concretization("bool()")
+
+    def __index__(self):
+        raise _concretization("use as an index")
+
+
+def _concretization(what: str) -> ConcretizationError:
+    return ConcretizationError(
+        f"{what} needs the concrete value of a traced tensor, but under plait.jit a tensor's "
+        "value is only known when the compiled function runs. Express the choice with "
+        "torch.where (or plait.cond once available), or pass the value as a static argument "
+        "(static_argnums) so each value compiles its own version.")
+
+
+def current_trace(func=None) -> "Trace":
+    if not _TRACES:
+        raise TraceError(f"a traced tensor was used outside of its trace (op {func}); a tracer "
+                         "escaped the traced function, e.g. stored in a global. Return it "
+                         "instead.")
+    return _TRACES[-1]
+
+
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default: ".item() / float() / int()",
+    aten.is_nonzero.default: "bool() / a Python branch",
+    aten.item.default: ".item()",
+}
+_DYNAMIC_SHAPE = ("nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+                  "unique_consecutive", "repeat_interleave", "bincount", "histc",
+                  "masked_scatter", "argwhere", "nonzero_static")
+
+
+class _NeedsFallback(Exception):
+    """Raised inside a decomposition that plait cannot follow: use an opaque node instead."""
+
+
+class Trace:
+    """One tracing session: a graph builder plus the bookkeeping of the tracers in it."""
+
+    def __init__(self):
+        self.builder = GraphBuilder()
+        self._constants: dict[int, tuple[torch.Tensor, Value]] = {}
+        self._provenance = Provenance()
+        self._depth = 0
+
+    # -- values ----------------------------------------------------------------------------
+    def new_input(self, type: TensorType) -> TracerTensor:
+        return TracerTensor(self, self.builder.add_input(type))
+
+    def value_of(self, x: Any) -> Value:
+        if isinstance(x, TracerTensor):
+            if x._trace is not self:
+                raise TraceError("a tracer from another trace reached this one; nested "
+                                 "transforms that capture outer tracers come with plait's "
+                                 "transforms")
+            return x._value
+        if isinstance(x, torch.Tensor):
+            return self.constant(x)
+        raise TraceError(f"expected a tensor operand, got {type(x).__name__}")
+
+    def constant(self, tensor: torch.Tensor) -> Value:
+        check_dtype(tensor, "a captured tensor")
+        hit = self._constants.get(id(tensor))
+        if hit is None or hit[0] is not tensor:
+            (value,) = self.builder.add_node("constant", (), {"value": Constant(tensor)},
+                                             (TensorType.of(tensor),), self._provenance)
+            hit = self._constants[id(tensor)] = (tensor, value)
+        return hit[1]
+
+    def type_of(self, x: Any) -> TensorType:
+        return self.builder.type_of(self.value_of(x))
+
+    def bind(self, prim_name: str, *operands: Any, **params: Any):
+        """Add one primitive node; return its result tracer(s)."""
+        prim = get_primitive(prim_name)
+        values = [self.value_of(x) for x in operands]
+        out_types = prim.infer(*[self.builder.type_of(v) for v in values], **params)
+        outs = self.builder.add_node(prim_name, values, params, out_types, self._provenance)
+        tracers = tuple(TracerTensor(self, v) for v in outs)
+        return tracers if prim.multiple_results else tracers[0]
+
+    # -- dispatch --------------------------------------------------------------------------
+    def dispatch(self, func, args: tuple, kwargs: dict):
+        outermost = self._depth == 0
+        if outermost:
+            self._provenance = Provenance(str(func), _user_source() if config.provenance
+                                          else None)
+        self._depth += 1
+        try:
+            return self._dispatch(func, args, kwargs)
+        except PlaitError:
+            raise
+        except _NeedsFallback:
+            if outermost:
+                raise UnsupportedOpError(f"{func}: plait cannot trace this use of the op; "
+                                         f"operands: {_describe(args, kwargs)}") from None
+            raise
+        except Exception as e:
+            if not outermost:
+                raise
+            raise OpError(f"{func} failed while tracing: {e} (operands: "
+                          f"{_describe(args, kwargs)}). If eager PyTorch accepts these "
+                          "arguments, this is a plait bug; please report it.") from e
+        finally:
+            self._depth -= 1
+            if outermost:
+                self._provenance = Provenance()
+
+    def _dispatch(self, func, args, kwargs):
+        from .aten import HANDLERS
+
+        if func in _DATA_DEPENDENT:
+            raise _concretization(_DATA_DEPENDENT[func])
+        name = func.overloadpacket.__name__
+        if name in _DYNAMIC_SHAPE:
+            raise UnsupportedOpError(
+                f"{func}: its output shape depends on the values of its input, which plait "
+                "cannot know while tracing. Use a fixed-size formulation (e.g. torch.where "
+                "with a mask) or run this part outside plait.jit.")
+        for x in pytree.tree_leaves((args, kwargs)):
+            if isinstance(x, torch.Tensor) and not isinstance(x, TracerTensor):
+                check_dtype(x, str(func))
+        handler = HANDLERS.get(func) or HANDLERS.get(func.overloadpacket)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if func._schema.is_mutable:
+            return self._functionalize(func, args, kwargs)
+        decomposition = _decomposition(func)
+        if decomposition is not None:
+            try:
+                out = decomposition(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            except (_NeedsFallback, ConcretizationError, NotImplementedError):
+                pass
+        return self.opaque(func, args, kwargs)
+
+    def _functionalize(self, func, args, kwargs):
+        """An in-place op issued by a decomposition: compute out of place, then rebind."""
+        name = func.overloadpacket.__name__
+        functional = getattr(aten, name[:-1], None) if name.endswith("_") else None
+        overload = getattr(functional, func._overloadname, None) if functional else None
+        if overload is None:
+            raise _NeedsFallback(func)
+        return aten.copy_.default(args[0], overload(*args, **kwargs))
+
+    def rebind(self, dst: Any, src: TracerTensor) -> Any:
+        """Make tracer ``dst`` stand for ``src``'s value (the functional form of a write)."""
+        if not isinstance(dst, TracerTensor):
+            raise TraceError("the traced function writes into a tensor it did not receive as "
+                             "an argument (a closure or module buffer); plait treats captured "
+                             "tensors as constants. Pass the tensor as an argument instead.")
+        if dst._is_view:
+            raise _NeedsFallback("write through a view inside a decomposition")
+        dst._value = src._value
+        return dst
+
+    def opaque(self, func, args, kwargs):
+        """A node that calls ``func`` at run time; its types come from the meta kernel."""
+        if not config.allow_opaque:
+            raise UnsupportedOpError(f"{func} has no plait decomposition and opaque ops are "
+                                     "disabled (config.allow_opaque=False)")
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        device = next((self.type_of(t).device for t in tensors), None) or str(
+            kwargs.get("device") or "cpu")
+        slots = iter(range(len(tensors)))
+        template = pytree.tree_unflatten(
+            [OperandSlot(next(slots)) if isinstance(x, torch.Tensor) else x for x in flat], spec)
+        try:
+            meta_args, meta_kwargs = pytree.tree_map(
+                lambda x: _meta(self.type_of(x)) if isinstance(x, torch.Tensor) else
+                (torch.device("meta") if isinstance(x, torch.device) else x), (args, kwargs))
+            if "device" in meta_kwargs:
+                meta_kwargs["device"] = torch.device("meta")
+            out = func(*meta_args, **meta_kwargs)
+        except Exception as e:
+            raise UnsupportedOpError(f"{func}: plait has no decomposition for it and cannot "
+                                     f"infer its output from its meta kernel ({e})") from None
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise UnsupportedOpError(f"{func} returns non-tensor values; plait cannot trace it")
+        out_types = tuple(TensorType(o.shape, o.dtype, device) for o in outs)
+        for t in out_types:
+            check_dtype(t, str(func))
+        targs, tkwargs = template
+        frozen = (tuple(_hashable(a) for a in targs),
+                  tuple(sorted((k, _hashable(v)) for k, v in tkwargs.items())))
+        values = [self.value_of(t) for t in tensors]
+        nodes = self.builder.add_node("opaque", values, {"op": func, "template": frozen,
+                                                         "out_types": out_types},
+                                      out_types, self._provenance)
+        tracers = [TracerTensor(self, v) for v in nodes]
+        if isinstance(out, torch.Tensor):
+            return tracers[0]
+        return type(out)(tracers) if isinstance(out, tuple) else tracers
+
+
+def _decomposition(func) -> Callable | None:
+    from torch._decomp import decomposition_table
+
+    if func.namespace == "prims":
+        return None
+    fn = decomposition_table.get(func)
+    if fn is None and torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd"):
+        fn = func.decompose
+    return fn
+
+
+def _hashable(x):
+    if isinstance(x, list):
+        return tuple(_hashable(v) for v in x)
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_hashable(v) for v in x)
+    try:
+        hash(x)
+    except TypeError:
+        raise UnsupportedOpError(f"an opaque op takes an argument plait cannot key on: {x!r}")
+    return x
+
+
+def _meta(t: TensorType) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _describe(args, kwargs) -> str:
+    def one(x):
+        if isinstance(x, TracerTensor):
+            return str(x._trace.builder.type_of(x._value))
+        if isinstance(x, torch.Tensor):
+            return f"tensor {str(TensorType.of(x))}"
+        return repr(x)
+
+    parts = [one(a) for a in pytree.tree_leaves(args)]
+    parts += [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts)
+
+
+def _user_source() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIP_DIRS) and not filename.startswith("<"):
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+_UNSUPPORTED_DTYPES = {torch.complex32, torch.complex64, torch.complex128}
+
+
+def check_dtype(x, where: str) -> None:
+    dtype = x.dtype
+    if dtype in _UNSUPPORTED_DTYPES or (isinstance(x, torch.Tensor) and (
+            x.layout != torch.strided or x.is_quantized)):
+        what = f"layout {x.layout}" if isinstance(x, torch.Tensor) and \
+            x.layout != torch.strided else f"dtype {dtype}"
+        raise UnsupportedDtypeError(f"{where}: plait does not support {what} (complex, sparse "
+                                    "and quantized tensors); run this part outside plait.jit")
+
+
+@contextlib.contextmanager
+def tracing(trace: Trace):
+    _TRACES.append(trace)
+    try:
+        yield trace
+    finally:
+        _TRACES.pop()
+
+
+def bind(prim_name: str, *operands, **params):
+    """Bind a primitive in the current trace (the handlers' way to emit nodes)."""
+    return current_trace().bind(prim_name, *operands, **params)
