@@ -43,7 +43,7 @@ def graph_to_text(graph, provenance: bool = True) -> str:
         for i, t in enumerate(node.out_types):
             names[(n, i)] = f"%{len(names)}"
             outs.append(f"{names[(n, i)]}: {t}")
-        return ", ".join(outs)
+        return ", ".join(outs) or "_"
 
     header = ", ".join(define(n) for n in graph.inputs)
     lines = [f"graph({header}) {{"]
@@ -57,7 +57,7 @@ def graph_to_text(graph, provenance: bool = True) -> str:
         line = f"  {lhs} = {node.prim}{f'[{params}]' if params else ''}({args})"
         preds = graph.control_preds(n)
         if preds:
-            line += " after(" + ", ".join(names[(p, 0)] for p in preds) + ")"
+            line += " after(" + ", ".join(names.get((p, 0), f"#{p}") for p in preds) + ")"
         if provenance and (node.provenance.aten or node.provenance.source):
             where = "  ".join(filter(None, (node.provenance.aten, node.provenance.source)))
             line += f"  # {where}"

@@ -89,10 +89,11 @@ class Constant:
     @property
     def digest(self) -> str:
         if self._digest is None:
-            t = self.tensor.cpu().contiguous()
+            t = self.tensor
             h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-            if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            if t.numel():  # a fresh dense copy: views and 1-element tensors have odd strides
+                flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))
+                h.update(flat.view(torch.uint8).numpy().tobytes())
             self._digest = h.hexdigest()
         return self._digest
 

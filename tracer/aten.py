@@ -16,7 +16,8 @@ import torch
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
-from .primitives import BINARY, COMPARISONS, UNARY, UNARY_PREDICATES
+from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
+                         UNARY_PREDICATES)
 from .trace import TracerTensor, _NeedsFallback, bind, current_trace
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -337,6 +338,35 @@ def _squeeze(x, dim=None):
     return view(bind("reshape", x, shape=tuple(shape)))
 
 
+_PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+                | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
+
+
+def _inplace_view(func, functional):
+    """squeeze_/unsqueeze_/t_/transpose_ change a tensor's shape in place (matmul's C++ code
+    uses them). The tracer takes the functional result's value, and its own wrapper metadata
+    is changed by the op's ordinary kernel, run with plait's dispatch key excluded."""
+    def handler(x, *args):
+        if not isinstance(x, TracerTensor):
+            raise _NeedsFallback(func)
+        out = functional(x, *args)
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+            func(x, *args)
+        x._value = out._value
+        return x
+
+    return handler
+
+
+for _func, _functional in ((aten.squeeze_.default, aten.squeeze.default),
+                           (aten.squeeze_.dim, aten.squeeze.dim),
+                           (aten.squeeze_.dims, aten.squeeze.dims),
+                           (aten.unsqueeze_.default, aten.unsqueeze.default),
+                           (aten.transpose_.default, aten.transpose.int),
+                           (aten.t_.default, aten.t.default)):
+    HANDLERS[_func] = _inplace_view(_func, _functional)
+
+
 @handles(aten.select.int)
 def _select(x, dim, index):
     t = type_of(x)
@@ -453,14 +483,15 @@ for _name in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"):
 
 @handles(aten.gather.default)
 def _gather(x, dim, index, *, sparse_grad=False):
-    return bind("gather", x, index, dim=dim % max(type_of(x).ndim, 1))
+    return bind("gather", x, convert(index, torch.int64), dim=dim % max(type_of(x).ndim, 1))
 
 
 def _scatter(x, dim, index, src, reduce=None, include_self=True):
     t = type_of(x)
     if not isinstance(src, torch.Tensor):
         src = full(type_of(index).shape, src, t.dtype, t.device)
-    return bind("scatter", x, index, src, dim=dim % max(t.ndim, 1), reduce=reduce,
+    return bind("scatter", x, convert(index, torch.int64), src, dim=dim % max(t.ndim, 1),
+                reduce=reduce,
                 include_self=include_self)
 
 
@@ -627,3 +658,96 @@ def _copy_(dst, src, non_blocking=False):
     value = _copy(dst, src)
     return trace.rebind(dst, value if isinstance(value, TracerTensor) else
                         TracerTensor(trace, trace.value_of(value)))
+
+
+@handles(aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
+         aten.unsafe_split_with_sizes.default)
+def _split_with_sizes(x, split_sizes, dim=0):
+    t = type_of(x)
+    dim %= max(t.ndim, 1)
+    if sum(split_sizes) != t.shape[dim]:
+        raise ShapeError(f"split_with_sizes: sizes {list(split_sizes)} do not sum to "
+                         f"{t.shape[dim]} ({t})")
+    starts = [sum(split_sizes[:i]) for i in range(len(split_sizes))]
+    return [_slice(x, dim, s, s + n) for s, n in zip(starts, split_sizes)]
+
+
+@handles(aten.split.Tensor, aten.unsafe_split.Tensor, aten.split_copy.Tensor)
+def _split(x, split_size, dim=0):
+    n = type_of(x).shape[dim % max(type_of(x).ndim, 1)]
+    sizes = [min(split_size, n - s) for s in range(0, n, split_size)] if split_size else [n]
+    return _split_with_sizes(x, sizes or [0], dim)
+
+
+def _like(value):
+    def handler(x, *args, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None):
+        t = type_of(x)
+        fill = args[0] if value is None else value
+        return full(t.shape, fill, dtype or t.dtype, device or t.device)
+
+    return handler
+
+
+HANDLERS[aten.full_like.default] = _like(None)
+HANDLERS[aten.zeros_like.default] = _like(0)
+HANDLERS[aten.ones_like.default] = _like(1)
+HANDLERS[aten.fill.Scalar] = lambda x, value: _like(value)(x)
+HANDLERS[aten.fill.Tensor] = lambda x, value: broadcast_to(convert(value, type_of(x).dtype),
+                                                            type_of(x).shape)
+
+
+def _reduce_all(name):
+    def handler(x):
+        t = type_of(x)
+        if t.numel == 0:
+            raise ShapeError(f"{name}: cannot reduce an empty tensor ({t}) without a dim")
+        return bind(name, x, dims=tuple(range(t.ndim)))
+
+    return handler
+
+
+HANDLERS[aten.max.default] = _reduce_all("amax")
+HANDLERS[aten.min.default] = _reduce_all("amin")
+
+
+@handles(aten._safe_softmax.default)
+def _safe_softmax(x, dim, dtype=None):
+    """softmax, but rows that are all -inf give 0 instead of NaN."""
+    out = torch.softmax(x, dim, dtype=dtype)
+    masked = (x == float("-inf")).all(dim, keepdim=True)
+    return torch.where(masked, torch.zeros((), dtype=out.dtype, device=out.device), out)
+
+
+def _float_result(*operands):
+    """The dtype eager gives a special function: promoted, and floating."""
+    metas = [torch.empty((), dtype=type_of(x).dtype) if isinstance(x, torch.Tensor) else x
+             for x in operands]
+    dtype = torch.result_type(*metas) if len(metas) > 1 else metas[0].dtype
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
+def _special(name):
+    def handler(*operands):
+        dtype = _float_result(*operands)
+        tensors = [x for x in operands if isinstance(x, torch.Tensor)]
+        shape = tuple(torch.broadcast_shapes(*[type_of(x).shape for x in tensors]))
+        device = type_of(tensors[0]).device
+        lined = [broadcast_to(convert(x, dtype), shape) if isinstance(x, torch.Tensor)
+                 else full(shape, x, dtype, device) for x in operands]
+        return bind(name, *lined)
+
+    return handler
+
+
+for _name in SPECIAL_UNARY:
+    HANDLERS[getattr(aten, "special_" + _name).default] = _special(_name)
+for _name in SPECIAL_BINARY:
+    _packet = getattr(aten, "special_" + _name)
+    for _overload in ("default", "n_scalar", "x_scalar"):
+        HANDLERS[getattr(_packet, _overload)] = _special(_name)
+
+
+@handles(aten.polygamma.default)
+def _polygamma(n, x):
+    return bind("polygamma", convert(x, _float_result(x)), n=n)

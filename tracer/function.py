@@ -7,7 +7,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import TraceError
+from ..errors import ConcretizationError
 from ..graph import Graph, TensorType
 from . import aten as _aten  # noqa: F401  (registers the handlers)
 from .trace import Trace, TracerTensor, check_dtype, tracing
@@ -36,6 +36,10 @@ class TracedFunction:
     mutated_inputs: tuple[int, ...]
 
 
+def _is_size(x) -> bool:
+    return isinstance(x, torch.Size)  # a static leaf: torch's pytree would rebuild a tuple
+
+
 def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec) -> TracedFunction:
     """Trace ``fn(*args, **kwargs)`` where ``(args, kwargs) = unflatten(leaves, in_tree)``.
 
@@ -56,15 +60,30 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
                 filled[i] = t
             filled = [x.value if isinstance(x, Static) else x for x in filled]
             args, kwargs = pytree.tree_unflatten(filled, in_tree)
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            raw.append(pytree.tree_flatten(result, is_leaf=_is_size))  # before functionalize
+            return result
 
-        out = torch.func.functionalize(flat_fn, remove="mutations")(*inputs)
-        out_flat, out_tree = pytree.tree_flatten(out)
+        raw = []
+        try:
+            out = torch.func.functionalize(flat_fn, remove="mutations")(*inputs)
+        except RuntimeError as e:
+            if "data is not allocated" not in str(e):
+                raise
+            raise ConcretizationError(
+                "an operation read the data of a traced tensor directly (for example a tensor "
+                "of split sizes or indices given to an op that needs them as Python numbers); "
+                "pass such values as Python numbers or as a static argument") from None
+        # functionalize unwraps the result's tensors in order, but may rebuild containers
+        # (torch.Size becomes a tuple): take the structure and non-tensor leaves from the raw
+        # result, and the tensors from functionalize's.
+        results = iter([x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)])
+        raw_leaves, out_tree = raw[0]
         outputs, out_leaves = [], []
-        for leaf in out_flat:
+        for leaf in raw_leaves:
             if isinstance(leaf, torch.Tensor):
                 out_leaves.append(len(outputs))
-                outputs.append(trace.value_of(leaf))
+                outputs.append(trace.value_of(next(results)))
             else:
                 out_leaves.append(Static(leaf))
         mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]

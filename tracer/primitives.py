@@ -90,7 +90,7 @@ define("constant", lambda *, value: _types((value.tensor.shape, value.tensor.dty
 def _opaque_impl(*tensors, op, template, out_types):
     args, kwargs = _fill_template(template, [t.contiguous() for t in tensors])
     out = op(*args, **kwargs)
-    return tuple(out) if len(out_types) > 1 else out
+    return tuple(out) if isinstance(out, (tuple, list)) else () if out is None else (out,)
 
 
 def _fill_template(template, tensors):
@@ -152,6 +152,25 @@ COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
 for _name in UNARY + BINARY:
     define(_name, _elementwise_infer(_name, None), _prim_impl(_name))
+
+# Special functions with no torch prim: elementwise, defined by torch.special.
+SPECIAL_UNARY = ("airy_ai bessel_y0 bessel_y1 modified_bessel_i0 modified_bessel_i1 "
+                 "modified_bessel_k0 modified_bessel_k1 scaled_modified_bessel_k0 "
+                 "scaled_modified_bessel_k1").split()
+SPECIAL_BINARY = ("chebyshev_polynomial_t chebyshev_polynomial_u chebyshev_polynomial_v "
+                  "chebyshev_polynomial_w shifted_chebyshev_polynomial_t "
+                  "shifted_chebyshev_polynomial_u shifted_chebyshev_polynomial_v "
+                  "shifted_chebyshev_polynomial_w hermite_polynomial_h hermite_polynomial_he "
+                  "laguerre_polynomial_l legendre_polynomial_p").split()
+for _name in SPECIAL_UNARY + SPECIAL_BINARY:
+    define(_name, _elementwise_infer(_name, None), getattr(torch.special, _name))
+
+
+def _polygamma_infer(x, *, n):
+    return (x,)
+
+
+define("polygamma", _polygamma_infer, lambda x, *, n: torch.polygamma(n, x))
 for _name in UNARY_PREDICATES + COMPARISONS:
     define(_name, _elementwise_infer(_name, torch.bool), _prim_impl(_name))
 
@@ -410,8 +429,10 @@ define("topk", _topk_infer, lambda x, *, k, dim, largest, sorted: tuple(
 def is_effectful(node) -> bool:
     """Must this node run exactly as traced (never removed, merged, folded or moved)?
 
-    True for effectful primitives and for opaque calls to random ops (each call draws anew).
+    True for effectful primitives, for opaque calls to random ops (each call draws anew) and
+    for opaque ops with no result (checks such as aten._linalg_check_errors).
     """
     if get_primitive(node.prim).effectful:
         return True
-    return node.prim == "opaque" and torch.Tag.nondeterministic_seeded in node.kwargs["op"].tags
+    return node.prim == "opaque" and (not node.out_types or torch.Tag.nondeterministic_seeded
+                                      in node.kwargs["op"].tags)

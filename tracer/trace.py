@@ -157,7 +157,12 @@ class Trace:
                                           else None)
         self._depth += 1
         try:
-            return self._dispatch(func, args, kwargs)
+            out = self._dispatch(func, args, kwargs)
+            if func.is_view:  # a later write into it must not be taken for a rebind
+                for t in pytree.tree_leaves(out):
+                    if isinstance(t, TracerTensor):
+                        t._is_view = True
+            return out
         except PlaitError:
             raise
         except _NeedsFallback:
@@ -212,10 +217,15 @@ class Trace:
         overload = getattr(functional, func._overloadname, None) if functional else None
         if overload is None:
             raise _NeedsFallback(func)
-        return aten.copy_.default(args[0], overload(*args, **kwargs))
+        out = overload(*args, **kwargs)
+        if not isinstance(out, TracerTensor) or self.type_of(out).shape != self.type_of(args[0]).shape:
+            raise _NeedsFallback(f"{func} changes its operand's metadata")
+        return aten.copy_.default(args[0], out)
 
     def rebind(self, dst: Any, src: TracerTensor) -> Any:
         """Make tracer ``dst`` stand for ``src``'s value (the functional form of a write)."""
+        if not isinstance(dst, TracerTensor) and self._depth > 1:
+            raise _NeedsFallback("a decomposition writes into a tensor it made eagerly")
         if not isinstance(dst, TracerTensor):
             raise TraceError("the traced function writes into a tensor it did not receive as "
                              "an argument (a closure or module buffer); plait treats captured "
@@ -247,7 +257,7 @@ class Trace:
         except Exception as e:
             raise UnsupportedOpError(f"{func}: plait has no decomposition for it and cannot "
                                      f"infer its output from its meta kernel ({e})") from None
-        outs = out if isinstance(out, (tuple, list)) else (out,)
+        outs = out if isinstance(out, (tuple, list)) else () if out is None else (out,)
         if not all(isinstance(o, torch.Tensor) for o in outs):
             raise UnsupportedOpError(f"{func} returns non-tensor values; plait cannot trace it")
         out_types = tuple(TensorType(o.shape, o.dtype, device) for o in outs)
@@ -261,6 +271,8 @@ class Trace:
                                                          "out_types": out_types},
                                       out_types, self._provenance)
         tracers = [TracerTensor(self, v) for v in nodes]
+        if out is None:
+            return None
         if isinstance(out, torch.Tensor):
             return tracers[0]
         return type(out)(tracers) if isinstance(out, tuple) else tracers

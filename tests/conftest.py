@@ -1,0 +1,29 @@
+"""Shared fixtures and helpers of plait's unit tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plait
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_clean_config():
+    """Every test starts from a fixed RNG seed and leaves plait.config as it found it."""
+    torch.manual_seed(0)
+    saved = {name: getattr(plait.config, name) for name in (
+        "backend", "simplify", "fold_max_numel", "allow_opaque", "provenance", "cache_size")}
+    yield
+    for name, value in saved.items():
+        setattr(plait.config, name, value)
+
+
+def prim_count(graph, prim: str) -> int:
+    """How many nodes of ``graph`` apply primitive ``prim``."""
+    return sum(1 for n in graph.nx.nodes if graph.node(n).prim == prim)
+
+
+@pytest.fixture
+def count():
+    """``count(graph, "exp")``: number of nodes applying a primitive."""
+    return prim_count

@@ -1,0 +1,151 @@
+"""Sweep PyTorch's OpInfo database through plait.jit and compare with eager.
+
+Run directly for a full report:  python tests/opinfo_sweep.py [--backend eager] [--ops a,b]
+The test suite (tests/test_opinfo.py) runs the same sweep and asserts its numbers.
+
+Per sample the outcome is one of:
+  match        plait's result equals eager's (same structure, dtypes, shapes, values)
+  plait_error  plait raised a PlaitError (an honest "cannot do this")
+  wrong        plait returned something else, or crashed with a non-PlaitError
+Samples on which eager itself raises are not counted. Ops whose output is not deterministic
+(random ops, uninitialized memory) are left out of the sweep.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import warnings
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import plait
+
+_UNINITIALIZED = ("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                  "new_empty_strided")
+SAMPLES_PER_OP = 2
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@attrs.define
+class SweepResult:
+    outcomes: dict = attrs.field(factory=dict)      # (op name, sample index) -> outcome
+    details: dict = attrs.field(factory=dict)       # (op name, sample index) -> message
+    opaque_ops: set = attrs.field(factory=set)      # ops whose graph needed an opaque node
+    ops: list = attrs.field(factory=list)           # ops swept
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for o in self.outcomes.values() if o == outcome)
+
+    @property
+    def total(self) -> int:
+        return len(self.outcomes)
+
+    def summary(self) -> str:
+        lines = [f"ops swept: {len(self.ops)}, samples: {self.total}",
+                 f"match: {self.count('match')} ({100 * self.count('match') / max(1, self.total):.1f}%)",
+                 f"plait_error: {self.count('plait_error')}",
+                 f"wrong: {self.count('wrong')}",
+                 f"ops needing an opaque node: {len(self.opaque_ops)} "
+                 f"({100 * len(self.opaque_ops) / max(1, len(self.ops)):.1f}%)"]
+        for outcome in ("wrong", "plait_error"):
+            for key, o in sorted(self.outcomes.items()):
+                if o == outcome:
+                    lines.append(f"  {outcome:12s} {key[0]}[{key[1]}]: {self.details[key][:300]}")
+        lines.append("  opaque: " + ", ".join(sorted(self.opaque_ops)))
+        return "\n".join(lines)
+
+
+class _RandomOps(TorchDispatchMode):
+    """Notes whether any ATen op tagged as random runs (seeded ops are not deterministic)."""
+
+    seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen |= torch.Tag.nondeterministic_seeded in func.tags
+        return func(*args, **(kwargs or {}))
+
+
+def _deterministic(op, sample) -> bool:
+    if op.name in _UNINITIALIZED or op.name.split(".")[-1] in _UNINITIALIZED:
+        return False
+    try:  # two calls on fresh copies of the inputs agree, and no random op runs
+        args = (sample.input, *sample.args)
+        with _RandomOps() as random_ops:
+            a = op(*_clone(args), **_clone(sample.kwargs))
+        b = op(*_clone(args), **_clone(sample.kwargs))
+        _compare(a, b)
+        if random_ops.seen:
+            return False
+        return True
+    except Exception:
+        return False
+
+
+def _compare(actual, expected) -> None:
+    a_leaves, a_tree = pytree.tree_flatten(actual)
+    e_leaves, e_tree = pytree.tree_flatten(expected)
+    if a_tree != e_tree:
+        raise AssertionError(f"structure {a_tree} != {e_tree}")
+    for a, e in zip(a_leaves, e_leaves):
+        if isinstance(e, torch.Tensor):
+            torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL, equal_nan=True)
+        elif a != e and not (a != a and e != e):
+            raise AssertionError(f"{a!r} != {e!r}")
+
+
+def _clone(x):
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+
+
+def sweep(backend: str = "eager", names: set[str] | None = None) -> SweepResult:
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    result = SweepResult()
+    for op in op_db:
+        if names is not None and op.name not in names and op.variant_test_name not in names:
+            continue
+        if torch.float32 not in op.supported_dtypes("cpu"):
+            continue
+        name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+        try:
+            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+        except Exception:
+            continue
+        samples = samples[:SAMPLES_PER_OP]
+        if not samples or not all(_deterministic(op, s) for s in samples):
+            continue
+        result.ops.append(name)
+        for i, sample in enumerate(samples):
+            key = (name, i)
+            args = (sample.input, *sample.args)
+            try:
+                expected = op(*_clone(args), **_clone(sample.kwargs))
+            except Exception:
+                continue
+            fn = plait.jit(lambda *a, **k: op.op(*a, **k), backend=backend)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    actual = fn(*_clone(args), **_clone(sample.kwargs))
+                    graph = fn.lower(*_clone(args), **_clone(sample.kwargs)).graph
+                if any(graph.node(n).prim == "opaque" for n in graph.nx.nodes):
+                    result.opaque_ops.add(name)
+                _compare(actual, expected)
+                result.outcomes[key] = "match"
+                result.details[key] = ""
+            except plait.PlaitError as e:
+                result.outcomes[key], result.details[key] = "plait_error", f"{type(e).__name__}: {e}"
+            except Exception as e:
+                result.outcomes[key], result.details[key] = "wrong", f"{type(e).__name__}: {e}"
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="eager")
+    parser.add_argument("--ops", default=None, help="comma-separated op names")
+    opts = parser.parse_args()
+    print(sweep(opts.backend, set(opts.ops.split(",")) if opts.ops else None).summary())
