@@ -22,7 +22,7 @@ w_in = torch.randn(hidden, dim) / dim**0.5
 w_out = torch.randn(dim, hidden) / hidden**0.5
 
 # 1. make_graph traces the function once and returns its (simplified) primitive graph.
-#    Each line is one primitive; the comment gives the ATen op and source line it came from.
+#    Each line is one primitive; the trailing comment names the ATen op it came from.
 print("== the traced graph ==")
 print(plait.make_graph(mlp_block)(x, w_in, w_out))
 
