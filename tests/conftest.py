@@ -16,14 +16,3 @@ def _seed_and_clean_config():
     yield
     for name, value in saved.items():
         setattr(plait.config, name, value)
-
-
-def prim_count(graph, prim: str) -> int:
-    """How many nodes of ``graph`` apply primitive ``prim``."""
-    return sum(1 for n in graph.nx.nodes if graph.node(n).prim == prim)
-
-
-@pytest.fixture
-def count():
-    """``count(graph, "exp")``: number of nodes applying a primitive."""
-    return prim_count

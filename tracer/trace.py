@@ -33,8 +33,13 @@ from .primitives import OperandSlot, get_primitive
 aten = torch.ops.aten
 
 _TRACES: list["Trace"] = []
-_SKIP_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-              os.path.dirname(torch.__file__), os.path.dirname(contextlib.__file__))
+_PLAIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The package root is the repository root, so skip plait's own modules, not the whole tree
+# (examples/ and tests/ are user code).
+_SKIP_DIRS = tuple(os.path.join(_PLAIT_ROOT, d) + os.sep for d in (
+    "tracer", "graph", "passes", "backends")) + (
+    os.path.dirname(torch.__file__) + os.sep, os.path.dirname(contextlib.__file__) + os.sep)
+_SKIP_FILES = {os.path.join(_PLAIT_ROOT, f) for f in ("api.py", "__init__.py", "config.py")}
 
 
 class TracerTensor(torch.Tensor):
@@ -323,7 +328,8 @@ def _user_source() -> str | None:
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_SKIP_DIRS) and not filename.startswith("<"):
+        if not (filename.startswith(_SKIP_DIRS) or filename in _SKIP_FILES
+                or filename.startswith("<")):
             return f"{os.path.basename(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return None

@@ -1,0 +1,601 @@
+"""plait.jit end to end: results against eager, pytrees, the compilation cache, static
+arguments, config, and write-back of mutated inputs."""
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import plait
+from plait.errors import PlaitError, TraceError
+
+
+def prim_count(graph, prim: str) -> int:
+    return sum(1 for n in graph.nx.nodes if graph.node(n).prim == prim)
+
+
+# ---------------------------------------------------------------------------------------
+# Results equal eager
+# ---------------------------------------------------------------------------------------
+def _pointwise(x, y):
+    return torch.tanh(x * y + 1.5).exp() - torch.sigmoid(y) / (x.abs() + 1)
+
+
+def _softmax(x, y):
+    return torch.softmax(x, dim=-1), F.log_softmax(y, dim=0)
+
+
+def _layer_norm(x, y):
+    w, b = y[0], y[1]
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
+
+
+def _matmul(x, y):
+    return x @ y.T, torch.mm(x, y.T), torch.matmul(x.unsqueeze(0), y.T)
+
+
+def _reductions(x, y):
+    return (x.sum(), x.sum(0), x.mean(-1, keepdim=True), x.amax(1), x.min(0).values,
+            x.argmax(1), y.prod(1), x.var(1), x.std(0), torch.logsumexp(x, 1), x.norm())
+
+
+def _index(x, y):
+    idx = torch.tensor([3, 0, 2, 2])
+    return x[idx], x[:, 1:3], x[1], x[-1, ::2], x[idx, idx[:2, None]], y[..., -2:]
+
+
+def _where(x, y):
+    return torch.where(x > 0, x, y), torch.where(y < 0.5, 0.0, y), x.clamp(-0.5, 0.5)
+
+
+def _cat(x, y):
+    return torch.cat([x, y], 0), torch.cat([x, y, x], 1), torch.stack([x, y], -1)
+
+
+def _sort(x, y):
+    v, i = torch.sort(x, dim=1)
+    vd, idd = torch.sort(y, dim=0, descending=True)
+    tv, ti = torch.topk(x, 2, dim=1)
+    sv, si = torch.topk(y, 3, dim=0, largest=False)
+    return v, i, vd, idd, tv, ti, sv, si
+
+
+def _cumsum(x, y):
+    return torch.cumsum(x, 1), y.cumsum(0), torch.cumprod(x, 0), torch.cummax(y, 1)
+
+
+def _shapes(x, y):
+    return (x.reshape(2, -1).T, x.permute(1, 0).contiguous(), x.unsqueeze(1).expand(4, 3, 6),
+            x.flip(0), F.pad(x, (1, 2)), x.chunk(2, 1)[1])
+
+
+CASES = [_pointwise, _softmax, _layer_norm, _matmul, _reductions, _index, _where, _cat,
+         _sort, _cumsum, _shapes]
+
+
+@pytest.mark.parametrize("fn", CASES, ids=lambda f: f.__name__.strip("_"))
+def test_matches_eager(fn):
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    want = fn(x, y)
+    got = plait.jit(fn)(x, y)
+    assert_close(got, want)
+    # a second call runs the cached compilation and still agrees
+    x2, y2 = torch.randn(4, 6), torch.randn(4, 6)
+    assert_close(plait.jit(fn)(x2, y2), fn(x2, y2))
+
+
+def test_matches_eager_other_dtypes():
+    def f(a, b):
+        return (a * 3 + b) // 2, (a < b).sum(1), a.to(torch.float32) / 3, a.cumsum(0)
+
+    a = torch.randint(-10, 10, (5, 4))
+    b = torch.randint(-10, 10, (5, 4))
+    assert_close(plait.jit(f)(a, b), f(a, b))
+    h = torch.randn(3, 4, dtype=torch.float64)
+    assert_close(plait.jit(torch.softmax, static_argnums=1)(h, 1), torch.softmax(h, 1))
+
+
+def test_decorator_forms():
+    @plait.jit
+    def f(x):
+        return x * 2
+
+    @plait.jit(backend="eager")
+    def g(x):
+        return x + 2
+
+    x = torch.randn(3)
+    assert isinstance(f, plait.Jitted) and isinstance(g, plait.Jitted)
+    assert_close(f(x), x * 2)
+    assert_close(g(x), x + 2)
+    assert f.__name__ == "f"
+
+
+# ---------------------------------------------------------------------------------------
+# Pytrees
+# ---------------------------------------------------------------------------------------
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+def test_pytree_inputs_and_outputs_round_trip():
+    def f(t, l, d, p):
+        return {
+            "tuple": (t[0] + t[1], t[1]),
+            "list": [l[0] * 2, [l[1].sum()]],
+            "dict": {"y": d["x"].exp(), "n": d["n"]},
+            "pair": Pair(p.a - p.b, p.b * 3),
+            "none": None,
+            "const": 7,
+        }
+
+    args = ((torch.randn(3), torch.randn(3)), [torch.randn(2, 2), torch.randn(4)],
+            {"x": torch.randn(5), "n": 3}, Pair(torch.randn(2), torch.randn(2)))
+    want = f(*args)
+    got = plait.jit(f)(*args)
+    assert type(got) is dict and list(got) == list(want)
+    assert type(got["tuple"]) is tuple and len(got["tuple"]) == 2
+    assert type(got["list"]) is list and type(got["list"][1]) is list
+    assert type(got["dict"]) is dict and sorted(got["dict"]) == ["n", "y"]
+    assert type(got["pair"]) is Pair
+    assert got["none"] is None and got["const"] == 7 and got["dict"]["n"] == 3
+    assert_close(got, want)
+
+
+def test_single_tensor_and_nested_outputs():
+    def f(x):
+        return x + 1
+
+    def g(x):
+        return ((x,), [x * 2, (x * 3,)])
+
+    x = torch.randn(3)
+    out = plait.jit(f)(x)
+    assert isinstance(out, torch.Tensor)
+    assert_close(out, f(x))
+    got = plait.jit(g)(x)
+    assert_close(got, g(x))
+    assert type(got) is tuple and type(got[1]) is list and type(got[1][1]) is tuple
+
+
+def test_kwargs_inputs():
+    def f(x, *, scale, bias):
+        return x * scale + bias
+
+    x, b = torch.randn(3), torch.randn(3)
+    assert_close(plait.jit(f)(x, scale=2.0, bias=b), f(x, scale=2.0, bias=b))
+
+
+# ---------------------------------------------------------------------------------------
+# The compilation cache
+# ---------------------------------------------------------------------------------------
+def test_cache_hits_and_retraces():
+    def f(x):
+        return x.sum(0) * 2
+
+    jf = plait.jit(f)
+    assert jf.trace_count == 0
+    a = torch.randn(3, 4)
+    assert_close(jf(a), f(a))
+    assert jf.trace_count == 1
+    b = torch.randn(3, 4)
+    assert_close(jf(b), f(b))                 # same shape and dtype: a cache hit
+    assert jf.trace_count == 1
+    c = torch.randn(5, 4)
+    assert_close(jf(c), f(c))                 # new shape
+    assert jf.trace_count == 2
+    d = torch.randn(3, 4, dtype=torch.float64)
+    assert_close(jf(d), f(d))                 # new dtype
+    assert jf.trace_count == 3
+    assert_close(jf(b), f(b))                 # the first signature is still cached
+    assert jf.trace_count == 3
+    jf.clear_cache()
+    assert_close(jf(b), f(b))
+    assert jf.trace_count == 4
+
+
+def test_retrace_on_new_pytree_structure():
+    def f(xs):
+        return sum(x.sum() for x in xs)
+
+    jf = plait.jit(f)
+    a, b, c = torch.randn(2), torch.randn(2), torch.randn(2)
+    assert_close(jf([a, b]), f([a, b]))
+    assert jf.trace_count == 1
+    assert_close(jf([b, a]), f([b, a]))
+    assert jf.trace_count == 1
+    assert_close(jf([a, b, c]), f([a, b, c]))  # longer list
+    assert jf.trace_count == 2
+    assert_close(jf((a, b)), f((a, b)))        # tuple, not list
+    assert jf.trace_count == 3
+
+
+def test_retrace_on_new_dict_keys():
+    def f(d):
+        return {k: v * 2 for k, v in d.items()}
+
+    jf = plait.jit(f)
+    x = torch.randn(2)
+    assert_close(jf({"a": x}), f({"a": x}))
+    assert_close(jf({"b": x}), f({"b": x}))
+    assert jf.trace_count == 2
+
+
+def test_static_argnums_loop_count():
+    def f(x, n):
+        for _ in range(n):
+            x = x * 2 + 1
+        return x
+
+    jf = plait.jit(f, static_argnums=1)
+    x = torch.randn(3)
+    assert_close(jf(x, 2), f(x, 2))
+    assert jf.trace_count == 1
+    assert_close(jf(x, 2), f(x, 2))
+    assert jf.trace_count == 1
+    assert_close(jf(x, 5), f(x, 5))
+    assert jf.trace_count == 2
+    assert prim_count(jf.lower(x, 5).graph, "mul") == 5
+
+
+def test_static_argnums_dim():
+    def f(x, dim):
+        return torch.softmax(x, dim) * x.sum(dim, keepdim=True)
+
+    jf = plait.jit(f, static_argnums=(1,))
+    x = torch.randn(3, 4)
+    assert_close(jf(x, 0), f(x, 0))
+    assert_close(jf(x, 1), f(x, 1))
+    assert_close(jf(x, -1), f(x, -1))
+    assert jf.trace_count == 3
+    assert_close(jf(x, 0), f(x, 0))
+    assert jf.trace_count == 3
+
+
+def test_static_argnums_negative_index():
+    def f(x, n):
+        return x * n
+
+    jf = plait.jit(f, static_argnums=-1)
+    x = torch.randn(3)
+    assert_close(jf(x, 3), f(x, 3))
+    assert_close(jf(x, 4), f(x, 4))
+    assert jf.trace_count == 2
+
+
+def test_non_tensor_kwargs_are_static():
+    def f(x, *, mode, scale=1.0):
+        return x.amax(0) * scale if mode == "max" else x.amin(0) * scale
+
+    jf = plait.jit(f)
+    x = torch.randn(3, 4)
+    assert_close(jf(x, mode="max"), f(x, mode="max"))
+    assert_close(jf(x, mode="min"), f(x, mode="min"))
+    assert jf.trace_count == 2
+    assert_close(jf(x, mode="max", scale=3.0), f(x, mode="max", scale=3.0))
+    assert jf.trace_count == 3
+    assert_close(jf(x, mode="max"), f(x, mode="max"))
+    assert jf.trace_count == 3
+
+
+def test_non_tensor_positional_args_are_static():
+    def f(x, k):
+        return x * k
+
+    jf = plait.jit(f)
+    x = torch.randn(3)
+    assert_close(jf(x, 2), f(x, 2))
+    assert_close(jf(x, 3), f(x, 3))
+    assert jf.trace_count == 2
+    # 2 and 2.0 are equal but compute different dtypes for int tensors: they must not share
+    i = torch.arange(3)
+    assert_close(jf(i, 2), f(i, 2))
+    assert_close(jf(i, 2.0), f(i, 2.0))
+    assert jf.trace_count == 4
+
+
+def test_unhashable_argument_raises_trace_error():
+    def f(x, opts):
+        return x * len(opts)
+
+    with pytest.raises(TraceError, match="hashable"):
+        plait.jit(f)(torch.randn(3), {1, 2})
+
+    class Unhashable:
+        __hash__ = None
+
+    with pytest.raises(TraceError):
+        plait.jit(f, static_argnums=1)(torch.randn(3), Unhashable())
+
+
+def test_lower_returns_inspectable_compilation():
+    def f(x):
+        return torch.exp(x) + torch.exp(x)
+
+    jf = plait.jit(f)
+    x = torch.randn(2, 3)
+    lowered = jf.lower(x)
+    assert isinstance(lowered, plait.Lowered)
+    assert isinstance(lowered.graph, plait.Graph)
+    text = lowered.as_text()
+    assert text == lowered.graph.as_text()
+    assert "f32[2,3]" in text and "exp" in text and "return (" in text
+    assert prim_count(lowered.traced_graph, "exp") == 2
+    assert prim_count(lowered.graph, "exp") == 1
+    assert lowered.backend == "eager"
+    assert "plait.Lowered" in repr(lowered)
+    lowered.graph.validate()
+
+
+def test_cache_size_evicts_oldest():
+    def f(x):
+        return x + 1
+
+    jf = plait.jit(f)
+    with plait.config.patch(cache_size=2):
+        for n in (1, 2, 3):
+            jf(torch.randn(n))
+        assert jf.trace_count == 3
+        jf(torch.randn(3))
+        jf(torch.randn(2))
+        assert jf.trace_count == 3
+        jf(torch.randn(1))  # evicted
+        assert jf.trace_count == 4
+
+
+# ---------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------
+def test_config_patch_restores_values():
+    before = (plait.config.fold_max_numel, plait.config.simplify)
+    with plait.config.patch(fold_max_numel=7, simplify=False) as cfg:
+        assert cfg is plait.config
+        assert plait.config.fold_max_numel == 7
+        assert plait.config.simplify is False
+        with plait.config.patch(fold_max_numel=9):
+            assert plait.config.fold_max_numel == 9
+        assert plait.config.fold_max_numel == 7
+    assert (plait.config.fold_max_numel, plait.config.simplify) == before
+
+
+def test_config_patch_restores_after_exception():
+    before = plait.config.fold_max_numel
+    with pytest.raises(ZeroDivisionError):
+        with plait.config.patch(fold_max_numel=1):
+            1 / 0
+    assert plait.config.fold_max_numel == before
+
+
+def test_config_patch_as_decorator():
+    before = plait.config.simplify
+
+    @plait.config.patch(simplify=False)
+    def inside():
+        return plait.config.simplify
+
+    assert inside() is False
+    assert plait.config.simplify == before
+    assert inside() is False  # reusable
+    assert plait.config.simplify == before
+
+
+def test_config_patch_decorator_changes_compilation():
+    def f(x):
+        return torch.exp(x) + torch.exp(x)
+
+    @plait.config.patch(simplify=False)
+    def lower(x):
+        return plait.jit(f).lower(x).graph
+
+    x = torch.randn(3)
+    assert prim_count(lower(x), "exp") == 2
+    assert prim_count(plait.jit(f).lower(x).graph, "exp") == 1
+
+
+def _env_probe(env: dict, expr: str) -> str:
+    full_env = dict(os.environ)
+    full_env.update(env)
+    out = subprocess.run([sys.executable, "-c", f"import plait; print(repr({expr}))"],
+                         env=full_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_env_overrides_read_at_import():
+    got = _env_probe({"PLAIT_BACKEND": "my_backend", "PLAIT_FOLD_MAX_NUMEL": "17",
+                      "PLAIT_SIMPLIFY": "0", "PLAIT_PROVENANCE": "off"},
+                     "(plait.config.backend, plait.config.fold_max_numel, "
+                     "plait.config.simplify, plait.config.provenance)")
+    assert got == repr(("my_backend", 17, False, False))
+
+
+def test_env_defaults():
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
+    out = subprocess.run([sys.executable, "-c", "import plait; c = plait.config; "
+                          "print(repr((c.backend, c.simplify, c.fold_max_numel)))"],
+                         env=full_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(("eager", True, 4096))
+
+
+def test_backend_from_config_and_argument():
+    calls = []
+
+    def factory(graph):
+        run = plait.backends.get_backend("eager").factory(graph)
+
+        def counted(inputs):
+            calls.append(graph.digest)
+            return run(inputs)
+
+        return counted
+
+    plait.backends.register_backend("counting_for_tests", factory)
+
+    def f(x):
+        return x * 3
+
+    x = torch.randn(3)
+    assert_close(plait.jit(f, backend="counting_for_tests")(x), f(x))
+    assert len(calls) == 1
+    with plait.config.patch(backend="counting_for_tests"):
+        assert_close(plait.jit(f)(x), f(x))
+    assert len(calls) == 2
+    assert_close(plait.jit(f)(x), f(x))
+    assert len(calls) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Mutation of inputs: write-back
+# ---------------------------------------------------------------------------------------
+def _check_mutation(fn, *make_args):
+    """Run fn eagerly and jitted on equal copies; compare results and mutated arguments."""
+    eager_args = [a() if callable(a) else a for a in make_args]
+    jit_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in eager_args]
+    want = fn(*eager_args)
+    got = plait.jit(fn)(*jit_args)
+    assert_close(got, want)
+    for e, j in zip(eager_args, jit_args):
+        if isinstance(e, torch.Tensor):
+            assert_close(j, e)
+    return eager_args, jit_args
+
+
+def test_inplace_mutation_written_back():
+    def f(x):
+        x.add_(1)
+        return x * 2
+
+    a = torch.randn(4)
+    original = a.clone()
+    eager, jitted = _check_mutation(f, a)
+    assert_close(jitted[0], original + 1)
+    # the lowered graph returns the new value of the input as an extra output
+    lowered = plait.jit(f).lower(torch.randn(4))
+    assert lowered.traced.mutated_inputs == (0,)
+    assert len(lowered.graph.outputs) == 2
+
+
+def test_mutation_keeps_argument_identity():
+    def f(x):
+        x.mul_(3)
+        return x.sum()
+
+    a = torch.randn(5)
+    want = a * 3
+    ptr = a.data_ptr()
+    out = plait.jit(f)(a)
+    assert a.data_ptr() == ptr
+    assert_close(a, want)
+    assert_close(out, want.sum())
+
+
+def test_mutation_repeated_calls():
+    def f(x):
+        x.add_(1)
+        return x
+
+    jf = plait.jit(f)
+    a = torch.zeros(3)
+    for _ in range(3):
+        jf(a)
+    assert_close(a, torch.full((3,), 3.0))
+    assert jf.trace_count == 1
+
+
+def test_mutation_through_view():
+    def f(x):
+        x[0].mul_(3)
+        return x.sum(0)
+
+    _check_mutation(f, torch.randn(3, 4))
+
+
+def test_mutation_through_view_chain():
+    def f(x, y):
+        v = x[:, 1:3]
+        v.add_(y)
+        x.T[0].zero_()
+        return v * 1
+
+    _check_mutation(f, torch.randn(4, 5), torch.randn(4, 2))
+
+
+def test_index_put_mutation():
+    def f(x, idx, v):
+        x[idx] = v
+        return x.sum()
+
+    idx = torch.tensor([2, 0])
+    _check_mutation(f, torch.randn(4, 3), idx, torch.randn(2, 3))
+
+
+def test_index_put_accumulate_and_scalar_assign():
+    def f(x, idx, v):
+        x.index_put_((idx,), v, accumulate=True)
+        x[1, 1:] = 5.0
+        return x
+
+    idx = torch.tensor([1, 1, 3])
+    _check_mutation(f, torch.randn(4, 3), idx, torch.randn(3, 3))
+
+
+def test_out_argument_mutation():
+    def f(x, y, z):
+        torch.add(x, y, out=z)
+        return z * 2
+
+    _check_mutation(f, torch.randn(3), torch.randn(3), torch.zeros(3))
+
+
+def test_only_mutated_inputs_written_back():
+    def f(x, y):
+        y.sub_(x)
+        return x + y
+
+    eager, jitted = _check_mutation(f, torch.randn(3), torch.randn(3))
+    assert plait.jit(f).lower(torch.randn(3), torch.randn(3)).traced.mutated_inputs == (1,)
+
+
+def test_captured_tensor_becomes_constant():
+    c = torch.randn(3, 3) + 10  # larger than nothing, kept as a constant through simplify
+
+    def f(x):
+        return x @ c
+
+    x = torch.randn(2, 3)
+    g = plait.make_graph(f)(x)
+    consts = [g.node(n) for n in g.nx.nodes if g.node(n).prim == "constant"]
+    assert len(consts) == 1
+    assert_close(consts[0].kwargs["value"].tensor, c)
+    assert len(g.inputs) == 1
+    assert_close(plait.jit(f)(x), f(x))
+
+
+def test_write_into_captured_tensor_raises():
+    c = torch.zeros(3)
+    before = c.clone()
+
+    def f(x):
+        c.add_(x)
+        return x * 2
+
+    with pytest.raises(PlaitError):
+        plait.jit(f)(torch.randn(3))
+    assert_close(c, before)
+
+
+def test_random_factory_draws_anew_each_call():
+    """torch.rand with no tensor operand must not be baked into the graph as a constant."""
+    def f(x):
+        return x + torch.rand(3)
+
+    jf = plait.jit(f)
+    x = torch.zeros(3)
+    a, b = jf(x), jf(x)
+    assert not torch.equal(a, b)

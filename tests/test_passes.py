@@ -1,0 +1,266 @@
+"""Simplify passes on traced graphs: DCE, CSE, constant folding, and the whole pipeline."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import plait
+from plait.graph import Graph
+from plait.passes import PASSES, cse, dce, fold_constants, simplify
+
+
+def prim_count(graph: Graph, prim: str) -> int:
+    return sum(1 for n in graph.nx.nodes if graph.node(n).prim == prim)
+
+
+def _traced(fn, *args) -> Graph:
+    """The graph as traced, before any pass."""
+    return plait.jit(fn).lower(*args).traced_graph
+
+
+def _run(graph: Graph, *inputs):
+    """Run ``graph`` on the reference backend."""
+    return plait.backends.get_backend("eager").factory(graph)(list(inputs))
+
+
+def test_registry():
+    assert PASSES == {"dce": dce, "cse": cse, "fold_constants": fold_constants}
+
+
+# ---------------------------------------------------------------------------------------
+# DCE
+# ---------------------------------------------------------------------------------------
+def test_dce_removes_unused_nodes():
+    def f(x):
+        unused = torch.sin(x) * torch.cos(x)  # noqa: F841
+        return x * 2
+
+    x = torch.randn(5)
+    traced = _traced(f, x)
+    assert prim_count(traced, "sin") == 1 and prim_count(traced, "cos") == 1
+    out = dce(traced).validate()
+    assert prim_count(out, "sin") == 0 and prim_count(out, "cos") == 0
+    assert prim_count(out, "mul") == 1
+    assert len(out) < len(traced)
+    assert_close(_run(out, x)[0], f(x))
+    assert_close(plait.jit(f)(x), f(x))
+
+
+def test_dce_keeps_inputs_even_if_unused():
+    def f(x, y):
+        return x + 1
+
+    x, y = torch.randn(3), torch.randn(3)
+    out = dce(_traced(f, x, y)).validate()
+    assert len(out.inputs) == 2
+    assert [str(t) for t in out.input_types] == ["f32[3]", "f32[3]"]
+    assert_close(_run(out, x, y)[0], f(x, y))
+    assert_close(plait.jit(f)(x, y), f(x, y))
+
+
+def test_dce_keeps_effectful_random_op():
+    def f(x):
+        torch.rand_like(x)  # unused, but a random draw is an effect: the RNG advances
+        return x + 1
+
+    x = torch.randn(3)
+    g = plait.make_graph(f)(x)
+    assert prim_count(g, "opaque") == 1
+    jf = plait.jit(f)
+    jf(x)  # compile outside the seeded region
+    torch.manual_seed(1)
+    assert_close(jf(x), x + 1)
+    after_jit = torch.rand(4)
+    torch.manual_seed(1)
+    f(x)
+    assert_close(after_jit, torch.rand(4))  # the jitted call advanced the RNG as eager does
+
+
+# ---------------------------------------------------------------------------------------
+# CSE
+# ---------------------------------------------------------------------------------------
+def test_cse_merges_duplicate_subexpressions():
+    def f(x):
+        return torch.exp(x) + torch.exp(x)
+
+    x = torch.randn(6)
+    traced = _traced(f, x)
+    assert prim_count(traced, "exp") == 2
+    merged = cse(traced).validate()
+    assert prim_count(merged, "exp") == 1
+    (add,) = [n for n in merged.nx.nodes if merged.node(n).prim == "add"]
+    a, b = merged.operands(add)
+    assert a == b
+    assert_close(_run(merged, x)[0], f(x))
+    assert prim_count(plait.make_graph(f)(x), "exp") == 1
+    assert_close(plait.jit(f)(x), f(x))
+
+
+def test_cse_merges_chains_but_not_different_params():
+    def f(x):
+        a = torch.tanh(torch.exp(x)).sum(0)
+        b = torch.tanh(torch.exp(x)).sum(0)
+        c = torch.tanh(torch.exp(x)).sum(1)  # different params: not the same value
+        return a * b, c
+
+    x = torch.randn(3, 4)
+    g = plait.make_graph(f)(x)
+    assert prim_count(g, "exp") == 1
+    assert prim_count(g, "tanh") == 1
+    assert prim_count(g, "sum") == 2
+    got = plait.jit(f)(x)
+    assert_close(got, f(x))
+
+
+def test_cse_does_not_merge_different_operands():
+    def f(x, y):
+        return torch.exp(x) + torch.exp(y)
+
+    x, y = torch.randn(4), torch.randn(4)
+    assert prim_count(plait.make_graph(f)(x, y), "exp") == 2
+    assert_close(plait.jit(f)(x, y), f(x, y))
+
+
+def test_cse_does_not_merge_random_draws():
+    def f(x):
+        return x + torch.rand_like(x), x + torch.rand_like(x)
+
+    x = torch.zeros(3)
+    g = plait.make_graph(f)(x)
+    assert prim_count(g, "opaque") == 2
+    a, b = plait.jit(f)(x)
+    assert not torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------
+# Constant folding
+# ---------------------------------------------------------------------------------------
+def test_closure_tensor_becomes_constant():
+    c = torch.arange(4.0)
+
+    def f(x):
+        return x + c * 2
+
+    x = torch.randn(4)
+    g = plait.make_graph(f)(x)
+    consts = [g.node(n) for n in g.nx.nodes if g.node(n).prim == "constant"]
+    assert len(consts) == 1
+    assert_close(consts[0].kwargs["value"].tensor, c * 2)
+    assert prim_count(g, "mul") == 0
+    assert_close(plait.jit(f)(x), f(x))
+
+
+def test_fold_constants_folds_ops_on_small_captured_constants():
+    c = torch.arange(4.0)
+
+    def f(x):
+        return x + torch.ones_like(x) * c * 2
+
+    x = torch.randn(4)
+    traced = _traced(f, x)
+    assert prim_count(traced, "mul") == 2  # both multiplies see only known operands
+    folded = fold_constants(traced).validate()
+    assert prim_count(folded, "mul") == 0
+    assert prim_count(folded, "add") == 1
+    (add,) = [n for n in folded.nx.nodes if folded.node(n).prim == "add"]
+    operand = folded.node(folded.operands(add)[1].node)
+    assert operand.prim == "constant"
+    assert_close(operand.kwargs["value"].tensor, torch.ones(4) * c * 2)
+    assert_close(_run(folded, x)[0], f(x))
+
+    final = plait.make_graph(f)(x)
+    assert prim_count(final, "mul") == 0 and prim_count(final, "full") == 0
+    assert prim_count(final, "constant") == 1
+    assert_close(plait.jit(f)(x), f(x))
+
+
+def test_fold_constants_respects_fold_max_numel():
+    c = torch.arange(4.0)
+
+    def f(x):
+        return x + torch.ones_like(x) * c
+
+    x = torch.randn(4)
+    with plait.config.patch(fold_max_numel=3):
+        g = plait.make_graph(f)(x)
+        assert prim_count(g, "mul") == 1
+        assert_close(plait.jit(f)(x), f(x))
+        assert prim_count(fold_constants(_traced(f, x)), "mul") == 1
+    with plait.config.patch(fold_max_numel=4):
+        assert prim_count(plait.make_graph(f)(x), "mul") == 0
+
+
+def test_fold_max_numel_joins_cache_key():
+    c = torch.arange(4.0)
+
+    def f(x):
+        return x + torch.ones_like(x) * c
+
+    jf = plait.jit(f)
+    x = torch.randn(4)
+    assert_close(jf(x), f(x))
+    with plait.config.patch(fold_max_numel=0):
+        assert_close(jf(x), f(x))
+    assert jf.trace_count == 2
+
+
+def test_fold_leaves_input_dependent_nodes():
+    def f(x):
+        return torch.exp(x) * 3 + 1
+
+    x = torch.randn(4)
+    g = fold_constants(_traced(f, x)).validate()
+    assert prim_count(g, "exp") == 1 and prim_count(g, "mul") == 1
+    assert_close(_run(g, x)[0], f(x))
+
+
+# ---------------------------------------------------------------------------------------
+# The pipeline
+# ---------------------------------------------------------------------------------------
+def test_simplify_pipeline_matches_eager():
+    c = torch.linspace(0, 1, 8)
+
+    def f(x):
+        dead = torch.cos(x)  # noqa: F841
+        a = torch.exp(x) + torch.exp(x)
+        b = (torch.ones_like(c) + c).reshape(1, 8)
+        return (a * b).sum(1)
+
+    x = torch.randn(3, 8)
+    traced = _traced(f, x)
+    g = simplify(traced).validate()
+    assert len(g) < len(traced)
+    assert prim_count(g, "cos") == 0 and prim_count(g, "exp") == 1
+    assert_close(_run(g, x)[0], f(x))
+    assert simplify(g).digest == g.digest  # a fixed point
+
+
+def test_simplify_disabled_by_config():
+    def f(x):
+        return torch.exp(x) + torch.exp(x)
+
+    x = torch.randn(3)
+    with plait.config.patch(simplify=False):
+        lowered = plait.jit(f).lower(x)
+        assert lowered.graph is lowered.traced_graph
+        assert prim_count(lowered.graph, "exp") == 2
+        assert_close(plait.jit(f)(x), f(x))
+    assert prim_count(plait.jit(f).lower(x).graph, "exp") == 1
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_passes_preserve_results(name):
+    c = torch.arange(6.0).reshape(2, 3)
+
+    def f(x, y):
+        h = torch.exp(x) + torch.exp(x) + torch.ones_like(c) * c
+        unused = h @ y.T  # noqa: F841
+        return torch.softmax(h, -1), (h * y).sum()
+
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    g = PASSES[name](_traced(f, x, y)).validate()
+    got = _run(g, x, y)
+    want = f(x, y)
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1])
