@@ -73,12 +73,26 @@ class _Compiled:
         self._mutated = traced.mutated_inputs
 
     def __call__(self, tensors: list[torch.Tensor]):
+        if self._mutated:
+            _check_no_aliased_mutation(tensors, self._mutated)
         outs = self._run(tensors)
         for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
             with torch.no_grad():
                 tensors[i].copy_(outs[k])
         leaves = [outs[x] if isinstance(x, int) else x.value for x in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_tree)
+
+
+def _check_no_aliased_mutation(tensors, mutated) -> None:
+    """A graph treats its inputs as distinct values; if one the function mutates shares memory
+    with another, eager would see the write through both, and plait would not."""
+    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    for i in mutated:
+        if storages.count(storages[i]) > 1:
+            raise TraceError(
+                f"tensor argument {i} is mutated by the function and shares memory with "
+                "another argument; plait.jit treats arguments as independent values. Pass "
+                "distinct tensors (e.g. .clone() one of them).")
 
 
 class Jitted:

@@ -130,8 +130,11 @@ class Graph:
 
     @functools.cached_property
     def digest(self) -> str:
-        """Stable across processes: canonical text without provenance, plus constant bytes."""
-        return hashlib.sha256(self.as_text(provenance=False).encode()).hexdigest()
+        """Stable across processes: the canonical text (types with devices, constants by
+        content digest, no provenance)."""
+        from .printer import graph_to_text
+
+        return hashlib.sha256(graph_to_text(self, canonical=True).encode()).hexdigest()
 
     def __hash__(self) -> int:
         return hash(self.digest)
@@ -147,6 +150,11 @@ class GraphBuilder:
         self._g = nx.MultiDiGraph()
         self._next_id = 0
         self.inputs: list[int] = []
+
+    @property
+    def last_node(self) -> int:
+        """Id of the node added last (the handle of a node with no outputs)."""
+        return self._next_id - 1
 
     def add_node(self, prim: str, operands: Sequence[Value], params: dict[str, Any],
                  out_types: Sequence[TensorType], provenance: Provenance = Provenance(),

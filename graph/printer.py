@@ -30,8 +30,10 @@ def _format_param(value, canonical: bool) -> str:
     return str(value)
 
 
-def graph_to_text(graph, provenance: bool = True) -> str:
-    canonical = not provenance
+def graph_to_text(graph, provenance: bool = True, canonical: bool = False) -> str:
+    """``canonical`` is the hashed form: no provenance, devices on types, full constant
+    digests."""
+    provenance = provenance and not canonical
     names: dict[tuple[int, int], str] = {}
 
     def name(v) -> str:
@@ -42,8 +44,11 @@ def graph_to_text(graph, provenance: bool = True) -> str:
         outs = []
         for i, t in enumerate(node.out_types):
             names[(n, i)] = f"%{len(names)}"
-            outs.append(f"{names[(n, i)]}: {t}")
-        return ", ".join(outs) or "_"
+            outs.append(f"{names[(n, i)]}: {t}" + (f"@{t.device}" if canonical else ""))
+        if not outs:  # an effect with no result still needs a name for after(...)
+            names[(n, 0)] = f"%{len(names)}"
+            return f"{names[(n, 0)]}: ()"
+        return ", ".join(outs)
 
     header = ", ".join(define(n) for n in graph.inputs)
     lines = [f"graph({header}) {{"]
@@ -57,7 +62,7 @@ def graph_to_text(graph, provenance: bool = True) -> str:
         line = f"  {lhs} = {node.prim}{f'[{params}]' if params else ''}({args})"
         preds = graph.control_preds(n)
         if preds:
-            line += " after(" + ", ".join(names.get((p, 0), f"#{p}") for p in preds) + ")"
+            line += " after(" + ", ".join(names[(p, 0)] for p in preds) + ")"
         if provenance and (node.provenance.aten or node.provenance.source):
             where = "  ".join(filter(None, (node.provenance.aten, node.provenance.source)))
             line += f"  # {where}"

@@ -90,9 +90,9 @@ class Constant:
     def digest(self) -> str:
         if self._digest is None:
             t = self.tensor
-            h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+            h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}{t.device}".encode())
             if t.numel():  # a fresh dense copy: views and 1-element tensors have odd strides
-                flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))
+                flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1).cpu())
                 h.update(flat.view(torch.uint8).numpy().tobytes())
             self._digest = h.hexdigest()
         return self._digest

@@ -43,7 +43,7 @@ def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...],
                                  node.provenance, after=preds)
         for i, v in enumerate(new):
             values[Value(n, i)] = v
-        ids[n] = new[0].node if new else None
+        ids[n] = new[0].node if new else b.last_node
     return b.build([values[v] for v in graph.outputs])
 
 

@@ -272,6 +272,37 @@ def test_cse_merges_nodes_with_same_control_preds():
     assert _prim_edges(merged) == [("neg", "exp")]
 
 
+def _zero_output_pred_graph(dead_first: bool = False) -> Graph:
+    """An effectful node with no result (a runtime check) that must run before an exp."""
+    b = GraphBuilder()
+    x = b.add_input(F32_4)
+    if dead_first:
+        _node(b, "sin", x)
+    assert b.add_node("opaque", [x], {"op": torch.ops.aten._assert_async.default,
+                                      "template": ((), ()), "out_types": ()}, ()) == []
+    check = b._next_id - 1  # add_node returns no Value for a node without outputs
+    e = _node(b, "exp", x, after=[check])
+    return b.build([e])
+
+
+def test_control_edge_from_zero_output_node_printed_canonically():
+    g = _zero_output_pred_graph().validate()
+    assert [(g.node(u).prim, g.node(v).prim) for u, v in g.control_edges()] == [
+        ("opaque", "exp")]
+    text = g.as_text(provenance=False)
+    assert "after(" in text
+    # the printer renumbers values; a raw node id would make the text depend on creation
+    assert "#" not in text, text
+
+
+@pytest.mark.parametrize("pass_", [dce, cse, fold_constants, simplify])
+def test_passes_keep_control_edge_from_zero_output_node(pass_):
+    for g in (_zero_output_pred_graph(), _zero_output_pred_graph(dead_first=True)):
+        out = pass_(g).validate()
+        assert _prim_edges(out) == [("opaque", "exp")]
+        assert all(n is not None for n in out.nx.nodes)
+
+
 # ---------------------------------------------------------------------------------------
 # Printer
 # ---------------------------------------------------------------------------------------
@@ -376,6 +407,40 @@ def test_digest_follows_captured_constant_content():
     d3 = plait.make_graph(adder(c3))(x).digest
     assert d1 == d2
     assert d1 != d3
+
+
+def _relabeled(g: Graph, shift: int) -> Graph:
+    """The same graph with every node id shifted: only creation ids differ."""
+    moved = nx.relabel_nodes(nx.MultiDiGraph(g.nx), {n: n + shift for n in g.nx.nodes})
+    return Graph(moved, [n + shift for n in g.inputs],
+                 [Value(v.node + shift, v.index) for v in g.outputs])
+
+
+def test_digest_independent_of_node_ids():
+    g = plait.make_graph(_hash_fn)(torch.randn(4, 8))
+    moved = _relabeled(g, 1000).validate()
+    assert moved.as_text() == g.as_text()
+    assert moved.digest == g.digest
+    ctrl = _control_graph()
+    assert _relabeled(ctrl, 7).digest == ctrl.digest
+
+
+def test_digest_independent_of_node_ids_with_zero_output_pred():
+    g = _zero_output_pred_graph()
+    assert _relabeled(g, 1000).digest == g.digest
+
+
+def _device_free_fn(x, y):
+    return torch.tanh(x) * y  # no op here takes a device parameter
+
+
+def test_digest_differs_on_device():
+    cpu = plait.make_graph(_device_free_fn)(torch.randn(4, 8), torch.randn(4, 8))
+    meta = plait.make_graph(_device_free_fn)(torch.randn(4, 8, device="meta"),
+                                             torch.randn(4, 8, device="meta"))
+    assert cpu.input_types[0].device == "cpu" and meta.input_types[0].device == "meta"
+    assert cpu.digest != meta.digest
+    assert cpu != meta
 
 
 _DIGEST_SCRIPT = textwrap.dedent("""

@@ -22,10 +22,12 @@ import sys
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import config
-from ..errors import (ConcretizationError, OpError, PlaitError, TraceError,
+from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
                       UnsupportedDtypeError, UnsupportedOpError)
 from ..graph import Constant, Graph, GraphBuilder, Provenance, TensorType, Value
 from .primitives import OperandSlot, get_primitive
@@ -168,6 +170,10 @@ class Trace:
                     if isinstance(t, TracerTensor):
                         t._is_view = True
             return out
+        except ShapeError as e:
+            if outermost and not str(e).startswith(str(func)):
+                raise ShapeError(f"{func}: {e}") from None
+            raise
         except PlaitError:
             raise
         except _NeedsFallback:
@@ -348,11 +354,35 @@ def check_dtype(x, where: str) -> None:
                                     "and quantized tensors); run this part outside plait.jit")
 
 
+# Factories with no tensor operand never reach TracerTensor's dispatch: they would run once,
+# at trace time, and their result would be baked in as a constant. For random ones that is a
+# wrong answer (eager draws anew on every call), so they are routed into the graph as opaque
+# (effectful) nodes.
+_RANDOM_FACTORIES = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal}
+
+
+class _RandomFactoryCapture(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _RANDOM_FACTORIES and not any(
+                isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
+            with _SeededOpsIntoTrace():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class _SeededOpsIntoTrace(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return current_trace().opaque(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def tracing(trace: Trace):
     _TRACES.append(trace)
     try:
-        yield trace
+        with _RandomFactoryCapture():
+            yield trace
     finally:
         _TRACES.pop()
 
