@@ -212,13 +212,17 @@ class Trace:
         if func._schema.is_mutable:
             return self._functionalize(func, args, kwargs)
         decomposition = _decomposition(func)
-        if decomposition is not None:
+        if decomposition is None:
+            return self.opaque(func, args, kwargs)
+        try:
+            out = decomposition(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        except Exception as failure:  # a decomposition plait cannot follow: call the op itself
             try:
-                out = decomposition(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
-            except (_NeedsFallback, ConcretizationError, NotImplementedError):
-                pass
+                return self.opaque(func, args, kwargs)
+            except UnsupportedOpError:
+                raise failure from None
         return self.opaque(func, args, kwargs)
 
     def _functionalize(self, func, args, kwargs):
