@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree

@@ -10,18 +10,17 @@ indexing, scatter of a mask) short. Promotion and broadcasting of elementwise op
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
+import torch._prims  # noqa: F401  (registers every torch.ops.prims op before handlers bind)
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
-from .trace import TracerTensor, _NeedsFallback, bind, current_trace
+from .trace import HANDLERS, TracerTensor, _NeedsFallback, bind, current_trace
 
 aten, prims = torch.ops.aten, torch.ops.prims
-HANDLERS: dict = {}
 
 
 def handles(*ops):
@@ -43,16 +42,12 @@ def type_of(x) -> TensorType:
     return current_trace().type_of(x)
 
 
-def alias(x, is_view: bool = True) -> TracerTensor:
+def alias(x) -> TracerTensor:
     """A new tracer for the same value (never hand back the argument object itself: a later
-    write to one must not rebind the other)."""
+    write to one must not rebind the other). Whether it is a view is the dispatcher's call,
+    from the op's schema."""
     trace = current_trace()
-    return TracerTensor(trace, trace.value_of(x), is_view)
-
-
-def view(x) -> TracerTensor:
-    x._is_view = True
-    return x
+    return TracerTensor(trace, trace.value_of(x))
 
 
 def full(shape, value, dtype, device):
@@ -82,22 +77,29 @@ def reshape(x, shape):
 # ---------------------------------------------------------------------------------------
 # prims (the targets of torch._refs)
 # ---------------------------------------------------------------------------------------
-def _line_up(args):
-    """Scalars and 0-dim tensors among a prim's operands -> the shape/dtype of the others."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    ref = max(tensors, key=lambda t: type_of(t).ndim)
-    t = type_of(ref)
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(broadcast_to(convert(a, t.dtype), t.shape))
-        else:
-            out.append(full(t.shape, a, t.dtype, t.device))
-    return out
+def common_shape(operands) -> tuple[tuple[int, ...], str]:
+    """Broadcast shape and device of the tensor operands."""
+    tensors = [x for x in operands if isinstance(x, torch.Tensor)]
+    shape = tuple(torch.broadcast_shapes(*[type_of(x).shape for x in tensors]))
+    return shape, type_of(tensors[0]).device
+
+
+def line_up(operands, dtype, shape, device) -> list:
+    """Operands -> tracers of one shape and dtype, as strict primitives need: tensors are
+    converted and broadcast, Python scalars become ``full``."""
+    return [broadcast_to(convert(x, dtype), shape) if isinstance(x, torch.Tensor)
+            else full(shape, x, dtype, device) for x in operands]
 
 
 def _elementwise(name):
-    return lambda *args: bind(name, *_line_up(args))
+    """prims' operands already share a dtype, except Python scalars and 0-dim tensors."""
+    def handler(*args):
+        shape, device = common_shape(args)
+        widest = max((x for x in args if isinstance(x, torch.Tensor)),
+                     key=lambda x: type_of(x).ndim)
+        return bind(name, *line_up(args, type_of(widest).dtype, shape, device))
+
+    return handler
 
 
 for _name in UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS):
@@ -106,58 +108,52 @@ for _name in UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS):
 
 @handles(_prim("where"))
 def _prims_where(pred, a, b):
-    tensors = [x for x in (pred, a, b) if isinstance(x, torch.Tensor)]
-    shape = max((type_of(x).shape for x in tensors), key=len)
-    dtype = next((type_of(x).dtype for x in (a, b) if isinstance(x, torch.Tensor)
-                  and type_of(x).ndim == len(shape)), None)
-    dtype = dtype or next(type_of(x).dtype for x in (a, b) if isinstance(x, torch.Tensor))
-    device = type_of(tensors[0]).device
-    pred = broadcast_to(pred, shape) if isinstance(pred, torch.Tensor) else full(
-        shape, bool(pred), torch.bool, device)
-    a, b = [broadcast_to(convert(x, dtype), shape) if isinstance(x, torch.Tensor)
-            else full(shape, x, dtype, device) for x in (a, b)]
-    return bind("where", pred, a, b)
+    shape, device = common_shape((pred, a, b))
+    dtype = next(type_of(x).dtype for x in sorted(
+        (x for x in (a, b) if isinstance(x, torch.Tensor)), key=lambda x: -type_of(x).ndim))
+    (pred,) = line_up((pred,), torch.bool, shape, device)
+    return bind("where", pred, *line_up((a, b), dtype, shape, device))
 
 
 @handles(_prim("convert_element_type"))
 def _prims_convert(a, dtype):
-    return convert(a, dtype) if type_of(a).dtype != dtype else alias(a, False)
+    return convert(a, dtype) if type_of(a).dtype != dtype else alias(a)
 
 
 @handles(_prim("broadcast_in_dim"))
 def _prims_broadcast(a, shape, broadcast_dimensions):
-    return view(bind("broadcast_in_dim", a, shape=tuple(shape),
-                     broadcast_dimensions=tuple(broadcast_dimensions)))
+    return bind("broadcast_in_dim", a, shape=tuple(shape),
+                     broadcast_dimensions=tuple(broadcast_dimensions))
 
 
 @handles(_prim("reshape"))
 def _prims_reshape(a, shape):
-    return view(bind("reshape", a, shape=tuple(shape)))
+    return bind("reshape", a, shape=tuple(shape))
 
 
 @handles(_prim("transpose"))
 def _prims_transpose(a, permutation):
-    return view(bind("transpose", a, permutation=tuple(permutation)))
+    return bind("transpose", a, permutation=tuple(permutation))
 
 
 @handles(_prim("squeeze"))
 def _prims_squeeze(a, dimensions):
     shape = [n for i, n in enumerate(type_of(a).shape) if i not in dimensions]
-    return view(bind("reshape", a, shape=tuple(shape)))
+    return bind("reshape", a, shape=tuple(shape))
 
 
 @handles(_prim("split_dim"))
 def _prims_split_dim(a, dim, outer_length):
     shape = list(type_of(a).shape)
     shape[dim:dim + 1] = [outer_length, shape[dim] // outer_length]
-    return view(bind("reshape", a, shape=tuple(shape)))
+    return bind("reshape", a, shape=tuple(shape))
 
 
 @handles(_prim("collapse_view"), _prim("collapse"))
 def _prims_collapse(a, start, end):
     shape = list(type_of(a).shape)
     shape[start:end] = [math.prod(shape[start:end])]
-    return view(bind("reshape", a, shape=tuple(shape)))
+    return bind("reshape", a, shape=tuple(shape))
 
 
 @handles(_prim("view_of"))
@@ -167,13 +163,7 @@ def _prims_view_of(a):
 
 @handles(_prim("clone"), _prim("copy_strided"))
 def _prims_clone(a, *args, **kwargs):
-    return alias(a, False)
-
-
-@handles(_prim("slice"))
-def _prims_slice(a, start_indices, limit_indices, strides=None):
-    return view(bind("slice", a, start=tuple(start_indices), limit=tuple(limit_indices),
-                     step=tuple(strides or [1] * len(start_indices))))
+    return alias(a)
 
 
 @handles(_prim("rev"))
@@ -253,20 +243,19 @@ def _prims_var(inp, dims, correction, *, output_dtype=None):
 
 @handles(_prim("copy_to"))
 def _prims_copy_to(a, b):
-    return current_trace().rebind(a, broadcast_to(convert(b, type_of(a).dtype),
-                                                  type_of(a).shape))
+    return _copy_(a, b)
 
 
 @handles(_prim("device_put"))
 def _prims_device_put(a, device, non_blocking=False):
     if torch.device(type_of(a).device) != torch.device(device):
         raise _NeedsFallback("device transfer")
-    return alias(a, False)
+    return alias(a)
 
 
 @handles(_prim("conj"), _prim("conj_physical"), _prim("real"))
 def _prims_real_identity(a):
-    return alias(a, False)
+    return alias(a)
 
 
 @handles(_prim("as_strided"), _prim("as_strided_scatter"), _prim("view_of_dtype"),
@@ -282,7 +271,7 @@ def _prims_no_equivalent(*args, **kwargs):
          aten.lift_fresh_copy.default, aten.clone.default, aten.contiguous.default,
          aten.positive.default, aten.resolve_conj.default, aten.resolve_neg.default)
 def _identity(x, *args, **kwargs):
-    return alias(x, False)
+    return alias(x)
 
 
 @handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -294,13 +283,13 @@ def _view(x, shape):
         shape[shape.index(-1)] = t.numel // known if known else 0
     if math.prod(shape) != t.numel:
         raise ShapeError(f"shape {list(shape)} is invalid for input of size {t.numel} ({t})")
-    return view(bind("reshape", x, shape=tuple(shape)))
+    return bind("reshape", x, shape=tuple(shape))
 
 
 @handles(aten.permute.default)
 def _permute(x, dims):
     ndim = type_of(x).ndim
-    return view(bind("transpose", x, permutation=tuple(d % max(ndim, 1) for d in dims)))
+    return bind("transpose", x, permutation=tuple(d % max(ndim, 1) for d in dims))
 
 
 @handles(aten.t.default, aten.transpose.int)
@@ -311,7 +300,7 @@ def _transpose(x, dim0=0, dim1=1):
     perm = list(range(ndim))
     dim0, dim1 = dim0 % ndim, dim1 % ndim
     perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
-    return view(bind("transpose", x, permutation=tuple(perm)))
+    return bind("transpose", x, permutation=tuple(perm))
 
 
 @handles(aten.expand.default)
@@ -319,14 +308,14 @@ def _expand(x, size, *, implicit=False):
     t = type_of(x)
     lead = len(size) - t.ndim
     shape = [t.shape[i - lead] if n == -1 else n for i, n in enumerate(size)]
-    return view(broadcast_to(x, shape)) if tuple(shape) != t.shape else alias(x)
+    return broadcast_to(x, shape) if tuple(shape) != t.shape else alias(x)
 
 
 @handles(aten.unsqueeze.default)
 def _unsqueeze(x, dim):
     shape = list(type_of(x).shape)
     shape.insert(dim % (len(shape) + 1), 1)
-    return view(bind("reshape", x, shape=tuple(shape)))
+    return bind("reshape", x, shape=tuple(shape))
 
 
 @handles(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
@@ -335,7 +324,7 @@ def _squeeze(x, dim=None):
     dims = range(t.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
     dims = {d % max(t.ndim, 1) for d in dims}
     shape = [n for i, n in enumerate(t.shape) if not (i in dims and n == 1)]
-    return view(bind("reshape", x, shape=tuple(shape)))
+    return bind("reshape", x, shape=tuple(shape))
 
 
 _PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
@@ -379,7 +368,7 @@ def _select(x, dim, index):
     limit = list(t.shape)
     start[dim], limit[dim] = index, index + 1
     sliced = bind("slice", x, start=tuple(start), limit=tuple(limit), step=(1,) * t.ndim)
-    return view(bind("reshape", sliced, shape=t.shape[:dim] + t.shape[dim + 1:]))
+    return bind("reshape", sliced, shape=t.shape[:dim] + t.shape[dim + 1:])
 
 
 @handles(aten.slice.Tensor)
@@ -392,8 +381,8 @@ def _slice(x, dim=0, start=None, end=None, step=1):
         raise ShapeError("slice step must be positive")
     starts, limits = [0] * t.ndim, list(t.shape)
     starts[dim], limits[dim] = start, max(start, end)
-    return view(bind("slice", x, start=tuple(starts), limit=tuple(limits),
-                     step=tuple(step if i == dim else 1 for i in range(t.ndim))))
+    return bind("slice", x, start=tuple(starts), limit=tuple(limits),
+                step=tuple(step if i == dim else 1 for i in range(t.ndim)))
 
 
 def _matmul_dtypes(op, a, b):
@@ -450,7 +439,7 @@ def _value_and_index(reduction, arg):
     def handler(x, dim, keepdim=False):
         t = type_of(x)
         if t.ndim == 0:
-            return alias(x, False), full((), 0, torch.int64, t.device)
+            return alias(x), full((), 0, torch.int64, t.device)
         dim = dim % t.ndim
         values, indices = bind(reduction, x, dims=(dim,)), bind(arg, x, dims=(dim,))
         if keepdim:
@@ -654,10 +643,7 @@ def _copy(dst, src, non_blocking=False):
 
 @handles(aten.copy_.default)
 def _copy_(dst, src, non_blocking=False):
-    trace = current_trace()
-    value = _copy(dst, src)
-    return trace.rebind(dst, value if isinstance(value, TracerTensor) else
-                        TracerTensor(trace, trace.value_of(value)))
+    return current_trace().rebind(dst, _copy(dst, src))
 
 
 @handles(aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
@@ -729,13 +715,8 @@ def _float_result(*operands):
 
 def _special(name):
     def handler(*operands):
-        dtype = _float_result(*operands)
-        tensors = [x for x in operands if isinstance(x, torch.Tensor)]
-        shape = tuple(torch.broadcast_shapes(*[type_of(x).shape for x in tensors]))
-        device = type_of(tensors[0]).device
-        lined = [broadcast_to(convert(x, dtype), shape) if isinstance(x, torch.Tensor)
-                 else full(shape, x, dtype, device) for x in operands]
-        return bind(name, *lined)
+        shape, device = common_shape(operands)
+        return bind(name, *line_up(operands, _float_result(*operands), shape, device))
 
     return handler
 

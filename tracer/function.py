@@ -7,10 +7,10 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import ConcretizationError, TraceError
+from ..errors import ConcretizationError, PlaitError
 from ..graph import Graph, TensorType
 from . import aten as _aten  # noqa: F401  (registers the handlers)
-from .trace import Trace, TracerTensor, check_dtype, tracing
+from .trace import Trace, captured_write_error, check_dtype, tracing
 
 
 @attrs.frozen
@@ -34,6 +34,21 @@ class TracedFunction:
     out_tree: pytree.TreeSpec
     out_leaves: tuple
     mutated_inputs: tuple[int, ...]
+
+
+def _as_plait_error(e: RuntimeError) -> PlaitError | None:
+    """Some misuses surface as torch's own RuntimeErrors, before plait's dispatch sees them."""
+    message = str(e)
+    if "mutating a non-functional tensor" in message:  # functionalize's check, in C++
+        return captured_write_error()
+    if "not allocated" in message or "unallocated storage" in message:
+        return ConcretizationError(
+            "an operation read the data of a traced tensor directly (.tolist(), or a tensor "
+            "of split sizes or indices given to an op that needs Python numbers), but under "
+            "plait.jit its value is only known when the compiled function runs. Use "
+            "torch.where (or plait.cond once available) instead of a Python choice, or pass "
+            "such values as a static argument (static_argnums)")
+    return None
 
 
 def _is_size(x) -> bool:
@@ -68,19 +83,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         try:
             out = torch.func.functionalize(flat_fn, remove="mutations")(*inputs)
         except RuntimeError as e:
-            if "mutating a non-functional tensor" in str(e):
-                raise TraceError(
-                    "the traced function writes into a tensor it did not receive as an "
-                    "argument (a closure or module buffer); plait treats captured tensors as "
-                    "constants. Pass the tensor as an argument instead.") from None
-            if "not allocated" not in str(e) and "unallocated storage" not in str(e):
-                raise
-            raise ConcretizationError(
-                "an operation read the data of a traced tensor directly (.tolist(), or a "
-                "tensor of split sizes or indices given to an op that needs Python numbers), "
-                "but under plait.jit its value is only known when the compiled function runs. "
-                "Use torch.where (or plait.cond once available) instead of a Python choice, "
-                "or pass such values as a static argument (static_argnums)") from None
+            raise _as_plait_error(e) or e from None
         # functionalize unwraps the result's tensors in order, but may rebuild containers
         # (torch.Size becomes a tuple): take the structure and non-tensor leaves from the raw
         # result, and the tensors from functionalize's.

@@ -145,10 +145,7 @@ _TORCH_EQUIVALENT = set(
 
 
 def _prim_impl(name: str):
-    if name in _TORCH_EQUIVALENT:
-        return getattr(torch, name)
-    op = getattr(prims, name).default
-    return lambda *xs: op(*xs)
+    return getattr(torch, name) if name in _TORCH_EQUIVALENT else getattr(prims, name).default
 
 
 UNARY = ("abs acos acosh asin asinh atan atanh bessel_i0 bessel_i0e bessel_i1 bessel_i1e "
@@ -163,6 +160,8 @@ COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
 for _name in UNARY + BINARY:
     define(_name, _elementwise_infer(_name, None), _prim_impl(_name))
+for _name in UNARY_PREDICATES + COMPARISONS:
+    define(_name, _elementwise_infer(_name, torch.bool), _prim_impl(_name))
 
 # Special functions with no torch prim: elementwise, defined by torch.special.
 SPECIAL_UNARY = ("airy_ai bessel_y0 bessel_y1 modified_bessel_i0 modified_bessel_i1 "
@@ -182,8 +181,6 @@ def _polygamma_infer(x, *, n):
 
 
 define("polygamma", _polygamma_infer, lambda x, *, n: torch.polygamma(n, x))
-for _name in UNARY_PREDICATES + COMPARISONS:
-    define(_name, _elementwise_infer(_name, torch.bool), _prim_impl(_name))
 
 
 def _where_infer(pred, a, b):
@@ -318,27 +315,33 @@ def _reduce_infer(name: str, out_dtype: torch.dtype | None = None):
     return infer
 
 
-REDUCTIONS = {
-    "sum": lambda x, *, dims: torch.sum(x, dims) if dims else x.clone(),
-    "prod": lambda x, *, dims: _reduce_each(torch.prod, x, dims),
-    "amax": lambda x, *, dims: torch.amax(x, dims) if dims else x.clone(),
-    "amin": lambda x, *, dims: torch.amin(x, dims) if dims else x.clone(),
-}
+def _reduce_impl(fn, one_dim_at_a_time: bool = False):
+    """Reducing over no dims is the identity (a copy, so no output aliases an operand)."""
+    def impl(x, *, dims):
+        if not dims:
+            return x.clone()
+        if not one_dim_at_a_time:
+            return fn(x, dims)
+        for d in sorted(dims, reverse=True):  # torch.prod takes one dim
+            x = fn(x, d)
+        return x
+
+    return impl
 
 
-def _reduce_each(fn, x, dims):
-    for d in sorted(dims, reverse=True):
-        x = fn(x, d)
-    return x
-
-
+REDUCTIONS = {"sum": _reduce_impl(torch.sum), "prod": _reduce_impl(torch.prod, True),
+              "amax": _reduce_impl(torch.amax), "amin": _reduce_impl(torch.amin)}
 for _name, _impl in REDUCTIONS.items():
     define(_name, _reduce_infer(_name), _impl)
-# argmax/argmin reduce exactly one dim; ties and NaN resolve as torch.argmax does.
-define("argmax", _reduce_infer("argmax", torch.int64),
-       lambda x, *, dims: torch.argmax(x, dims[0]) if x.ndim else torch.zeros_like(x, dtype=torch.int64))
-define("argmin", _reduce_infer("argmin", torch.int64),
-       lambda x, *, dims: torch.argmin(x, dims[0]) if x.ndim else torch.zeros_like(x, dtype=torch.int64))
+
+
+def _arg_reduce_impl(fn):
+    """One dim; ties and NaN resolve as torch.argmax/argmin do."""
+    return lambda x, *, dims: fn(x, dims[0]) if x.ndim else torch.zeros_like(x, dtype=torch.int64)
+
+
+define("argmax", _reduce_infer("argmax", torch.int64), _arg_reduce_impl(torch.argmax))
+define("argmin", _reduce_infer("argmin", torch.int64), _arg_reduce_impl(torch.argmin))
 
 
 def _scan_infer(name: str, with_indices: bool):
@@ -351,13 +354,17 @@ def _scan_infer(name: str, with_indices: bool):
     return infer
 
 
+def _scan_impl(fn, with_indices: bool):
+    if with_indices:  # cummax/cummin return (values, indices)
+        return lambda x, *, dim: tuple(fn(x, dim))
+    return lambda x, *, dim: fn(x, dim)
+
+
 SCANS = {"cumsum": (torch.cumsum, False), "cumprod": (torch.cumprod, False),
          "logcumsumexp": (torch.logcumsumexp, False), "cummax": (torch.cummax, True),
          "cummin": (torch.cummin, True)}
 for _name, (_fn, _indices) in SCANS.items():
-    define(_name, _scan_infer(_name, _indices),
-           (lambda fn: lambda x, *, dim: tuple(fn(x, dim)))(_fn) if _indices
-           else (lambda fn: lambda x, *, dim: fn(x, dim))(_fn),
+    define(_name, _scan_infer(_name, _indices), _scan_impl(_fn, _indices),
            multiple_results=_indices)
 
 

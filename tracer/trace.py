@@ -6,11 +6,12 @@ Functionalization turns in-place ops, ``out=`` and writes through views into fun
 (and, at the end, a ``copy_`` into every mutated input, which becomes a write-back output).
 Every ATen op then reaches ``TracerTensor.__torch_dispatch__`` and ``Trace.dispatch``, which
 tries, in order:
-  1. a plait handler (``tracer/aten.py``) that emits primitives directly;
+  1. a plait handler (``HANDLERS``, filled by ``tracer/aten.py``) that emits primitives;
   2. PyTorch's decomposition table (``torch._refs`` and ``torch._decomp``): the decomposition
      runs on tracers, so its ops come back here, and ``torch.ops.prims`` ops map 1:1 to plait
      primitives;
-  3. an opaque node that calls the ATen op at run time, typed by the op's meta kernel.
+  3. an opaque node that calls the ATen op at run time, typed by the op's meta kernel (also
+     the fallback when a decomposition fails on tracers).
 Only the outermost op of a user call records provenance and wraps errors; the ops a
 decomposition issues inherit that provenance.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -29,12 +30,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
                       UnsupportedDtypeError, UnsupportedOpError)
-from ..graph import Constant, Graph, GraphBuilder, Provenance, TensorType, Value
+from ..graph import Constant, GraphBuilder, Provenance, TensorType, Value
 from .primitives import OperandSlot, get_primitive
 
 aten = torch.ops.aten
 
 _TRACES: list["Trace"] = []
+# ATen/prims op -> handler emitting primitives; filled by tracer/aten.py.
+HANDLERS: dict[Any, Callable] = {}
 _PLAIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The package root is the repository root, so skip plait's own modules, not the whole tree
 # (examples/ and tests/ are user code).
@@ -53,15 +56,15 @@ class TracerTensor(torch.Tensor):
 
     _trace: "Trace"
     _value: Value
-    _is_view: bool
+    _is_view: bool  # made by an op whose schema returns an alias: never rebound by a write
 
     @staticmethod
-    def __new__(cls, trace: "Trace", value: Value, is_view: bool = False):
+    def __new__(cls, trace: "Trace", value: Value):
         t = trace.builder.type_of(value)
         self = torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype,
                                                    device=torch.device(t.device),
                                                    requires_grad=False)
-        self._trace, self._value, self._is_view = trace, value, is_view
+        self._trace, self._value, self._is_view = trace, value, False
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -87,6 +90,12 @@ def _concretization(what: str) -> ConcretizationError:
         "value is only known when the compiled function runs. Express the choice with "
         "torch.where (or plait.cond once available), or pass the value as a static argument "
         "(static_argnums) so each value compiles its own version.")
+
+
+def captured_write_error() -> TraceError:
+    return TraceError("the traced function writes into a tensor it did not receive as an "
+                      "argument (a closure or module buffer); plait treats captured tensors "
+                      "as constants. Pass the tensor as an argument instead.")
 
 
 def current_trace(func=None) -> "Trace":
@@ -193,8 +202,6 @@ class Trace:
                 self._provenance = Provenance()
 
     def _dispatch(self, func, args, kwargs):
-        from .aten import HANDLERS
-
         if func in _DATA_DEPENDENT:
             raise _concretization(_DATA_DEPENDENT[func])
         name = func.overloadpacket.__name__
@@ -203,26 +210,22 @@ class Trace:
                 f"{func}: its output shape depends on the values of its input, which plait "
                 "cannot know while tracing. Use a fixed-size formulation (e.g. torch.where "
                 "with a mask) or run this part outside plait.jit.")
-        for x in pytree.tree_leaves((args, kwargs)):
-            if isinstance(x, torch.Tensor) and not isinstance(x, TracerTensor):
-                check_dtype(x, str(func))
-        handler = HANDLERS.get(func) or HANDLERS.get(func.overloadpacket)
+        handler = HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
         if func._schema.is_mutable:
             return self._functionalize(func, args, kwargs)
         decomposition = _decomposition(func)
-        if decomposition is None:
-            return self.opaque(func, args, kwargs)
-        try:
-            out = decomposition(*args, **kwargs)
+        if decomposition is not None:
+            try:
+                out = decomposition(*args, **kwargs)
+            except Exception as failure:  # one plait cannot follow: call the op itself
+                try:
+                    return self.opaque(func, args, kwargs)
+                except UnsupportedOpError:
+                    raise failure from None
             if out is not NotImplemented:
                 return out
-        except Exception as failure:  # a decomposition plait cannot follow: call the op itself
-            try:
-                return self.opaque(func, args, kwargs)
-            except UnsupportedOpError:
-                raise failure from None
         return self.opaque(func, args, kwargs)
 
     def _functionalize(self, func, args, kwargs):
@@ -233,21 +236,20 @@ class Trace:
         if overload is None:
             raise _NeedsFallback(func)
         out = overload(*args, **kwargs)
-        if not isinstance(out, TracerTensor) or self.type_of(out).shape != self.type_of(args[0]).shape:
+        if not isinstance(out, TracerTensor) or \
+                self.type_of(out).shape != self.type_of(args[0]).shape:
             raise _NeedsFallback(f"{func} changes its operand's metadata")
         return aten.copy_.default(args[0], out)
 
-    def rebind(self, dst: Any, src: TracerTensor) -> Any:
+    def rebind(self, dst: Any, src: Any) -> Any:
         """Make tracer ``dst`` stand for ``src``'s value (the functional form of a write)."""
         if not isinstance(dst, TracerTensor) and self._depth > 1:
             raise _NeedsFallback("a decomposition writes into a tensor it made eagerly")
         if not isinstance(dst, TracerTensor):
-            raise TraceError("the traced function writes into a tensor it did not receive as "
-                             "an argument (a closure or module buffer); plait treats captured "
-                             "tensors as constants. Pass the tensor as an argument instead.")
+            raise captured_write_error()
         if dst._is_view:
             raise _NeedsFallback("write through a view inside a decomposition")
-        dst._value = src._value
+        dst._value = self.value_of(src)
         return dst
 
     def opaque(self, func, args, kwargs):
@@ -345,15 +347,14 @@ def _user_source() -> str | None:
     return None
 
 
-_UNSUPPORTED_DTYPES = {torch.complex32, torch.complex64, torch.complex128}
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2}
 
 
-def check_dtype(x, where: str) -> None:
-    dtype = x.dtype
-    if dtype in _UNSUPPORTED_DTYPES or (isinstance(x, torch.Tensor) and (
-            x.layout != torch.strided or x.is_quantized)):
-        what = f"layout {x.layout}" if isinstance(x, torch.Tensor) and \
-            x.layout != torch.strided else f"dtype {dtype}"
+def check_dtype(x: torch.Tensor | TensorType, where: str) -> None:
+    """Complex, sparse and quantized tensors are outside plait's primitive set."""
+    layout = getattr(x, "layout", torch.strided)
+    if x.dtype.is_complex or x.dtype in _QUANTIZED or layout != torch.strided:
+        what = f"dtype {x.dtype}" if layout == torch.strided else f"layout {layout}"
         raise UnsupportedDtypeError(f"{where}: plait does not support {what} (complex, sparse "
                                     "and quantized tensors); run this part outside plait.jit")
 
