@@ -17,6 +17,7 @@ from .errors import TraceError
 from .graph import Graph
 from .passes import simplify
 from .tracer import Static, TracedFunction, trace_function
+from .tracer.trace import is_dense
 
 
 def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
@@ -27,18 +28,21 @@ def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
     signature = [tree]
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
-            signature.append((tuple(x.shape), x.dtype, x.device, x.layout))
+            signature.append((tuple(x.shape), x.dtype, x.device, x.layout, is_dense(x)))
             continue
         if not isinstance(x, Static):
             leaves[i] = x = Static(x)
+        key = x.value
+        if isinstance(key, slice):  # unhashable before Python 3.12
+            key = (key.start, key.stop, key.step)
         try:
-            hash(x.value)
+            hash(key)
         except TypeError:
             raise TraceError(
                 f"argument leaf {x.value!r} of type {type(x.value).__name__} is neither a "
                 "tensor nor hashable; plait keys compilations on non-tensor arguments. Pass "
                 "it as a tensor, or make it hashable (e.g. a tuple).") from None
-        signature.append((type(x.value), x.value))
+        signature.append((type(x.value), key))
     return leaves, tree, tuple(signature)
 
 

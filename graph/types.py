@@ -11,7 +11,7 @@ import torch
 _DTYPE_NAMES = {
     torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-    torch.uint8: "u8", torch.bool: "bool",
+    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
 }
 for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):

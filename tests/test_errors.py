@@ -81,23 +81,6 @@ def test_static_argument_is_the_fix_for_concretization():
 # ---------------------------------------------------------------------------------------
 # Dtypes and layouts
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
-def test_complex_input_raises(dtype):
-    with pytest.raises(UnsupportedDtypeError, match="complex"):
-        plait.jit(lambda x: x * 2)(torch.randn(3, dtype=dtype))
-
-
-def test_complex_captured_tensor_raises():
-    c = torch.randn(3, dtype=torch.complex64)
-    with pytest.raises(UnsupportedDtypeError, match="complex"):
-        plait.jit(lambda x: x + c)(torch.randn(3))
-
-
-def test_complex_intermediate_raises():
-    with pytest.raises(UnsupportedDtypeError, match="complex"):
-        plait.jit(lambda x: torch.view_as_complex(x).abs())(torch.randn(3, 2))
-
-
 def test_sparse_input_raises():
     sparse = torch.eye(3).to_sparse()
     with pytest.raises(UnsupportedDtypeError) as info:

@@ -253,9 +253,68 @@ def _prims_device_put(a, device, non_blocking=False):
     return alias(a)
 
 
-@handles(_prim("conj"), _prim("conj_physical"), _prim("real"))
-def _prims_real_identity(a):
-    return alias(a)
+def _complex_part(name: str):
+    """conj/real/imag of a real tensor: the tensor itself (conj, real) or zeros (imag)."""
+    def handler(a):
+        if type_of(a).dtype.is_complex:
+            return bind(name, a)
+        if name == "imag":
+            raise _NeedsFallback("imag of a real tensor")  # eager raises too
+        return alias(a)
+
+    return handler
+
+
+for _name in ("conj", "real", "imag"):
+    HANDLERS[_prim(_name)] = _complex_part(_name)
+HANDLERS[_prim("conj_physical")] = HANDLERS[aten._conj.default] = HANDLERS[
+    aten.conj_physical.default] = _complex_part("conj")
+
+
+@handles(aten.complex.default)
+def _complex(re, im):
+    shape, device = common_shape((re, im))
+    return bind("complex", *line_up((re, im), type_of(re).dtype, shape, device))
+
+
+@handles(aten.view_as_real.default)
+def _view_as_real(x):
+    parts = [torch.unsqueeze(bind(name, x), -1) for name in ("real", "imag")]
+    return torch.cat(parts, -1)
+
+
+@handles(aten.view_as_complex.default)
+def _view_as_complex(x):
+    t = type_of(x)
+    if not t.ndim or t.shape[-1] != 2:
+        raise ShapeError(f"view_as_complex needs a last dimension of size 2, got {t}")
+    return bind("complex", *(x.select(-1, i) for i in range(2)))
+
+
+@handles(aten.polar.default)
+def _polar(magnitude, angle):
+    return torch.complex(magnitude * torch.cos(angle), magnitude * torch.sin(angle))
+
+
+@handles(aten.angle.default)
+def _angle(x):
+    if type_of(x).dtype.is_complex:
+        return torch.atan2(bind("imag", x), bind("real", x))
+    x = convert(x, _float_result(x))  # integers promote, as in eager
+    return torch.where(x < 0, math.pi, torch.where(torch.isnan(x), x, 0.0))
+
+
+def _fft(kind: str):
+    def handler(x, dim, normalization, option):
+        return bind(f"fft_{kind}", x, dim=tuple(dim), normalization=normalization,
+                    **{{"r2c": "onesided", "c2r": "last_dim_size", "c2c": "forward"}[kind]:
+                       option})
+
+    return handler
+
+
+for _kind in ("r2c", "c2r", "c2c"):
+    HANDLERS[getattr(aten, f"_fft_{_kind}").default] = _fft(_kind)
 
 
 @handles(_prim("as_strided"), _prim("as_strided_scatter"), _prim("view_of_dtype"),
@@ -268,10 +327,17 @@ def _prims_no_equivalent(*args, **kwargs):
 # ATen ops handled directly: views, contractions, indexing, scans, sorting
 # ---------------------------------------------------------------------------------------
 @handles(aten.detach.default, aten.alias.default, aten.lift_fresh.default,
-         aten.lift_fresh_copy.default, aten.clone.default, aten.contiguous.default,
-         aten.positive.default, aten.resolve_conj.default, aten.resolve_neg.default)
+         aten.lift_fresh_copy.default, aten.contiguous.default, aten.positive.default,
+         aten.resolve_conj.default, aten.resolve_neg.default)
 def _identity(x, *args, **kwargs):
     return alias(x)
+
+
+@handles(aten.clone.default)
+def _clone(x, *, memory_format=None):
+    out = alias(x)
+    out._dense = memory_format == torch.contiguous_format
+    return out
 
 
 @handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -383,6 +449,113 @@ def _slice(x, dim=0, start=None, end=None, step=1):
     starts[dim], limits[dim] = start, max(start, end)
     return bind("slice", x, start=tuple(starts), limit=tuple(limits),
                 step=tuple(step if i == dim else 1 for i in range(t.ndim)))
+
+
+# Strided views. A tracer's value is logically contiguous, so a view given by strides over
+# it (diagonal, unfold, as_strided) is a gather from the flattened value at index
+# offset + sum(i_d * stride_d), built from iotas (fusible, no index tensor in memory).
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _strided_index(x, shape, strides, offset):
+    """Flat indices of the view into ``x``, checked against ``x``'s extent."""
+    t = type_of(x)
+    if min(strides, default=0) < 0 or offset < 0 or any(n < 0 for n in shape):
+        raise ShapeError(f"strided view size={list(shape)} stride={list(strides)} "
+                         f"offset={offset}: sizes, strides and offset must be non-negative")
+    last = offset + sum((n - 1) * st for n, st in zip(shape, strides))
+    if math.prod(shape) and last >= t.numel:
+        raise ShapeError(f"strided view size={list(shape)} stride={list(strides)} "
+                         f"offset={offset} reaches element {last} of {t} (out of bounds)")
+    index = full(shape, offset, torch.int64, t.device)
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if n > 1 and st:
+            ramp = bind("iota", length=n, start=0, step=st, dtype=torch.int64, device=t.device)
+            index = bind("add", index, bind("broadcast_in_dim", ramp, shape=tuple(shape),
+                                            broadcast_dimensions=(d,)))
+    return reshape(index, (math.prod(shape),))
+
+
+def strided_view(x, shape, strides, offset=0):
+    t = type_of(x)
+    index = _strided_index(x, shape, strides, offset)
+    return reshape(bind("gather", reshape(x, (t.numel,)), index, dim=0), shape)
+
+
+def strided_scatter(x, src, shape, strides, offset=0):
+    """``x`` with the strided view's elements replaced by ``src``."""
+    t = type_of(x)
+    index = _strided_index(x, shape, strides, offset)
+    src = reshape(convert(broadcast_to(src, shape), t.dtype), (math.prod(shape),))
+    flat = bind("scatter", reshape(x, (t.numel,)), index, src, dim=0, reduce=None,
+                include_self=True)
+    return reshape(flat, t.shape)
+
+
+def _diagonal_layout(t: TensorType, offset, dim1, dim2):
+    dim1, dim2 = dim1 % t.ndim, dim2 % t.ndim
+    if dim1 == dim2:
+        raise ShapeError(f"diagonal dimensions cannot be identical ({dim1}, {dim2})")
+    strides = contiguous_strides(t.shape)
+    n = max(0, min(t.shape[dim1] - max(-offset, 0), t.shape[dim2] - max(offset, 0)))
+    keep = [d for d in range(t.ndim) if d not in (dim1, dim2)]
+    start = offset * strides[dim2] if offset >= 0 else -offset * strides[dim1]
+    return ([t.shape[d] for d in keep] + [n], [strides[d] for d in keep]
+            + [strides[dim1] + strides[dim2]], start if n else 0)
+
+
+@handles(aten.diagonal.default, aten.diagonal_copy.default)
+def _diagonal(x, offset=0, dim1=0, dim2=1):
+    return strided_view(x, *_diagonal_layout(type_of(x), offset, dim1, dim2))
+
+
+@handles(aten.diagonal_scatter.default)
+def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    return strided_scatter(x, src, *_diagonal_layout(type_of(x), offset, dim1, dim2))
+
+
+@handles(aten.unfold.default, aten.unfold_copy.default)
+def _unfold(x, dimension, size, step):
+    t = type_of(x)
+    shape, strides = list(t.shape) or [1], list(contiguous_strides(t.shape)) or [1]
+    d = dimension % len(shape)
+    if size > shape[d] or step <= 0:
+        raise ShapeError(f"unfold: size {size} exceeds dimension {d} of {t}, or step {step} "
+                         "is not positive")
+    element_stride = strides[d]
+    shape[d], strides[d] = (shape[d] - size) // step + 1, strides[d] * step
+    if not t.ndim:  # a 0-dim tensor unfolds to its one window
+        shape, strides = [], []
+    return strided_view(x, shape + [size], strides + [element_stride])
+
+
+def _raw_layout_check(x, func: str):
+    """Raw strides are safe on a dense tracer, and when PyTorch's own code issues the op: it
+    derives them from ``x.stride()``, which a tracer answers for its logical layout."""
+    if not (getattr(x, "_dense", False) or current_trace().issued_by_torch):
+        raise UnsupportedOpError(
+            f"{func} reads raw memory strides, and plait does not model how eager lays out "
+            "this value in memory (a view, a non-contiguous argument, or an intermediate "
+            "result, whose strides eager derives from its operands'). Apply it to a "
+            "contiguous function argument, or use a logical op (diagonal, unfold, reshape, "
+            "slicing) instead.")
+
+
+@handles(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided(x, size, stride, storage_offset=None):
+    _raw_layout_check(x, "as_strided")
+    return strided_view(x, size, stride, storage_offset or 0)
+
+
+@handles(aten.as_strided_scatter.default)
+def _as_strided_scatter(x, src, size, stride, storage_offset=None):
+    _raw_layout_check(x, "as_strided_scatter")
+    return strided_scatter(x, src, size, stride, storage_offset or 0)
 
 
 def _matmul_dtypes(op, a, b):

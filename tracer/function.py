@@ -10,7 +10,9 @@ from torch.utils import _pytree as pytree
 from ..errors import ConcretizationError, PlaitError
 from ..graph import Graph, TensorType
 from . import aten as _aten  # noqa: F401  (registers the handlers)
-from .trace import Trace, captured_write_error, check_dtype, tracing
+from . import linalg as _linalg  # noqa: F401
+from . import nn as _nn  # noqa: F401
+from .trace import Trace, captured_write_error, check_dtype, is_dense, tracing
 
 
 @attrs.frozen
@@ -66,7 +68,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         inputs = []
         for i in tensor_pos:
             check_dtype(leaves[i], "a function argument")
-            inputs.append(trace.new_input(TensorType.of(leaves[i])))
+            inputs.append(trace.new_input(TensorType.of(leaves[i]), is_dense(leaves[i])))
         originals = [t._value for t in inputs]
 
         def flat_fn(*tracers):

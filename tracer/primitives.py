@@ -124,15 +124,21 @@ define("opaque", lambda *types, op, template, out_types: out_types, _opaque_impl
 # ---------------------------------------------------------------------------------------
 # Elementwise
 # ---------------------------------------------------------------------------------------
-def _elementwise_infer(name: str, out_dtype: torch.dtype | None):
+def _elementwise_infer(name: str, out_dtype: torch.dtype | Callable | None):
+    """``out_dtype``: a fixed dtype, a function of the operand dtype, or None (the same)."""
     def infer(*types: TensorType):
         first = types[0]
         for t in types[1:]:
             _check(t.shape == first.shape, name, "operands must have one shape", *types)
             _check(t.dtype == first.dtype, name, "operands must have one dtype", *types)
-        return (TensorType(first.shape, out_dtype or first.dtype, first.device),)
+        dtype = out_dtype(first.dtype) if callable(out_dtype) else out_dtype or first.dtype
+        return (TensorType(first.shape, dtype, first.device),)
 
     return infer
+
+
+def _real_of(dtype: torch.dtype) -> torch.dtype:
+    return dtype.to_real() if dtype.is_complex else dtype
 
 
 # Where a public torch function computes exactly what the prim defines (operands of one
@@ -158,8 +164,9 @@ BINARY = ("add atan2 bitwise_and bitwise_or bitwise_xor div fmax fmin fmod gcd h
           "shift_right_arithmetic sub zeta").split()
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
-for _name in UNARY + BINARY:
-    define(_name, _elementwise_infer(_name, None), _prim_impl(_name))
+for _name in UNARY + BINARY:  # abs of a complex number is real
+    define(_name, _elementwise_infer(_name, _real_of if _name == "abs" else None),
+           _prim_impl(_name))
 for _name in UNARY_PREDICATES + COMPARISONS:
     define(_name, _elementwise_infer(_name, torch.bool), _prim_impl(_name))
 
@@ -181,6 +188,30 @@ def _polygamma_infer(x, *, n):
 
 
 define("polygamma", _polygamma_infer, lambda x, *, n: torch.polygamma(n, x))
+
+
+
+
+# Complex numbers: parts, assembly, conjugation. A complex value is one elementwise operand
+# like any other; these are the only primitives that cross between real and complex.
+def _complex_infer(re, im):
+    _check(re.shape == im.shape and re.dtype == im.dtype and re.dtype.is_floating_point,
+           "complex", "parts must be floating point of one shape and dtype", re, im)
+    return (TensorType(re.shape, re.dtype.to_complex(), re.device),)
+
+
+def _part_infer(name: str):
+    def infer(x):
+        _check(x.dtype.is_complex, name, "operand must be complex", x)
+        return (TensorType(x.shape, x.dtype.to_real(), x.device),)
+
+    return infer
+
+
+define("complex", _complex_infer, torch.complex)
+define("real", _part_infer("real"), lambda x: torch.real(x).clone())
+define("imag", _part_infer("imag"), lambda x: torch.imag(x).clone())
+define("conj", _elementwise_infer("conj", None), torch.conj_physical)
 
 
 def _where_infer(pred, a, b):
@@ -442,6 +473,36 @@ def _topk_infer(x, *, k, dim, largest, sorted):
 
 define("topk", _topk_infer, lambda x, *, k, dim, largest, sorted: tuple(
     torch.topk(x, k, dim=dim, largest=largest, sorted=sorted)), multiple_results=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Fourier transforms (library calls, as ATen's: real->complex, complex->real, complex->complex)
+# ---------------------------------------------------------------------------------------
+def _fft_infer(kind: str):
+    def infer(x, *, dim, normalization, **option):
+        dims = _norm_dims(dim, x.ndim, f"fft_{kind}")
+        _check(x.dtype.is_complex == (kind != "r2c"), f"fft_{kind}",
+               "operand must be " + ("real" if kind == "r2c" else "complex"), x)
+        shape = list(x.shape)
+        if kind == "r2c" and option["onesided"]:
+            shape[dims[-1]] = shape[dims[-1]] // 2 + 1
+        if kind == "c2r":
+            shape[dims[-1]] = option["last_dim_size"]
+        dtype = {"r2c": x.dtype.to_complex(), "c2r": x.dtype.to_real(), "c2c": x.dtype}[kind]
+        return (TensorType(shape, dtype, x.device),)
+
+    return infer
+
+
+def _fft_impl(op):
+    """The one kind-specific option (onesided, last_dim_size, forward) is the last argument."""
+    return lambda x, *, dim, normalization, **option: op(x, dim, normalization,
+                                                         *option.values())
+
+
+for _kind in ("r2c", "c2r", "c2c"):
+    define(f"fft_{_kind}", _fft_infer(_kind),
+           _fft_impl(getattr(torch.ops.aten, f"_fft_{_kind}").default))
 
 
 def is_effectful(node) -> bool:

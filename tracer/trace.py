@@ -41,9 +41,10 @@ HANDLERS: dict[Any, Callable] = {}
 _PLAIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The package root is the repository root, so skip plait's own modules, not the whole tree
 # (examples/ and tests/ are user code).
-_SKIP_DIRS = tuple(os.path.join(_PLAIT_ROOT, d) + os.sep for d in (
-    "tracer", "graph", "passes", "backends")) + (
-    os.path.dirname(torch.__file__) + os.sep, os.path.dirname(contextlib.__file__) + os.sep)
+_PLAIT_DIRS = tuple(os.path.join(_PLAIT_ROOT, d) + os.sep for d in (
+    "tracer", "graph", "passes", "backends"))
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SKIP_DIRS = _PLAIT_DIRS + (_TORCH_DIR, os.path.dirname(contextlib.__file__) + os.sep)
 _SKIP_FILES = {os.path.join(_PLAIT_ROOT, f) for f in ("api.py", "__init__.py", "config.py")}
 
 
@@ -57,6 +58,10 @@ class TracerTensor(torch.Tensor):
     _trace: "Trace"
     _value: Value
     _is_view: bool  # made by an op whose schema returns an alias: never rebound by a write
+    # Known to be laid out contiguously from offset 0 in eager too. Tracers always present a
+    # contiguous layout, but eager's ops keep their operands' strides, so only dense tracers
+    # may be read through raw strides (as_strided).
+    _dense: bool
 
     @staticmethod
     def __new__(cls, trace: "Trace", value: Value):
@@ -64,7 +69,7 @@ class TracerTensor(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype,
                                                    device=torch.device(t.device),
                                                    requires_grad=False)
-        self._trace, self._value, self._is_view = trace, value, False
+        self._trace, self._value, self._is_view, self._dense = trace, value, False, False
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -129,9 +134,22 @@ class Trace:
         self._provenance = Provenance()
         self._depth = 0
 
+    @property
+    def issued_by_torch(self) -> bool:
+        """Is the op being traced issued by PyTorch's code (a decomposition, or a torch
+        function written in Python) rather than by the user's?"""
+        if self._depth > 1:
+            return True
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_PLAIT_DIRS):
+            frame = frame.f_back
+        return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR)
+
     # -- values ----------------------------------------------------------------------------
-    def new_input(self, type: TensorType) -> TracerTensor:
-        return TracerTensor(self, self.builder.add_input(type))
+    def new_input(self, type: TensorType, dense: bool = True) -> TracerTensor:
+        tracer = TracerTensor(self, self.builder.add_input(type))
+        tracer._dense = dense
+        return tracer
 
     def value_of(self, x: Any) -> Value:
         if isinstance(x, TracerTensor):
@@ -347,16 +365,20 @@ def _user_source() -> str | None:
     return None
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.storage_offset() == 0
+
+
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2}
 
 
 def check_dtype(x: torch.Tensor | TensorType, where: str) -> None:
-    """Complex, sparse and quantized tensors are outside plait's primitive set."""
+    """Sparse and quantized tensors are outside plait's primitive set."""
     layout = getattr(x, "layout", torch.strided)
-    if x.dtype.is_complex or x.dtype in _QUANTIZED or layout != torch.strided:
+    if x.dtype in _QUANTIZED or layout != torch.strided:
         what = f"dtype {x.dtype}" if layout == torch.strided else f"layout {layout}"
-        raise UnsupportedDtypeError(f"{where}: plait does not support {what} (complex, sparse "
-                                    "and quantized tensors); run this part outside plait.jit")
+        raise UnsupportedDtypeError(f"{where}: plait does not support {what} (sparse and "
+                                    "quantized tensors); run this part outside plait.jit")
 
 
 # Factories with no tensor operand never reach TracerTensor's dispatch: they would run once,
