@@ -1,0 +1,2 @@
+"""Neural-network ops: convolution as a primitive, and pooling, normalization and friends
+composed from primitives."""
