@@ -1,4 +1,5 @@
 """Every error plait raises at a user: one class per kind of problem, each message says the fix."""
+import torch
 
 
 class PlaitError(Exception):
@@ -14,7 +15,7 @@ class UnsupportedOpError(PlaitError):
 
 
 class UnsupportedDtypeError(PlaitError):
-    """A dtype or tensor layout plait does not handle (complex, sparse, quantized)."""
+    """A dtype or tensor layout plait does not handle (sparse, quantized)."""
 
 
 class OpError(PlaitError):
@@ -31,6 +32,15 @@ class TraceError(PlaitError):
 
 class GraphError(PlaitError):
     """A graph is malformed: a cycle, a dangling operand, inconsistent types."""
+
+
+class CheckError(PlaitError, RuntimeError):
+    """A run-time check failed where eager PyTorch raises too (e.g. a non-finite range).
+    It is a RuntimeError, as eager's error is, so code catching that keeps working."""
+
+
+class LinAlgError(CheckError, torch.linalg.LinAlgError):
+    """A singular or non-positive-definite matrix, where eager raises torch's LinAlgError."""
 
 
 class BackendError(PlaitError):

@@ -13,12 +13,14 @@ import math
 
 import torch
 import torch._prims  # noqa: F401  (registers every torch.ops.prims op before handlers bind)
+import torch._refs.nn.functional
 
-from ..errors import ShapeError, UnsupportedOpError
+from ..errors import OpError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
-from .trace import HANDLERS, TracerTensor, _NeedsFallback, bind, current_trace
+from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback, bind,
+                    current_trace)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -271,6 +273,19 @@ HANDLERS[_prim("conj_physical")] = HANDLERS[aten._conj.default] = HANDLERS[
     aten.conj_physical.default] = _complex_part("conj")
 
 
+@handles(aten.where.Scalar)
+def _where_scalars(condition, a, b):
+    """Two Python scalars: the dtype is their promotion as 0-dim tensors (float32 for floats)."""
+    dtype = torch.result_type(torch.tensor(a), torch.tensor(b))
+    shape, device = type_of(condition).shape, type_of(condition).device
+    return bind("where", convert(condition, torch.bool), *line_up((a, b), dtype, shape, device))
+
+
+@handles(_prim("frexp"))
+def _prims_frexp(x):
+    return bind("frexp", x)
+
+
 @handles(aten.complex.default)
 def _complex(re, im):
     shape, device = common_shape((re, im))
@@ -511,7 +526,17 @@ def _diagonal_layout(t: TensorType, offset, dim1, dim2):
 
 @handles(aten.diagonal.default, aten.diagonal_copy.default)
 def _diagonal(x, offset=0, dim1=0, dim2=1):
-    return strided_view(x, *_diagonal_layout(type_of(x), offset, dim1, dim2))
+    """A strided slice of the flattened (dim1, dim2) plane, moved last: a pure index
+    rewrite, unlike the general strided view's gather."""
+    t = type_of(x)
+    _diagonal_layout(t, offset, dim1, dim2)  # checks the dims
+    dim1, dim2 = dim1 % t.ndim, dim2 % t.ndim
+    rest = [d for d in range(t.ndim) if d not in (dim1, dim2)]
+    rows, cols = t.shape[dim1], t.shape[dim2]
+    length = max(0, min(rows + min(offset, 0), cols - max(offset, 0)))
+    start = (offset if offset >= 0 else -offset * cols) if length else 0
+    flat = x.permute(rest + [dim1, dim2]).reshape(*[t.shape[d] for d in rest], rows * cols)
+    return flat[..., start:start + length * (cols + 1):cols + 1]
 
 
 @handles(aten.diagonal_scatter.default)
@@ -669,6 +694,151 @@ HANDLERS[aten.scatter_reduce.two] = \
                                                                      reduce, include_self)
 
 
+@handles(aten.index_reduce.default)
+def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    """Each slice ``source[..., i, ...]`` reduces into ``x[..., index[i], ...]``."""
+    shape = type_of(x).shape
+    if not shape:  # a 0-dim tensor acts as one of shape (1,)
+        x, source = reshape(x, (1,)), reshape(source, (1,))
+    src_t = type_of(source)
+    dim %= src_t.ndim
+    spread = broadcast_to(reshape(convert(index, torch.int64), (src_t.shape[dim],) + (1,) * (
+        src_t.ndim - dim - 1)), src_t.shape)
+    return reshape(_scatter(x, dim, spread, source, reduce, include_self), shape)
+
+
+@handles(aten.put.default)
+def _put(x, index, source, accumulate=False):
+    """``x.flatten()[index] = source`` (or +=), negative indices counted from the end."""
+    t = type_of(x)
+    index = torch.reshape(convert(index, torch.int64), (-1,))
+    index = torch.where(index < 0, index + t.numel, index)
+    flat = _scatter(reshape(x, (t.numel,)), 0, index, torch.reshape(source, (-1,)),
+                    "sum" if accumulate else None)
+    return reshape(flat, t.shape)
+
+
+@handles(aten.masked_scatter.default)
+def _masked_scatter(x, mask, source):
+    """The k-th True of the mask takes source's k-th element: a gather at cumsum(mask) - 1."""
+    shape, _ = common_shape((x, mask))
+    mask = broadcast_to(mask, shape)
+    rank = torch.cumsum(torch.reshape(mask, (-1,)), 0) - 1
+    taken = torch.reshape(torch.reshape(source, (-1,))[torch.clamp(rank, min=0)], shape)
+    return torch.where(mask, taken, broadcast_to(x, shape))
+
+
+@handles(aten.nonzero_static.default)
+def _nonzero_static(x, *, size, fill_value=-1):
+    """The first ``size`` nonzero coordinates in row-major order, padded with fill_value."""
+    t = type_of(x)
+    found = torch.reshape(x != 0, (-1,))
+    if t.numel < size:
+        found = torch.cat([found, torch.zeros(size - t.numel, dtype=torch.bool)])
+    # A stable sort of "is zero" puts the nonzero positions first, in order.
+    order = bind("sort", convert(torch.logical_not(found), torch.uint8), dim=0,
+                 descending=False, stable=True)[1][:size]
+    coords = [order // step % n for n, step in zip(t.shape, contiguous_strides(t.shape))]
+    coords = torch.stack(coords, -1) if coords else torch.zeros(size, 0, dtype=torch.int64)
+    keep = torch.arange(size) < torch.sum(found)
+    return torch.where(torch.unsqueeze(keep, -1), coords, fill_value)
+
+
+@handles(aten.histc.default)
+def _histc(x, bins=100, min=0, max=0):
+    """Bin ``(v - min) * bins / (max - min)``, truncated, in x's dtype, as ATen computes it;
+    values outside [min, max] (and NaN) are not counted; max falls in the last bin."""
+    t = type_of(x)
+    if min > max:
+        raise OpError(f"histc: max ({max}) must be larger than min ({min})")
+    lo, hi = (torch.full((), v, dtype=t.dtype) for v in (min, max))
+    if min == max and t.numel:  # the data's range, widened when it is one point
+        lo, hi = torch.amin(x), torch.amax(x)
+    same = lo == hi
+    lo, hi = torch.where(same, lo - 1, lo), torch.where(same, hi + 1, hi)
+    bind("check", torch.logical_not(torch.isfinite(lo) & torch.isfinite(hi)),
+         message="torch.histc: the range of the data is not finite")
+    flat = torch.reshape(x, (-1,))
+    inside = torch.logical_and(flat >= lo, flat <= hi)
+    pos = convert((flat - lo) * bins / (hi - lo), torch.int64)
+    pos = torch.where(inside, torch.clamp(pos, 0, bins - 1), 0)
+    counts = torch.zeros(bins, dtype=t.dtype)
+    return _scatter(counts, 0, pos, convert(inside, t.dtype), "sum")
+
+
+# Histograms (fixed bin counts, so static shapes). A value's bin is the number of edges at or
+# below it, minus one, as ATen's binary search finds it; the last edge closes the last bin.
+def _histogram_edges(x2d, bins, range):
+    """Per dim: ``bins[d] + 1`` evenly spaced edges over ``range`` or the data's extent,
+    widened by 0.5 each side when that is one point."""
+    edges = []
+    for d, nb in enumerate(bins):
+        if range is not None:
+            lo, hi = (torch.full((), float(v), dtype=x2d.dtype) for v in range[2 * d:2 * d + 2])
+        elif x2d.shape[0]:
+            lo, hi = torch.amin(x2d[:, d]), torch.amax(x2d[:, d])
+        else:  # no data: [0, 1], as ATen (and NumPy) choose
+            lo, hi = (torch.full((), float(v), dtype=x2d.dtype) for v in (0, 1))
+        bind("check", torch.logical_not(torch.isfinite(lo) & torch.isfinite(hi) & (lo <= hi)),
+             message="torch.histogram: the range of the bins is not finite, or min > max")
+        same = lo == hi
+        lo, hi = torch.where(same, lo - 0.5, lo), torch.where(same, hi + 0.5, hi)
+        edges.append(torch.linspace(lo, hi, nb + 1, dtype=x2d.dtype))
+    return edges
+
+
+def _histogram_counts(x2d, edges, weight, density):
+    bins = [e.shape[0] - 1 for e in edges]
+    flat = torch.zeros(x2d.shape[0], dtype=torch.int64)
+    inside = torch.ones(x2d.shape[0], dtype=torch.bool)
+    for d, (e, nb) in enumerate(zip(edges, bins)):
+        v = x2d[:, d]
+        inside = inside & (v >= e[0]) & (v <= e[-1])
+        flat = flat * nb + torch.clamp(_searchsorted(e, v, right=True) - 1, 0, nb - 1)
+    weight = torch.ones_like(x2d[:, 0]) if weight is None else torch.reshape(weight, (-1,))
+    hist = torch.zeros(math.prod(bins), dtype=x2d.dtype).scatter_add(
+        0, torch.where(inside, flat, 0), torch.where(inside, weight, 0))
+    hist = torch.reshape(hist, bins)
+    if density:
+        hist = hist / torch.sum(hist)
+        for d, e in enumerate(edges):
+            hist = hist / torch.reshape(e[1:] - e[:-1], [-1 if i == d else 1
+                                                          for i in range(len(bins))])
+    return hist
+
+
+def _as_points(x):
+    """histogram's 1-d view of its input: every element is one point of one coordinate."""
+    return torch.reshape(x, (-1, 1))
+
+
+@handles(aten.histogram.bin_ct)
+def _histogram_bin_ct(x, bins=100, *, range=None, weight=None, density=False):
+    (edges,) = _histogram_edges(_as_points(x), [bins], range)
+    return _histogram_counts(_as_points(x), [edges], weight, density), edges
+
+
+@handles(aten.histogram.bins_tensor)
+def _histogram_bins_tensor(x, bins, *, weight=None, density=False):
+    return _histogram_counts(_as_points(x), [bins], weight, density), bins
+
+
+@handles(aten._histogramdd_bin_edges.default)
+def _histogramdd_bin_edges(x, bins, *, range=None, weight=None, density=False):
+    return _histogram_edges(torch.reshape(x, (-1, x.shape[-1])), bins, range)
+
+
+@handles(aten._histogramdd_from_bin_cts.default)
+def _histogramdd_from_bin_cts(x, bins, *, range=None, weight=None, density=False):
+    x2d = torch.reshape(x, (-1, x.shape[-1]))
+    return _histogram_counts(x2d, _histogram_edges(x2d, bins, range), weight, density)
+
+
+@handles(aten._histogramdd_from_bin_tensors.default)
+def _histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
+    return _histogram_counts(torch.reshape(x, (-1, x.shape[-1])), bins, weight, density)
+
+
 @handles(aten.index_select.default)
 def _index_select(x, dim, index):
     t = type_of(x)
@@ -787,6 +957,95 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
                 sorted=sorted)
 
 
+# Order statistics: a stable sort, then a gather at a computed rank. NaNs sort last, so the
+# count of non-NaN values gives the rank that eager's selection picks.
+def _select_rank(x, dim, keepdim, rank_of):
+    """Value and index at rank ``rank_of(valid_count, n)`` of each slice along ``dim``."""
+    t = type_of(x)
+    if not t.ndim:
+        x, dim = reshape(x, (1,)), 0
+    dim %= max(t.ndim, 1)
+    n = type_of(x).shape[dim]
+    if n == 0:
+        raise ShapeError(f"cannot select from an empty dimension of {t}")
+    values, indices = bind("sort", x, dim=dim, descending=False, stable=True)
+    valid = torch.sum(torch.logical_not(torch.isnan(x)), dim, keepdim=True)
+    rank = rank_of(valid, n)
+    out = [torch.gather(v, dim, rank) for v in (values, indices)]
+    if not keepdim or not t.ndim:
+        out = [torch.squeeze(o, dim) for o in out]
+    return tuple(out)
+
+
+def _median_rank(valid, n):  # any NaN: the first NaN
+    return torch.where(valid < n, valid, (n - 1) // 2)
+
+
+def _nanmedian_rank(valid, n):  # the median of the non-NaN values (all NaN: a NaN)
+    return torch.clamp(valid - 1, min=0) // 2
+
+
+def _median(rank_of):
+    def along(x, dim=0, keepdim=False):
+        return _select_rank(x, dim, keepdim, rank_of)
+
+    def overall(x):
+        return _select_rank(reshape(x, (type_of(x).numel,)), 0, False, rank_of)[0]
+
+    return along, overall
+
+
+HANDLERS[aten.median.dim], HANDLERS[aten.median.default] = _median(_median_rank)
+HANDLERS[aten.nanmedian.dim], HANDLERS[aten.nanmedian.default] = _median(_nanmedian_rank)
+
+
+@handles(aten.kthvalue.default)
+def _kthvalue(x, k, dim=-1, keepdim=False):
+    n = type_of(x).shape[dim % type_of(x).ndim] if type_of(x).ndim else 1
+    if not 1 <= k <= n:
+        raise ShapeError(f"kthvalue: k={k} is out of range for a dimension of size {n}")
+    return _select_rank(x, dim, keepdim, lambda valid, n: torch.full_like(valid, k - 1))
+
+
+def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None,
+                  sorter=None):
+    """Rank by counting: left = #(seq < v), right = n - #(v < seq), as a binary search."""
+    if sorter is not None:
+        sorted_sequence = torch.gather(sorted_sequence, -1, sorter)
+    scalar = not isinstance(values, torch.Tensor)
+    if scalar:
+        values = torch.full((), values, dtype=type_of(sorted_sequence).dtype)
+    seq_t, n = type_of(sorted_sequence), type_of(sorted_sequence).shape[-1]
+    if seq_t.ndim == 1:
+        seq = sorted_sequence
+    else:
+        seq = torch.unsqueeze(sorted_sequence, -2)
+    v = torch.unsqueeze(values, -1)
+    if right or side == "right":
+        count = n - torch.sum(v < seq, -1)
+    else:
+        count = torch.sum(seq < v, -1)
+    return convert(count, torch.int32 if out_int32 else torch.int64)
+
+
+HANDLERS[aten.searchsorted.Tensor] = HANDLERS[aten.searchsorted.Scalar] = _searchsorted
+
+
+@handles(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def _bucketize(x, boundaries, *, out_int32=False, right=False):
+    return _searchsorted(boundaries, x, out_int32=out_int32, right=right)
+
+
+@handles(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def _isin(elements, test_elements, *, assume_unique=False, invert=False):
+    tests = torch.reshape(test_elements, (-1,)) if isinstance(test_elements, torch.Tensor) \
+        else torch.full((1,), test_elements, dtype=type_of(elements).dtype)
+    if not isinstance(elements, torch.Tensor):
+        elements = torch.full((), elements, dtype=type_of(tests).dtype)
+    found = torch.any(torch.unsqueeze(elements, -1) == tests, -1)
+    return torch.logical_not(found) if invert else found
+
+
 @handles(aten.constant_pad_nd.default)
 def _constant_pad(x, pad, value=0):
     t = type_of(x)
@@ -805,6 +1064,81 @@ def _constant_pad(x, pad, value=0):
     elif not t.dtype.is_floating_point:
         value = int(value)
     return bind("pad", x, low=tuple(low), high=tuple(high), value=value)
+
+
+def _pad(x, pad, mode="constant", value=None):
+    """Circular padding, whose C++ body writes into a fresh eager tensor: per dim (last
+    first), crop for negative pads, then wrap the cropped tensor around."""
+    if mode != "circular":
+        return NotImplemented
+    if len(pad) % 2 or x.ndim - len(pad) // 2 not in (1, 2):
+        raise ShapeError(f"circular padding of {len(pad) // 2} dims needs an input of "
+                         f"{len(pad) // 2 + 1} or {len(pad) // 2 + 2} dims, got {x.ndim}")
+    for i in range(len(pad) // 2):
+        d, low, high = x.ndim - 1 - i, pad[2 * i], pad[2 * i + 1]
+        x = torch.narrow(x, d, max(0, -low), x.shape[d] - max(0, -low) - max(0, -high))
+        n, low, high = x.shape[d], max(0, low), max(0, high)
+        if low > n or high > n:
+            raise ShapeError(f"circular padding {list(pad)} wraps around a dimension of size "
+                             f"{n} more than once")
+        x = torch.cat([torch.narrow(x, d, n - low, low), x, torch.narrow(x, d, 0, high)], d)
+    return x
+
+
+FUNCTION_HANDLERS[torch.nn.functional.pad] = _pad
+
+
+def _reduce_loss(loss, reduction):
+    return {"none": lambda v: v, "mean": torch.mean, "sum": torch.sum}[reduction](loss)
+
+
+def _cosine_embedding_loss(x1, x2, target, margin=0.0, size_average=None, reduce=None,
+                           reduction="mean"):
+    """ATen's formula, whose C++ body writes into a fresh eager tensor."""
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    if x1.shape != x2.shape or x1.ndim not in (1, 2) or target.ndim != x1.ndim - 1:
+        raise ShapeError(f"cosine_embedding_loss: inputs {list(x1.shape)} and "
+                         f"{list(x2.shape)} need one shape of 1 or 2 dims, and a target of "
+                         f"one dim less, got {list(target.shape)}")
+    dim = x1.ndim - 1
+    eps = 1e-12
+    cos = torch.sum(x1 * x2, dim) / torch.sqrt(
+        (torch.sum(x1 * x1, dim) + eps) * (torch.sum(x2 * x2, dim) + eps))
+    zeros = torch.zeros_like(cos)
+    loss = (torch.where(target == 1, 1 - cos, zeros)
+            + torch.where(target == -1, torch.clamp_min(cos - margin, 0), zeros))
+    return _reduce_loss(loss, reduction)
+
+
+def _hinge_embedding_loss(x, target, margin=1.0, size_average=None, reduce=None,
+                          reduction="mean"):
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    return torch._refs.nn.functional.hinge_embedding_loss(x, target, margin, reduction)
+
+
+def _instance_norm(x, running_mean=None, running_var=None, weight=None, bias=None,
+                   use_input_stats=True, momentum=0.1, eps=1e-5):
+    """ATen's: batch norm over (1, N*C, ...) with the per-channel tensors repeated N times,
+    then the running stats averaged back over N (its C++ body writes through an alias)."""
+    if use_input_stats:
+        torch.nn.functional._verify_spatial_size(x.size())
+    n, c = x.shape[:2]
+    repeat = lambda t: None if t is None else t.repeat(n)  # noqa: E731
+    stats = [repeat(running_mean), repeat(running_var)]
+    out = torch.nn.functional.batch_norm(x.reshape(1, n * c, *x.shape[2:]), *stats,
+                                         repeat(weight), repeat(bias), use_input_stats,
+                                         momentum, eps)
+    for running, repeated in zip((running_mean, running_var), stats):
+        if running is not None and use_input_stats:
+            running.copy_(repeated.view(n, c).mean(0))
+    return out.view(x.shape)
+
+
+FUNCTION_HANDLERS.update({torch.nn.functional.cosine_embedding_loss: _cosine_embedding_loss,
+                          torch.nn.functional.hinge_embedding_loss: _hinge_embedding_loss,
+                          torch.nn.functional.instance_norm: _instance_norm})
 
 
 @handles(aten.copy.default)

@@ -1,2 +1,482 @@
 """Linear algebra: a few library-call primitives (as jax.lax.linalg) and the ATen linalg ops
-composed from them."""
+composed from them.
+
+NOTE [linalg primitives]
+Factorizations cannot be written with plait's other primitives, so each is one primitive
+whose ``impl`` is the LAPACK (or cuSOLVER) call eager PyTorch makes: ``cholesky``, ``lu``
+(with ``lu_pivots_to_permutation``), ``triangular_solve``, ``qr``, ``householder_product``,
+``eigh`` and ``svd``. ``linalg_check`` is an effectful primitive with no result: it raises
+``plait.errors.LinAlgError`` (a ``torch.linalg.LinAlgError``) at run time wherever eager would (a singular or indefinite matrix).
+Every other linalg op is composed from these and ordinary primitives (inv and solve from LU
+and two triangular solves, det from LU's diagonal, pinv from svd or eigh, ...). The set is
+kept small because each primitive needs its own differentiation and batching rules; the
+compositions get theirs for free. Eigen- and singular vectors are only defined up to sign,
+so they always come from the very LAPACK call eager uses, never from a different route.
+
+Handlers first run the op's meta kernel, so invalid arguments raise eager's own message
+while tracing. Complex operands go to an opaque node: the compositions use transposes where
+a complex matrix needs the conjugate transpose. ``linalg.matrix_exp`` (its Taylor degree and
+number of squarings depend on the matrix norm) and ``linalg.ldl_*`` (Bunch-Kaufman pivots
+interleave 1x1 and 2x2 blocks by value) stay opaque.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..errors import CheckError, LinAlgError, ShapeError
+from ..graph import TensorType
+from .aten import full, handles, type_of
+from .primitives import _check, define
+from .trace import bind, current_trace
+
+aten = torch.ops.aten
+_FLOATS = (torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------
+# Primitives
+# ---------------------------------------------------------------------------------------
+def _check_matrices(prim: str, *types: TensorType, square: bool = False) -> None:
+    for t in types:
+        _check(t.ndim >= 2 and t.dtype == types[0].dtype in _FLOATS, prim,
+               "expected float32 or float64 matrices of one dtype", *types)
+        _check(t.shape[:-2] == types[0].shape[:-2], prim, "batch dims must match", *types)
+    _check(not square or types[0].shape[-1] == types[0].shape[-2], prim,
+           "expected a square matrix", *types)
+
+
+def _like(t: TensorType, shape, dtype=None) -> TensorType:
+    return TensorType(tuple(shape), dtype or t.dtype, t.device)
+
+
+def _batch(t: TensorType, *trailing) -> TensorType:
+    """A result with ``t``'s batch dims and the given trailing dims."""
+    return _like(t, t.shape[:-2] + trailing)
+
+
+def _cholesky_infer(a):
+    _check_matrices("cholesky", a, square=True)
+    return a, _like(a, a.shape[:-2], torch.int32)
+
+
+# Lower triangular only (reads the lower triangle, as LAPACK's potrf('L')); info > 0 marks
+# the first minor that is not positive-definite.
+define("cholesky", _cholesky_infer, lambda a: tuple(torch.linalg.cholesky_ex(a)),
+       multiple_results=True)
+
+
+def _triangular_solve_infer(a, b, *, lower, unit_diagonal):
+    _check_matrices("triangular_solve", a, b)
+    _check(a.shape[-1] == a.shape[-2] == b.shape[-2], "triangular_solve",
+           "expected a square a with as many rows as b", a, b)
+    return (b,)
+
+
+# Solves a @ x = b, reading only a's lower (or upper) triangle.
+define("triangular_solve", _triangular_solve_infer,
+       lambda a, b, *, lower, unit_diagonal: torch.linalg.solve_triangular(
+           a, b, upper=not lower, unitriangular=unit_diagonal))
+
+
+def _lu_infer(a, *, pivot):
+    _check_matrices("lu", a)
+    k = min(a.shape[-2:])
+    return a, _like(a, a.shape[:-2] + (k,), torch.int32), _like(a, a.shape[:-2], torch.int32)
+
+
+# LU, 1-based LAPACK row pivots (int32) and info (> 0: U has a zero on its diagonal).
+define("lu", _lu_infer, lambda a, *, pivot: tuple(torch.linalg.lu_factor_ex(a, pivot=pivot)),
+       multiple_results=True)
+
+
+def _pivots_infer(pivots, *, size):
+    _check(pivots.ndim >= 1 and pivots.dtype == torch.int32 and pivots.shape[-1] <= size,
+           "lu_pivots_to_permutation", f"expected int32 pivots, at most {size} of them",
+           pivots)
+    return (_like(pivots, pivots.shape[:-1] + (size,), torch.int64),)
+
+
+def _pivots_impl(pivots, *, size):
+    """Apply the row swaps in order: a[perm] == l @ u."""
+    perm = torch.arange(size, device=pivots.device).expand(*pivots.shape[:-1], size).clone()
+    swaps = pivots.long() - 1
+    for i in range(pivots.shape[-1]):
+        j = swaps[..., i:i + 1]
+        here, there = perm[..., i:i + 1].clone(), perm.gather(-1, j)
+        perm[..., i:i + 1] = there
+        perm.scatter_(-1, j, here)
+    return perm
+
+
+define("lu_pivots_to_permutation", _pivots_infer, _pivots_impl)
+
+
+def _qr_infer(a, *, full_matrices):
+    _check_matrices("qr", a)
+    m, n = a.shape[-2:]
+    k = m if full_matrices else min(m, n)
+    return _batch(a, m, k), _batch(a, k, n)
+
+
+define("qr", _qr_infer, lambda a, *, full_matrices: tuple(
+    torch.linalg.qr(a, "complete" if full_matrices else "reduced")), multiple_results=True)
+
+
+def _householder_infer(a, tau):
+    _check_matrices("householder_product", a)
+    ok = (tau.shape == a.shape[:-2] + tau.shape[-1:] and tau.dtype == a.dtype
+          and a.shape[-1] <= a.shape[-2] and tau.shape[-1] <= a.shape[-1])
+    _check(ok, "householder_product", "expected a (..., m, n) with m >= n and tau (..., k) "
+           "with k <= n", a, tau)
+    return (a,)
+
+
+# The first n columns of the product of the k Householder reflectors (LAPACK's orgqr).
+define("householder_product", _householder_infer, torch.linalg.householder_product)
+
+
+def _eigh_infer(a, *, lower, compute_v):
+    _check_matrices("eigh", a, square=True)
+    w = _like(a, a.shape[:-1])
+    return (w, a) if compute_v else (w,)
+
+
+def _eigh_impl(a, *, lower, compute_v):
+    w, v = aten._linalg_eigh(a, "L" if lower else "U", compute_v)
+    return (w, v) if compute_v else (w,)
+
+
+# Ascending eigenvalues of the symmetric matrix in a's lower (or upper) triangle.
+define("eigh", _eigh_infer, _eigh_impl, multiple_results=True)
+
+
+def _svd_infer(a, *, full_matrices, compute_uv, driver):
+    _check_matrices("svd", a)
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    s = _like(a, a.shape[:-2] + (k,))
+    if not compute_uv:
+        return (s,)
+    return _batch(a, m, m if full_matrices else k), s, _batch(a, n if full_matrices else k, n)
+
+
+def _svd_impl(a, *, full_matrices, compute_uv, driver):
+    u, s, vh = aten._linalg_svd(a, full_matrices, compute_uv, driver=driver)
+    return (u, s, vh) if compute_uv else (s,)
+
+
+# Descending singular values; u and vh as eager's (the driver only matters on CUDA).
+define("svd", _svd_infer, _svd_impl, multiple_results=True)
+
+
+def _linalg_check_infer(info, *, api, is_matrix):
+    _check(info.dtype == torch.int32, "linalg_check", "info must be int32", info)
+    return ()
+
+
+def _linalg_check_impl(info, *, api, is_matrix):
+    try:
+        torch._linalg_check_errors(info, api, is_matrix=is_matrix)
+    except torch.linalg.LinAlgError as e:
+        raise LinAlgError(str(e)) from None
+    except RuntimeError as e:
+        raise CheckError(str(e)) from None
+    return ()
+
+
+define("linalg_check", _linalg_check_infer, _linalg_check_impl, multiple_results=True,
+       effectful=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Shared compositions
+# ---------------------------------------------------------------------------------------
+def _meta(x):
+    if isinstance(x, torch.Tensor):
+        t = type_of(x)
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return torch.device("meta") if isinstance(x, torch.device) else x
+
+
+def linalg_op(op, real_only: bool = True):
+    """Register a handler for ``op`` that checks the arguments with the op's meta kernel
+    first (so errors read as eager's) and, if ``real_only``, hands complex operands to an
+    opaque node."""
+    def register(fn):
+        def handler(*args, **kwargs):
+            tensors = [x for x in pytree.tree_leaves((args, kwargs))
+                       if isinstance(x, torch.Tensor)]
+            if real_only and any(type_of(x).dtype.is_complex for x in tensors):
+                return current_trace().opaque(op, args, kwargs)
+            meta_args, meta_kwargs = pytree.tree_map(_meta, (args, kwargs))
+            try:
+                op(*meta_args, **meta_kwargs)
+            except Exception as e:  # torch._check raises several types
+                raise ShapeError(f"{op}: {e}") from None
+            return fn(*args, **kwargs)
+
+        handles(op)(functools.update_wrapper(handler, fn))
+        return fn
+
+    return register
+
+
+def _empty(like):
+    """The 0-element placeholder eager returns for an output it was told not to compute."""
+    t = type_of(like)
+    return full((0,), 0, t.dtype, t.device)
+
+
+def _check_info(info, api: str, a) -> None:
+    bind("linalg_check", info, api=api, is_matrix=type_of(a).ndim == 2)
+
+
+def _eye(n: int, like, cols: int | None = None):
+    t = type_of(like)
+    return torch.eye(n, cols if cols is not None else n, dtype=t.dtype, device=t.device)
+
+
+def _broadcast_batch(*xs):
+    """Expand the batch dims (all but the last ``ndim`` of each pair) to a common shape."""
+    batch = torch.broadcast_shapes(*[type_of(x).shape[:-k] for x, k in xs])
+    return [x.expand(*batch, *type_of(x).shape[type_of(x).ndim - k:]) for x, k in xs]
+
+
+def solve_triangular(a, b, *, lower, unit=False, left=True, transpose=False):
+    """Solve op(a) @ x = b (or x @ op(a) = b if not left), op(a) = a.mT if transpose, with
+    batch dims broadcast. Only the triangle of op(a) named by ``lower`` is read."""
+    if transpose:
+        a, lower = a.mT, not lower
+    if not left:
+        return solve_triangular(a, b.mT, lower=lower, unit=unit, transpose=True).mT
+    a, b = _broadcast_batch((a, 2), (b, 2))
+    return bind("triangular_solve", a, b, lower=lower, unit_diagonal=unit)
+
+
+def _permutation(pivots, n: int):
+    return bind("lu_pivots_to_permutation", pivots, size=n)
+
+
+def _take_rows(b, perm):
+    return torch.gather(b, -2, perm.unsqueeze(-1).expand(type_of(b).shape))
+
+
+def lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    """Solve a @ x = b (a.mT if adjoint; x @ a = b if not left) from a's LU factorization
+    p @ l @ u = a, where b[perm] == p.mT @ b."""
+    if not left:
+        return lu_solve(lu, pivots, b.mT, adjoint=not adjoint).mT
+    n = type_of(lu).shape[-1]
+    lu, perm, b = _broadcast_batch((lu, 2), (_permutation(pivots, n), 1), (b, 2))
+    if not adjoint:
+        y = solve_triangular(lu, _take_rows(b, perm), lower=True, unit=True)
+        return solve_triangular(lu, y, lower=False)
+    z = solve_triangular(lu, b, lower=False, transpose=True)
+    w = solve_triangular(lu, z, lower=True, unit=True, transpose=True)
+    return _take_rows(w, torch.argsort(perm, dim=-1))
+
+
+def _diagonal_of(x):
+    return torch.diagonal(x, 0, -2, -1)
+
+
+def _pivot_sign(pivots, dtype):
+    """det of the permutation: -1 per row swap (a pivot that is not its own row)."""
+    k = type_of(pivots).shape[-1]
+    rows = torch.arange(1, k + 1, dtype=torch.int32, device=type_of(pivots).device)
+    swaps = (pivots != rows).sum(-1)
+    return (1 - 2 * (swaps % 2)).to(dtype)
+
+
+def _lu(a, pivot=True):
+    return bind("lu", a, pivot=pivot)
+
+
+# ---------------------------------------------------------------------------------------
+# ATen ops
+# ---------------------------------------------------------------------------------------
+@handles(aten._linalg_check_errors.default)
+def _linalg_check_errors(info, api_name, *, is_matrix):
+    bind("linalg_check", info, api=api_name, is_matrix=is_matrix)
+
+
+def _cholesky(a, upper):
+    """The upper factor of a is the transpose of the lower factor of a.mT (same triangle)."""
+    l, info = bind("cholesky", a.mT if upper else a)
+    return (l.mT if upper else l), info
+
+
+@linalg_op(aten.linalg_cholesky_ex.default)
+def _linalg_cholesky_ex(a, upper=False, check_errors=False):
+    l, info = _cholesky(a, upper)
+    if check_errors:
+        _check_info(info, "linalg.cholesky_ex", a)
+    return l, info
+
+
+@linalg_op(aten.cholesky.default)
+def _cholesky_legacy(a, upper=False):
+    l, info = _cholesky(a, upper)
+    _check_info(info, "cholesky", a)
+    return l
+
+
+@linalg_op(aten.cholesky_solve.default)
+def _cholesky_solve(b, l, upper=False):
+    # a = c.mT @ c with c = l (upper) or l.mT (lower): solve with c.mT, then with c.
+    y = solve_triangular(l, b, lower=not upper, transpose=upper)
+    return solve_triangular(l, y, lower=not upper, transpose=not upper)
+
+
+@linalg_op(aten.cholesky_inverse.default)
+def _cholesky_inverse(l, upper=False):
+    # Eager (LAPACK potri) raises for a zero on the diagonal: info is its 1-based index.
+    n = type_of(l).shape[-1]
+    leading = (_diagonal_of(l) != 0).to(torch.int32).cumprod(-1).sum(-1)  # nonzeros before it
+    _check_info(torch.where(leading == n, 0, leading + 1).to(torch.int32), "cholesky_inverse", l)
+    c_inv = solve_triangular(l, _eye(n, l), lower=not upper)  # l^-1
+    return c_inv @ c_inv.mT if upper else c_inv.mT @ c_inv
+
+
+@linalg_op(aten.linalg_solve_triangular.default)
+def _linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
+    return solve_triangular(a, b, lower=not upper, unit=unitriangular, left=left)
+
+
+@linalg_op(aten.triangular_solve.default)
+def _triangular_solve_legacy(b, a, upper=True, transpose=False, unitriangular=False):
+    x = solve_triangular(a, b, lower=not upper, unit=unitriangular, transpose=transpose)
+    batch = type_of(x).shape[:-2]
+    return x, a.expand(*batch, *type_of(a).shape[-2:])
+
+
+@linalg_op(aten.linalg_lu_factor_ex.default)
+def _linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
+    lu, pivots, info = _lu(a, pivot)
+    if check_errors:
+        _check_info(info, "torch.linalg.lu_factor_ex", a)
+    return lu, pivots, info
+
+
+@linalg_op(aten.lu_unpack.default)
+def _lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    """p, l, u with p @ l @ u == a; a placeholder for each part not asked for."""
+    m, n = type_of(lu).shape[-2:]
+    k = min(m, n)
+    if unpack_pivots:
+        perm = _permutation(pivots, m)
+        rows = torch.arange(m, device=type_of(lu).device)
+        p = (rows.unsqueeze(-1) == perm.unsqueeze(-2)).to(type_of(lu).dtype)
+    else:
+        p = _empty(lu)
+    if not unpack_data:
+        return p, _empty(lu), _empty(lu)
+    l = lu[..., :, :k].tril(-1) + _eye(m, lu, k)
+    return p, l, lu[..., :k, :].triu()
+
+
+@linalg_op(aten.linalg_lu.default)
+def _linalg_lu(a, *, pivot=True):
+    lu, pivots, _ = _lu(a, pivot)
+    return _lu_unpack(lu, pivots, unpack_pivots=pivot)
+
+
+@linalg_op(aten.linalg_lu_solve.default)
+def _linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    return lu_solve(lu, pivots, b, left=left, adjoint=adjoint)
+
+
+@linalg_op(aten._linalg_solve_ex.default)
+def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    ta, tb = type_of(a), type_of(b)
+    vector = tb.ndim == 1 or (tb.ndim == ta.ndim - 1 and tb.shape == ta.shape[:-1])
+    lu, pivots, info = _lu(a)
+    x = lu_solve(lu, pivots, b.unsqueeze(-1) if vector else b, left=left)
+    if check_errors:
+        _check_info(info, "torch.linalg.solve_ex", a)
+    return x.squeeze(-1) if vector else x, lu, pivots, info
+
+
+@linalg_op(aten.linalg_inv_ex.default)
+def _linalg_inv_ex(a, *, check_errors=False):
+    lu, pivots, info = _lu(a)
+    if check_errors:
+        _check_info(info, "linalg.inv_ex", a)
+    return lu_solve(lu, pivots, _eye(type_of(a).shape[-1], a)), info
+
+
+# det and slogdet factor a.mT, as eager does for a contiguous a (det(a.mT) == det(a)).
+@linalg_op(aten._linalg_det.default)
+def _linalg_det(a):
+    lu, pivots, _ = _lu(a.mT)
+    return _diagonal_of(lu).prod(-1) * _pivot_sign(pivots, type_of(a).dtype), lu, pivots
+
+
+@linalg_op(aten._linalg_slogdet.default)
+def _linalg_slogdet(a):
+    lu, pivots, _ = _lu(a.mT)
+    diag = _diagonal_of(lu)
+    sign = diag.sign().prod(-1) * _pivot_sign(pivots, type_of(a).dtype)
+    return sign, diag.abs().log().sum(-1), lu, pivots
+
+
+@linalg_op(aten.linalg_qr.default)
+def _linalg_qr(a, mode="reduced"):
+    q, r = bind("qr", a, full_matrices=mode == "complete")
+    return (_empty(a) if mode == "r" else q), r
+
+
+@linalg_op(aten.linalg_householder_product.default)
+def _linalg_householder_product(a, tau):
+    return bind("householder_product", a, tau)
+
+
+@linalg_op(aten.ormqr.default)
+def _ormqr(a, tau, c, left=True, transpose=False):
+    """q (the square product of all reflectors) applied to c by a matmul."""
+    m = type_of(a).shape[-2]
+    cols = a[..., :, :min(m, type_of(a).shape[-1])]
+    square = torch.nn.functional.pad(cols, (0, m - type_of(cols).shape[-1]))
+    q = bind("householder_product", square, tau)
+    q = q.mT if transpose else q
+    return q @ c if left else c @ q
+
+
+@linalg_op(aten._linalg_eigh.default)
+def _linalg_eigh(a, UPLO="L", compute_v=True):
+    out = bind("eigh", a, lower=UPLO.upper() == "L", compute_v=compute_v)
+    return out if compute_v else (out[0], _empty(a))
+
+
+@linalg_op(aten._linalg_svd.default)
+def _linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None):
+    out = bind("svd", a, full_matrices=full_matrices, compute_uv=compute_uv, driver=driver)
+    return out if compute_uv else (_empty(a), out[0], _empty(a))
+
+
+@linalg_op(aten.linalg_pinv.atol_rtol_tensor)
+def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
+    """As eager: invert the singular values above max(atol, rtol * largest), zero the rest."""
+    t = type_of(a)
+    m, n = t.shape[-2:]
+    if t.numel == 0:
+        return full(t.shape[:-2] + (n, m), 0, t.dtype, t.device)
+    f64 = {"dtype": torch.float64, "device": t.device}
+    if rtol is None:
+        default = torch.full((), torch.finfo(t.dtype).eps * max(m, n), **f64)
+        rtol = default if atol is None else torch.where(atol > 0, torch.zeros((), **f64),
+                                                          default)
+    atol = torch.zeros((), **f64) if atol is None else atol
+    if hermitian:
+        s, u = torch.linalg.eigh(a)
+        largest, v = s.abs().amax(-1, keepdim=True), u
+    else:
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)
+        largest, v = s[..., :1], vh.mT
+    tol = torch.maximum(atol.unsqueeze(-1), rtol.unsqueeze(-1) * largest)
+    keep = (s.abs() if hermitian else s) > tol
+    s_inv = torch.where(keep, s.reciprocal(), torch.zeros((), dtype=t.dtype, device=t.device))
+    return (v * s_inv.unsqueeze(-2)) @ u.mT

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ..errors import GraphError, ShapeError
+from ..errors import CheckError, GraphError, ShapeError
 from ..graph.types import TensorType
 
 prims = torch.ops.prims
@@ -113,6 +113,18 @@ class OperandSlot:
 
     def __repr__(self) -> str:
         return f"${self.index}"
+
+
+def _check_impl(failed, *, message):
+    if bool(failed.any()):
+        raise CheckError(message)
+    return ()
+
+
+# A run-time check: raises CheckError when any element of its bool operand is true, where
+# eager raises on the data (no result; effectful, so it always runs).
+define("check", lambda failed, *, message: (), _check_impl, multiple_results=True,
+       effectful=True)
 
 
 # An opaque node calls a torch op that has no decomposition: correct, but a black box for
@@ -212,6 +224,15 @@ define("complex", _complex_infer, torch.complex)
 define("real", _part_infer("real"), lambda x: torch.real(x).clone())
 define("imag", _part_infer("imag"), lambda x: torch.imag(x).clone())
 define("conj", _elementwise_infer("conj", None), torch.conj_physical)
+
+
+def _frexp_infer(x):
+    _check(x.dtype.is_floating_point, "frexp", "operand must be floating point", x)
+    return (x, TensorType(x.shape, torch.int32, x.device))
+
+
+# x = mantissa * 2**exponent, |mantissa| in [0.5, 1): exact, so not composed from log2.
+define("frexp", _frexp_infer, lambda x: tuple(torch.frexp(x)), multiple_results=True)
 
 
 def _where_infer(pred, a, b):

@@ -117,8 +117,7 @@ _DATA_DEPENDENT = {
     aten.item.default: ".item()",
 }
 _DYNAMIC_SHAPE = ("nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
-                  "unique_consecutive", "repeat_interleave", "bincount", "histc",
-                  "masked_scatter", "argwhere", "nonzero_static")
+                  "unique_consecutive", "repeat_interleave", "bincount", "argwhere")
 
 
 class _NeedsFallback(Exception):
@@ -366,7 +365,8 @@ def _user_source() -> str | None:
 
 
 def is_dense(tensor: torch.Tensor) -> bool:
-    return tensor.is_contiguous() and tensor.storage_offset() == 0
+    return (tensor.layout == torch.strided and tensor.is_contiguous()
+            and tensor.storage_offset() == 0)
 
 
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2}
@@ -381,20 +381,37 @@ def check_dtype(x: torch.Tensor | TensorType, where: str) -> None:
                                     "quantized tensors); run this part outside plait.jit")
 
 
-# Factories with no tensor operand never reach TracerTensor's dispatch: they would run once,
-# at trace time, and their result would be baked in as a constant. For random ones that is a
-# wrong answer (eager draws anew on every call), so they are routed into the graph as opaque
-# (effectful) nodes.
+# NOTE [torch-function handlers]
+# Some torch functions must be caught above the dispatcher, at the torch-function layer:
+#  * factories with no tensor operand never reach TracerTensor's dispatch: they would run
+#    once, at trace time, and be baked in as constants. For random ones that is a wrong
+#    answer (eager draws anew on every call), so they are routed into the graph as opaque
+#    (effectful) nodes;
+#  * composite ops whose C++ body writes into a fresh eager tensor (circular padding).
+# A handler returns NotImplemented to let the call run as usual. Its tensor arguments may
+# be functionalization wrappers, not tracers: it may only call torch functions on them.
+FUNCTION_HANDLERS: dict[Callable, Callable] = {}
 _RANDOM_FACTORIES = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal}
 
 
-class _RandomFactoryCapture(TorchFunctionMode):
+def _random_factory(func):
+    def handler(*args, **kwargs):
+        if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
+            return NotImplemented
+        with _SeededOpsIntoTrace():
+            return func(*args, **kwargs)
+
+    return handler
+
+
+FUNCTION_HANDLERS.update({f: _random_factory(f) for f in _RANDOM_FACTORIES})
+
+
+class _FunctionCapture(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _RANDOM_FACTORIES and not any(
-                isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
-            with _SeededOpsIntoTrace():
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        handler = FUNCTION_HANDLERS.get(func)
+        out = handler(*args, **(kwargs or {})) if handler is not None else NotImplemented
+        return func(*args, **(kwargs or {})) if out is NotImplemented else out
 
 
 class _SeededOpsIntoTrace(TorchDispatchMode):
@@ -408,7 +425,7 @@ class _SeededOpsIntoTrace(TorchDispatchMode):
 def tracing(trace: Trace):
     _TRACES.append(trace)
     try:
-        with _RandomFactoryCapture():
+        with _FunctionCapture():
             yield trace
     finally:
         _TRACES.pop()

@@ -1,0 +1,274 @@
+"""Linear algebra: the library-call primitives and the ops composed from them equal eager
+(batched too), trace without opaque nodes, and raise where eager raises."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import plait
+from plait.errors import PlaitError, ShapeError
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _matrix(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def _spd(*shape, dtype=torch.float32):
+    a = torch.randn(*shape, dtype=dtype)
+    return a @ a.mT + shape[-1] * torch.eye(shape[-1], dtype=dtype)
+
+
+def prims(fn, *args) -> set[str]:
+    graph = plait.jit(fn).lower(*args).graph
+    return {graph.node(n).prim for n in graph.nx.nodes}
+
+
+def check(fn, *args):
+    """fn under plait.jit equals eager (structure, dtypes, values) and has no opaque node."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation notes for the legacy APIs
+        expected = fn(*args)
+        actual = plait.jit(fn)(*args)
+        used = prims(fn, *args)
+    assert type(actual) is type(expected)
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, equal_nan=True)
+    assert "opaque" not in used, used
+    return used
+
+
+# ---------------------------------------------------------------------------------------
+# Factorizations: one primitive each
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(4, 4), (3, 5, 5), (2, 0, 0)])
+@pytest.mark.parametrize("upper", [False, True])
+def test_cholesky(shape, upper):
+    a = _spd(*shape)
+    assert "cholesky" in check(lambda a: torch.linalg.cholesky(a, upper=upper), a)
+    check(lambda a: torch.linalg.cholesky_ex(a, upper=upper), a)
+    check(lambda a: torch.cholesky(a, upper=upper), a)
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (3, 4, 6), (2, 6, 3)])
+def test_lu_family(shape):
+    a = _matrix(*shape)
+    assert "lu" in check(torch.linalg.lu_factor, a)
+    check(torch.linalg.lu_factor_ex, a)
+    check(torch.linalg.lu, a)
+    check(lambda a: torch.lu(a, get_infos=True), a)
+    lu, pivots = torch.linalg.lu_factor(a)
+    check(torch.lu_unpack, lu, pivots)
+    check(lambda lu, p: torch.lu_unpack(lu, p, unpack_data=False), lu, pivots)
+    check(lambda lu, p: torch.lu_unpack(lu, p, unpack_pivots=False), lu, pivots)
+
+
+def test_lu_permutation_reorders_rows_into_l_times_u():
+    a = _matrix(3, 6, 6)
+    perm = plait.tracer.primitives.get_primitive("lu_pivots_to_permutation").impl(
+        torch.linalg.lu_factor(a).pivots, size=6)
+    _, l, u = torch.linalg.lu(a)
+    assert_close(torch.gather(a, -2, perm.unsqueeze(-1).expand(a.shape)), l @ u)
+
+
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("adjoint", [True, False])
+def test_lu_solve(left, adjoint):
+    a = _matrix(2, 5, 5)
+    lu, pivots = torch.linalg.lu_factor(a)
+    b = _matrix(3, 1, 5, 2) if left else _matrix(3, 1, 2, 5)  # batch dims broadcast
+    check(lambda lu, p, b: torch.linalg.lu_solve(lu, p, b, left=left, adjoint=adjoint),
+          lu, pivots, b)
+    if left:
+        check(lambda lu, p, b: torch.lu_solve(b, lu, p), lu, pivots, b[0])
+
+
+@pytest.mark.parametrize("upper", [True, False])
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("unit", [True, False])
+def test_solve_triangular(upper, left, unit):
+    a = _matrix(2, 4, 4) + 4 * torch.eye(4)  # the other triangle must be ignored
+    b = _matrix(3, 1, 4, 2) if left else _matrix(2, 3, 4)
+    used = check(lambda a, b: torch.linalg.solve_triangular(
+        a, b, upper=upper, left=left, unitriangular=unit), a, b)
+    assert "triangular_solve" in used
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+def test_triangular_solve_legacy(transpose):
+    a, b = _matrix(2, 4, 4) + 4 * torch.eye(4), _matrix(3, 1, 4, 2)
+    check(lambda b, a: torch.triangular_solve(b, a, upper=False, transpose=transpose), b, a)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5), (2, 4, 4), (0, 3)])
+@pytest.mark.parametrize("mode", ["reduced", "complete", "r"])
+def test_qr(shape, mode):
+    assert "qr" in check(lambda a: torch.linalg.qr(a, mode=mode), _matrix(*shape))
+
+
+def test_qr_legacy_and_householder():
+    a = _matrix(2, 6, 4)
+    check(torch.qr, a)
+    check(lambda a: torch.qr(a, some=False), a)
+    geqrf, tau = torch.geqrf(a)
+    assert "householder_product" in check(torch.linalg.householder_product, geqrf, tau)
+    check(torch.linalg.householder_product, geqrf, tau[..., :2])
+
+
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_ormqr(left, transpose):
+    geqrf, tau = torch.geqrf(_matrix(2, 5, 3))
+    c = _matrix(2, 5, 4) if left else _matrix(2, 4, 5)
+    check(lambda a, t, c: torch.ormqr(a, t, c, left=left, transpose=transpose), geqrf, tau, c)
+
+
+@pytest.mark.parametrize("uplo", ["L", "U"])
+def test_eigh(uplo):
+    a = _matrix(3, 5, 5)  # not symmetric: only the UPLO triangle may be read
+    assert "eigh" in check(lambda a: torch.linalg.eigh(a, UPLO=uplo), a)
+    check(lambda a: torch.linalg.eigvalsh(a, UPLO=uplo), a)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (2, 3, 5), (0, 0)])
+@pytest.mark.parametrize("full_matrices", [True, False])
+def test_svd(shape, full_matrices):
+    a = _matrix(*shape)
+    assert "svd" in check(lambda a: torch.linalg.svd(a, full_matrices=full_matrices), a)
+    check(torch.linalg.svdvals, a)
+    check(lambda a: torch.svd(a, some=not full_matrices), a)
+    check(lambda a: torch.svd(a, compute_uv=False), a)
+
+
+# ---------------------------------------------------------------------------------------
+# Composed ops
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inverse_and_solve(dtype):
+    a = _matrix(3, 4, 4, dtype=dtype)
+    assert {"lu", "lu_pivots_to_permutation", "triangular_solve"} <= check(torch.linalg.inv, a)
+    check(torch.linalg.inv_ex, a)
+    check(torch.inverse, a[0])
+    check(torch.linalg.solve, a, _matrix(3, 4, 2, dtype=dtype))
+    check(torch.linalg.solve, a, _matrix(4, dtype=dtype))  # vector right-hand side
+    check(torch.linalg.solve, a, _matrix(3, 4, dtype=dtype))  # batch of vectors
+    check(lambda a, b: torch.linalg.solve(a, b, left=False), a, _matrix(2, 1, 3, 4, dtype=dtype))
+    check(torch.linalg.solve_ex, a, _matrix(4, 2, dtype=dtype))
+    check(lambda a: torch.linalg.matrix_power(a, -3), a)
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (2, 3, 3), (0, 0), (1, 1)])
+def test_determinants(shape):
+    a = _matrix(*shape)
+    check(torch.linalg.det, a)
+    check(torch.linalg.slogdet, a)
+    check(torch.logdet, a)  # nan for a negative determinant
+    check(torch.logdet, _spd(*shape))
+    singular = torch.ones(3, 3)
+    check(torch.linalg.det, singular)
+    check(torch.linalg.slogdet, singular)
+
+
+@pytest.mark.parametrize("upper", [False, True])
+def test_cholesky_solve_and_inverse(upper):
+    factor = torch.linalg.cholesky(_spd(2, 4, 4), upper=upper)
+    check(lambda b, l: torch.cholesky_solve(b, l, upper=upper), _matrix(3, 1, 4, 2), factor)
+    check(lambda l: torch.cholesky_inverse(l, upper=upper), factor)
+    check(lambda l: torch.cholesky_inverse(l, upper=upper), factor[0])
+
+
+@pytest.mark.parametrize("hermitian", [False, True])
+def test_pinv_and_rank(hermitian):
+    a = _spd(2, 5, 5) if hermitian else _matrix(2, 5, 3)
+    low_rank = a[..., :, :1] @ a[..., :1, :]  # rank 1: the tolerance cuts the rest
+    for x in (a, low_rank):
+        check(lambda x: torch.linalg.pinv(x, hermitian=hermitian), x)
+        check(lambda x: torch.linalg.pinv(x, atol=0.5, hermitian=hermitian), x)
+        check(lambda x: torch.linalg.pinv(x, rtol=0.3, hermitian=hermitian), x)
+        check(lambda x: torch.linalg.matrix_rank(x, hermitian=hermitian), x)
+    check(torch.pinverse, a)
+    check(lambda x: torch.linalg.pinv(x, rcond=0.2), a)  # the legacy overloads
+    check(lambda x: torch.linalg.matrix_rank(x, tol=0.5), a)
+    check(torch.linalg.pinv, _matrix(3, 0))
+
+
+def test_norms_and_tensor_ops():
+    a = _matrix(2, 4, 4)
+    for p in (None, 2, -2, "nuc", "fro", 1, float("inf")):
+        check(lambda a, p=p: torch.linalg.cond(a, p), a)
+    check(lambda a: torch.linalg.matrix_norm(a, "nuc"), a)
+    check(lambda a: torch.linalg.matrix_norm(a, -2), a)
+    check(lambda a: torch.norm(a, "nuc", dim=(0, 2)), a)
+    check(lambda a: torch.linalg.tensorinv(a, ind=1), _matrix(8, 2, 4))
+    check(lambda a, b: torch.linalg.tensorsolve(a, b), _matrix(2, 3, 6), _matrix(2, 3))
+
+
+@pytest.mark.parametrize("offset", [0, 1, -2, 7])
+@pytest.mark.parametrize("dims", [(-2, -1), (0, 2), (2, 0)])
+def test_diagonal(offset, dims):
+    check(lambda x: torch.diagonal(x, offset, *dims), _matrix(3, 4, 5))
+    check(lambda x: torch.linalg.diagonal(x, offset=offset), _matrix(2, 5, 4))
+
+
+# ---------------------------------------------------------------------------------------
+# Errors: eager's, where eager raises them
+# ---------------------------------------------------------------------------------------
+def _same_error(fn, *args):
+    with pytest.raises(Exception) as eager:
+        fn(*args)
+    with pytest.raises(type(eager.value)) as traced:
+        plait.jit(fn)(*args)
+    assert str(traced.value) == str(eager.value)
+    return traced.value
+
+
+SINGULAR = torch.tensor([[1., 2., 3.], [2., 4., 6.], [0., 1., 5.]])
+
+
+@pytest.mark.parametrize("fn", [
+    torch.linalg.inv,
+    lambda a: torch.linalg.solve(a, torch.ones(3)),
+    torch.linalg.lu_factor,
+    lambda a: torch.linalg.inv_ex(a, check_errors=True),
+    lambda a: torch.linalg.lu_factor_ex(a, check_errors=True),
+    lambda a: torch.linalg.matrix_power(a, -1),
+    lambda a: torch.linalg.tensorinv(a, ind=1),
+])
+def test_singular_matrix_raises_at_run_time(fn):
+    _same_error(fn, SINGULAR)
+    _same_error(fn, torch.stack([torch.eye(3), SINGULAR]))  # names the batch element
+    assert_close(plait.jit(fn)(torch.eye(3)), fn(torch.eye(3)))  # the same trace runs fine
+
+
+@pytest.mark.parametrize("fn", [
+    torch.linalg.cholesky, torch.cholesky,
+    lambda a: torch.linalg.cholesky_ex(a, check_errors=True),
+    lambda a: torch.cholesky_inverse(torch.triu(a)),
+])
+def test_indefinite_or_singular_factor_raises(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _same_error(fn, torch.diag(torch.tensor([1., 0., 2.])))
+
+
+def test_ex_variants_report_info_instead_of_raising():
+    for fn in (torch.linalg.inv_ex, torch.linalg.lu_factor_ex, torch.linalg.cholesky_ex):
+        assert_close(plait.jit(fn)(SINGULAR - 3 * torch.eye(3)).info,
+                     fn(SINGULAR - 3 * torch.eye(3)).info)
+    assert plait.jit(torch.linalg.inv_ex)(SINGULAR).info == 3
+
+
+def test_invalid_arguments_raise_while_tracing():
+    """The op's meta kernel checks the arguments, so the message is (nearly) eager's."""
+    for fn, x, words in ((torch.linalg.inv, _matrix(3, 4), "square matrices"),
+                         (torch.linalg.cholesky, _matrix(4), "at least 2 dimensions"),
+                         (lambda a: torch.linalg.eigh(a, UPLO="X"), _matrix(3, 3), "UPLO")):
+        with pytest.raises(RuntimeError):
+            fn(x)
+        with pytest.raises(ShapeError, match=words):
+            plait.jit(fn).lower(x)
+    with pytest.raises(PlaitError):
+        plait.jit(torch.linalg.solve).lower(_matrix(3, 3), _matrix(4))
