@@ -1,2 +1,410 @@
 """Neural-network ops: convolution as a primitive, and pooling, normalization and friends
-composed from primitives."""
+composed from primitives.
+
+NOTE [nn ops]
+Convolution is one primitive, ``conv``, shaped like ``jax.lax.conv_general_dilated`` with a
+fixed (N, C, spatial...) layout: window strides, explicit (low, high) padding that may be
+negative, lhs (input) and rhs (kernel) dilation, and feature groups. A transposed
+convolution is a ``conv`` with lhs dilation = stride and a flipped, in/out-swapped kernel,
+as JAX expresses it, so later stages see a single rule.
+
+Everything else is composed from existing primitives. Pooling windows are gathered with
+index tables computed at trace time (plain tensors, so they become graph constants): per
+spatial dim, an (out, k) table of input positions plus a mask of the positions that lie in
+the input. One gather path thus serves strided/padded/dilated pooling, ceil_mode and
+adaptive pooling alike. Max pooling reproduces eager's scan exactly: the first position
+that attains the max, except that a NaN wins and the last NaN is kept.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..errors import ShapeError
+from ..graph import TensorType
+from .aten import handles, type_of
+from .primitives import _check, define
+from .trace import bind
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------------
+# The conv primitive
+# ---------------------------------------------------------------------------------------
+def _conv_infer(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
+                feature_group_count):
+    nd, g = lhs.ndim - 2, feature_group_count
+    ok = (nd >= 1 and rhs.ndim == lhs.ndim and lhs.dtype == rhs.dtype and g >= 1
+          and len(window_strides) == len(padding) == len(lhs_dilation) == len(rhs_dilation)
+          == nd and lhs.shape[1] == rhs.shape[1] * g and rhs.shape[0] % g == 0
+          and min(window_strides + lhs_dilation + rhs_dilation) >= 1)
+    _check(ok, "conv", f"operands and params do not fit (groups={g})", lhs, rhs)
+    spatial = []
+    for n, k, s, (lo, hi), ld, rd in zip(lhs.shape[2:], rhs.shape[2:], window_strides,
+                                         padding, lhs_dilation, rhs_dilation):
+        span = (n - 1) * ld + 1 + lo + hi - ((k - 1) * rd + 1)
+        _check(n > 0 and span >= 0, "conv", "the padded input is smaller than the kernel",
+               lhs, rhs)
+        spatial.append(span // s + 1)
+    return (TensorType((lhs.shape[0], rhs.shape[0], *spatial), lhs.dtype, lhs.device),)
+
+
+def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
+               feature_group_count):
+    if max(lhs_dilation) > 1:  # interleave zeros between input elements
+        dilated = lhs.new_zeros(lhs.shape[:2] + tuple(
+            (n - 1) * d + 1 for n, d in zip(lhs.shape[2:], lhs_dilation)))
+        dilated[(..., *(slice(None, None, d) for d in lhs_dilation))] = lhs
+        lhs = dilated
+    # F.pad crops where padding is negative (as it is for some transposed convolutions).
+    lhs = torch.nn.functional.pad(lhs, [p for lo, hi in reversed(padding) for p in (lo, hi)])
+    zeros = [0] * len(window_strides)
+    return torch.convolution(lhs, rhs, None, window_strides, zeros, rhs_dilation, False,
+                             zeros, feature_group_count)
+
+
+define("conv", _conv_infer, _conv_impl)
+
+
+def _per_dim(v, nd: int) -> tuple[int, ...]:
+    """ATen's int[N] arguments may come as one int or a one-element list."""
+    v = (v,) * nd if isinstance(v, int) else tuple(v)
+    return v * nd if len(v) == 1 else v
+
+
+@handles(aten.convolution.default)
+def _convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    nd = type_of(w).ndim - 2
+    if type_of(x).ndim == nd + 1:  # unbatched
+        return _convolution(x.unsqueeze(0), w, bias, stride, padding, dilation, transposed,
+                            output_padding, groups).squeeze(0)
+    stride, padding, dilation, output_padding = (
+        _per_dim(v, nd) for v in (stride, padding, dilation, output_padding))
+    if transposed:
+        cin, cout, *k = type_of(w).shape
+        _check(cin % groups == 0, "conv_transpose", f"groups={groups} do not divide the "
+               "kernel's input channels", type_of(x), type_of(w))
+        w = w.reshape(groups, cin // groups, cout, *k).transpose(1, 2).reshape(
+            groups * cout, cin // groups, *k).flip(list(range(2, nd + 2)))
+        span = [d * (n - 1) for d, n in zip(dilation, k)]
+        out = bind("conv", x, w, window_strides=(1,) * nd, padding=tuple(
+            (s - p, s - p + op) for s, p, op in zip(span, padding, output_padding)),
+                   lhs_dilation=stride, rhs_dilation=dilation, feature_group_count=groups)
+    else:
+        out = bind("conv", x, w, window_strides=stride, padding=tuple((p, p) for p in padding),
+                   lhs_dilation=(1,) * nd, rhs_dilation=dilation, feature_group_count=groups)
+    return out if bias is None else out + bias.reshape((-1,) + (1,) * nd)
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling: windows gathered through trace-time index tables (NOTE [nn ops])
+# ---------------------------------------------------------------------------------------
+def _spatial(x, nd: int, op: str) -> tuple[int, ...]:
+    t = type_of(x)
+    if t.ndim not in (nd + 1, nd + 2) or 0 in t.shape[-nd:]:
+        raise ShapeError(f"{op}: expected a {nd + 1}-d or {nd + 2}-d input with non-empty "
+                         f"spatial dims, got {t}")
+    return t.shape[-nd:]
+
+
+def _strided_tables(x, nd, op, kernel, stride, padding, dilation, ceil_mode):
+    """Per spatial dim: the input positions of each window ([out, k]), and which of them lie
+    in the input. Output sizes as eager's pooling_output_shape."""
+    kernel, padding, dilation = (_per_dim(v, nd) for v in (kernel, padding, dilation))
+    stride = _per_dim(stride, nd) if stride else kernel
+    tables = []
+    for n, k, s, p, d in zip(_spatial(x, nd, op), kernel, stride, padding, dilation):
+        out = (n + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+        if ceil_mode and (out - 1) * s >= n + p:  # the last window must start in the input
+            out -= 1
+        if not (k > 0 and s > 0 and d > 0 and 0 <= p <= k // 2 and out > 0):
+            raise ShapeError(f"{op}: kernel {k}, stride {s}, padding {p}, dilation {d} do not "
+                             f"fit an input of size {n}")
+        pos = torch.arange(out)[:, None] * s + torch.arange(k) * d - p
+        tables.append((pos, (pos >= 0) & (pos < n)))
+    return tables
+
+
+def _adaptive_tables(x, nd, op, output_size):
+    """Window i covers [floor(i n / out), ceil((i + 1) n / out)): lengths may differ, so
+    positions past a window's end are masked out."""
+    tables = []
+    for n, out in zip(_spatial(x, nd, op), _per_dim(output_size, nd)):
+        i = torch.arange(out)
+        start, end = i * n // out, ((i + 1) * n + out - 1) // out
+        pos = start[:, None] + torch.arange(int((end - start).max()) if out else 0)
+        tables.append((pos, pos < end[:, None]))
+    return tables
+
+
+def _windows(x, tables):
+    """x [..., n_0, .., n_d] -> windows [..., o_0, .., o_d, K] (K = k_0 * .. * k_d), the
+    mask [o_0, .., o_d, K] of the entries inside the input, and each entry's flat position in
+    the input's spatial plane (as the max-pool indices count it). K runs over the window in
+    row-major order, the order in which eager scans it."""
+    shape = type_of(x).shape
+    nd = len(tables)
+    lead, spatial = shape[:-nd], shape[-nd:]
+    outs, ks = tuple(p.shape[0] for p, _ in tables), tuple(p.shape[1] for p, _ in tables)
+    for d, (pos, _) in enumerate(tables):  # -> [..., o_0, k_0, .., o_d, k_d]
+        at = len(lead) + 2 * d
+        x = x.index_select(at, pos.clamp(0, spatial[d] - 1).flatten())
+        x = x.unflatten(at, (outs[d], ks[d]))
+    x = x.permute(list(range(len(lead))) + [len(lead) + 2 * d + i for i in (0, 1)
+                                             for d in range(nd)])
+
+    def place(table, d):  # [o_d, k_d] -> broadcastable to [o_0, .., o_d, k_0, .., k_d]
+        view = [1] * 2 * nd
+        view[d], view[nd + d] = table.shape
+        return table.reshape(view)
+
+    mask = functools.reduce(torch.logical_and, [place(m, d) for d, (_, m) in enumerate(tables)])
+    flat = sum(place(p, d) * math.prod(spatial[d + 1:]) for d, (p, _) in enumerate(tables))
+    windows = lambda t: t.expand(outs + ks).reshape(outs + (-1,))
+    return x.reshape(lead + outs + (math.prod(ks),)), windows(mask), windows(flat)
+
+
+def _max_pool(x, tables):
+    windows, mask, flat = _windows(x, tables)
+    dtype = type_of(x).dtype
+    filled = torch.where(mask, windows, -math.inf if dtype.is_floating_point else
+                         torch.iinfo(dtype).min)
+    values = filled.amax(-1)
+    # Eager keeps the first position that attains the max among those in the input, but any
+    # NaN replaces the running max, so the last NaN wins: score positions accordingly.
+    k = torch.arange(mask.shape[-1])
+    score = torch.where(filled.isnan(), mask.shape[-1] + k, torch.where(
+        mask & (filled == values[..., None]), mask.shape[-1] - k, 0))
+    choice = score.argmax(-1, keepdim=True)
+    return values, flat.expand(type_of(score).shape).gather(-1, choice).squeeze(-1)
+
+
+def _mean_pool(x, tables, counts, divisor_override=None):
+    """Window sums over a divisor: ``divisor_override``, else the product of per-dim window
+    sizes ``counts`` (an empty window sums to 0, whatever it is divided by)."""
+    windows, mask, _ = _windows(x, tables)
+    dtype = type_of(x).dtype
+    total = torch.where(mask, windows, 0).sum(-1, dtype=dtype)
+    divisor = divisor_override or functools.reduce(
+        lambda a, b: a[..., None] * b, counts).clamp(min=1).to(dtype)
+    return total / divisor if dtype.is_floating_point else torch.div(
+        total, divisor, rounding_mode="trunc")
+
+
+def _max_pool_handler(nd):
+    def handler(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        return _max_pool(x, _strided_tables(x, nd, f"max_pool{nd}d", kernel_size, stride,
+                                            padding, dilation, ceil_mode))
+
+    return handler
+
+
+def _avg_pool_handler(nd):
+    def handler(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+        padding = _per_dim(padding, nd)
+        tables = _strided_tables(x, nd, f"avg_pool{nd}d", kernel_size, stride, padding, 1,
+                                 ceil_mode)
+        if count_include_pad:  # the window clipped to the padded input, not to the input
+            counts = [(pos[:, -1] + 1).clamp(max=n + p) - pos[:, 0] for (pos, _), n, p in zip(
+                tables, type_of(x).shape[-nd:], padding)]
+        else:
+            counts = [mask.sum(1) for _, mask in tables]
+        return _mean_pool(x, tables, counts, divisor_override)
+
+    return handler
+
+
+def _adaptive_max_handler(nd):
+    return lambda x, output_size: _max_pool(x, _adaptive_tables(
+        x, nd, f"adaptive_max_pool{nd}d", output_size))
+
+
+def _adaptive_avg_handler(nd):
+    def handler(x, output_size):
+        tables = _adaptive_tables(x, nd, f"adaptive_avg_pool{nd}d", output_size)
+        return _mean_pool(x, tables, [mask.sum(1) for _, mask in tables])
+
+    return handler
+
+
+for _nd in (2, 3):
+    handles(getattr(aten, f"max_pool{_nd}d_with_indices").default)(_max_pool_handler(_nd))
+    handles(getattr(aten, f"avg_pool{_nd}d").default)(_avg_pool_handler(_nd))
+    handles(getattr(aten, f"adaptive_max_pool{_nd}d").default)(_adaptive_max_handler(_nd))
+    handles(getattr(aten, f"_adaptive_avg_pool{_nd}d").default)(_adaptive_avg_handler(_nd))
+
+
+# ---------------------------------------------------------------------------------------
+# Normalization
+# ---------------------------------------------------------------------------------------
+@handles(aten.native_group_norm.default)
+def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
+    """Statistics per (sample, group) over the group's channels and spatial positions, in
+    float32 for reduced-precision inputs (as eager); mean and rstd come back as [N, group]."""
+    if group <= 0 or C % group:
+        raise ShapeError(f"group_norm: {C} channels do not split into {group} groups")
+    dtype = type_of(x).dtype
+    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    grouped = x.reshape(N, group, -1).to(acc)
+    var, mean = torch.var_mean(grouped, -1, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    out = ((grouped - mean[..., None]) * rstd[..., None]).reshape(N, C, HxW)
+    if weight is not None:
+        out = out * weight.reshape(C, 1)
+    if bias is not None:
+        out = out + bias.reshape(C, 1)
+    return out.reshape(type_of(x).shape).to(dtype), mean.to(dtype), rstd.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Contractions
+# ---------------------------------------------------------------------------------------
+@handles(aten._trilinear.default)
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """Each operand, unsqueezed at its expand dims, multiplied together and summed over
+    sumdim: one einsum, with a letter per dim of the common rank."""
+    rank = type_of(i1).ndim + len(expand1)
+    letters = [chr(ord("a") + d) for d in range(rank)]
+    subscripts = ["".join(letters[d] for d in range(rank) if d not in expand)
+                  for expand in (expand1, expand2, expand3)]
+    sizes = {}
+    for operand, sub in zip((i1, i2, i3), subscripts):
+        sizes.update(zip(sub, type_of(operand).shape))
+    kept = [letters[d] for d in range(rank) if d not in sumdim]
+    out = torch.einsum(",".join(subscripts) + "->" + "".join(c for c in kept if c in sizes),
+                       i1, i2, i3)
+    return out.reshape([sizes.get(c, 1) for c in kept])  # dims no operand has are size 1
+
+
+@handles(aten.addbmm.default)
+def _addbmm(x, batch1, batch2, *, beta=1, alpha=1):
+    """sum_b batch1[b] @ batch2[b] is one matmul with the batch folded into the contraction;
+    addmm then supplies beta/alpha semantics (beta=0 ignores x, NaN included)."""
+    b, n, k = type_of(batch1).shape
+    lhs = batch1.permute(1, 0, 2).reshape(n, b * k)
+    return torch.addmm(x, lhs, batch2.reshape(b * k, -1), beta=beta, alpha=alpha)
+
+
+# ---------------------------------------------------------------------------------------
+# Distances
+# ---------------------------------------------------------------------------------------
+def _norm_of_difference(a, b, p):
+    diff = a - b
+    if type_of(diff).numel == 0:  # eager gives zeros; vector_norm rejects an empty inf norm
+        return diff.new_zeros(type_of(diff).shape[:-1])
+    return torch.linalg.vector_norm(diff, p, dim=-1)
+
+
+@handles(aten._cdist_forward.default)
+def _cdist_forward(x1, x2, p, compute_mode):
+    """Eager switches p=2 to a matmul formula for more than 25 rows (or when asked to):
+    follow the same switch, so results agree to rounding."""
+    rows = type_of(x1).shape[-2], type_of(x2).shape[-2]
+    mode = compute_mode or 0
+    if p == 2 and (mode == 1 or (mode == 0 and max(rows) > 25)):
+        return aten._euclidean_dist(x1, x2)
+    return _norm_of_difference(x1[..., :, None, :], x2[..., None, :, :], p)
+
+
+@handles(aten._pdist_forward.default)
+def _pdist_forward(x, p=2.0):
+    """Distances of all row pairs i < j, in row-major order: the pairs are a constant."""
+    n = type_of(x).shape[0]
+    i, j = torch.triu_indices(n, n, 1)
+    return _norm_of_difference(x.index_select(0, i), x.index_select(0, j), p)
+
+
+# ---------------------------------------------------------------------------------------
+# embedding_bag
+# ---------------------------------------------------------------------------------------
+def _embedding_bag(forward_only: bool):
+    """Bags are data (offsets), but every bag's size is bounded by the number of indices, so
+    rows scatter into their bag: [bags + 1, dim], the extra bag collecting padding rows and
+    rows past the last offset. Results and extra outputs follow eager's CPU kernel, quirks
+    included: with include_last_offset the last bag still runs to the end of indices in
+    bag_size and offset2bag, and in the values except on the fast path (float weights, no
+    padding_idx, 'sum' or 'mean'; yet 'mean' divides by that bag_size); fast 'sum' leaves
+    offset2bag empty; bag_size is zero for 'sum' (sized by
+    offsets in the forward-only op); max_indices is bag_size except in 'max' mode."""
+    def handler(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+        length, dim = type_of(indices).shape[0], type_of(weight).shape[1]
+        bags = type_of(offsets).shape[0] - include_last_offset
+        position = torch.arange(length)
+        bag = (offsets[:bags][None, :] <= position[:, None]).sum(1) - 1
+        kept = indices != padding_idx
+        sizes = bag.new_zeros(bags + 1).scatter_add(0, torch.where(kept, bag, bags),
+                                                    torch.ones_like(bag))[:bags]
+        # The fast sum/mean path stops at the last offset; the other paths do not.
+        fast = padding_idx < 0 and type_of(weight).dtype in (torch.float32, torch.float16,
+                                                            torch.bfloat16)
+        if include_last_offset and fast and mode != 2:
+            kept = kept & (position < offsets[bags])
+        target = torch.where(kept, bag, bags)
+        rows = weight.index_select(0, indices)
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights[:, None]
+        spread = target[:, None].expand(length, dim)
+        if mode == 2:  # eager keeps a bag's first row, then any strictly greater one
+            first = target.new_full((bags + 1,), length).scatter_reduce(0, target, position,
+                                                                         "amin")
+            leading = first[target] == position
+            rows = torch.where(rows.isnan() & ~leading[:, None], -math.inf, rows)
+            out = rows.new_zeros(bags + 1, dim).scatter_reduce(0, spread, rows, "amax",
+                                                               include_self=False)
+            best = out[target]
+            hits = torch.where((rows == best) | best.isnan(), position[:, None], length)
+            winner = hits.new_full((bags + 1, dim), length).scatter_reduce(0, spread, hits,
+                                                                           "amin")[:bags]
+            max_indices = torch.where(winner < length, indices[winner.clamp(max=length - 1)], 0)
+            out = out[:bags]
+        else:
+            out = rows.new_zeros(bags + 1, dim).scatter_add(0, spread, rows)[:bags]
+            if mode == 1:
+                out = out / sizes.clamp(min=1)[:, None].to(out.dtype)
+            else:
+                sizes = sizes.new_zeros(type_of(offsets).shape[0] if forward_only else bags)
+            max_indices = sizes
+        return out, bag[:0] if fast and mode == 0 else bag, sizes, max_indices
+
+    return handler
+
+
+handles(aten._embedding_bag.default)(_embedding_bag(forward_only=False))
+handles(aten._embedding_bag_forward_only.default)(_embedding_bag(forward_only=True))
+
+
+@handles(aten.embedding_renorm.default)
+def _embedding_renorm(weight, indices, max_norm, norm_type):
+    """Rows that are looked up and whose norm exceeds max_norm are scaled down to it."""
+    norms = torch.linalg.vector_norm(weight, norm_type, dim=-1)
+    used = norms.new_zeros(norms.shape, dtype=torch.bool).scatter(0, indices.flatten(), True)
+    scale = torch.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return weight * scale[:, None].to(weight.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Anti-aliased resampling
+# ---------------------------------------------------------------------------------------
+def _upsample_aa(op):
+    """The op is linear and separable, so it is a constant matrix on each side of x; each
+    matrix comes from running the op itself, at trace time, on an identity (two columns
+    wide, constant along the rows: eager treats a width of one specially)."""
+    def matrix(n, out, align_corners, scale, dtype):
+        eye = torch.eye(n, dtype=torch.float64).reshape(n, 1, n, 1).expand(n, 1, n, 2)
+        return op(eye, (out, 2), align_corners, scale, None)[..., 0].reshape(n, out).T.to(dtype)
+
+    def handler(x, output_size, align_corners, scales_h=None, scales_w=None):
+        (h, w), (out_h, out_w), dtype = type_of(x).shape[-2:], output_size, type_of(x).dtype
+        return matrix(h, out_h, align_corners, scales_h, dtype) @ x @ matrix(
+            w, out_w, align_corners, scales_w, dtype).T
+
+    return handler
+
+
+handles(aten._upsample_bilinear2d_aa.default)(_upsample_aa(aten._upsample_bilinear2d_aa.default))
+handles(aten._upsample_bicubic2d_aa.default)(_upsample_aa(aten._upsample_bicubic2d_aa.default))

@@ -1,0 +1,231 @@
+"""Neural-network ops (tracer/nn.py): results against eager, and graphs free of opaque nodes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import plait
+from plait.errors import PlaitError
+
+nan = float("nan")
+
+
+def check(fn, *args, **close):
+    """fn under plait.jit equals eager, and its graph has no opaque node."""
+    jitted = plait.jit(fn)
+    assert_close(jitted(*args), fn(*args), equal_nan=True, **close)
+    graph = jitted.lower(*args).graph
+    opaque = [graph.node(n).kwargs["op"] for n in graph.nx.nodes
+              if graph.node(n).prim == "opaque"]
+    assert not opaque, opaque
+
+
+def randn(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+# ---------------------------------------------------------------------------------------
+# Convolution
+# ---------------------------------------------------------------------------------------
+CONV_CASES = [dict(), dict(stride=2), dict(padding=1), dict(padding=2, dilation=2),
+              dict(stride=3, padding=1), dict(groups=2),
+              dict(stride=2, padding=1, dilation=2, groups=2), dict(padding="same"),
+              dict(padding="valid", stride=1)]
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kwargs", CONV_CASES, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv(nd, kwargs, bias):
+    conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    x, w = randn(2, 4, *[7 - d for d in range(nd)]), randn(6, 4 // kwargs.get("groups", 1),
+                                                          *[3] * nd)
+    b = randn(6) if bias else None
+    check(lambda x, w, b: conv(x, w, b, **kwargs), x, w, b)
+
+
+TRANSPOSE_CASES = [dict(), dict(stride=2), dict(stride=2, padding=1, output_padding=1),
+                   dict(padding=2, dilation=2), dict(groups=2, stride=3, dilation=2),
+                   dict(stride=2, padding=3)]  # padding beyond the kernel: negative pads
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kwargs", TRANSPOSE_CASES, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_transpose(nd, kwargs, bias):
+    conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+    x, w = randn(2, 4, *[5 - d for d in range(nd)]), randn(4, 3, *[3] * nd)
+    b = randn(3 * kwargs.get("groups", 1)) if bias else None
+    check(lambda x, w, b: conv(x, w, b, **kwargs), x, w, b)
+
+
+def test_conv_unbatched_and_module():
+    conv = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1, bias=True)
+    check(lambda x: conv(x), randn(3, 9, 8))
+
+
+def test_conv_shape_errors_are_plait_errors():
+    with pytest.raises(PlaitError):
+        plait.jit(F.conv2d)(randn(1, 4, 5, 5), randn(6, 3, 3, 3))  # channels do not match
+    with pytest.raises(PlaitError):
+        plait.jit(F.conv2d)(randn(1, 4, 2, 2), randn(6, 4, 3, 3))  # input smaller than kernel
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling
+# ---------------------------------------------------------------------------------------
+AVG_CASES = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1),
+             dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
+             dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+             dict(kernel_size=2, stride=3, ceil_mode=True), dict(kernel_size=3, padding=1,
+                                                                   divisor_override=2)]
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kwargs", AVG_CASES, ids=str)
+def test_avg_pool(nd, kwargs):
+    pool = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[nd - 1]
+    if nd == 1 and "divisor_override" in kwargs:
+        pytest.skip("avg_pool1d has no divisor_override")
+    check(lambda x: pool(x, **kwargs), randn(2, 3, *[8 - d for d in range(nd)]))
+
+
+def test_avg_pool_integers_truncate():
+    check(lambda x: F.avg_pool2d(x, 3, stride=2, padding=1), torch.arange(-30, 40).reshape(
+        1, 2, 5, 7))
+
+
+MAX_CASES = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1, dilation=2),
+             dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)]
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kwargs", MAX_CASES, ids=str)
+def test_max_pool_indices(nd, kwargs):
+    pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[nd - 1]
+    check(lambda x: pool(x, return_indices=True, **kwargs), randn(2, 3, *[8 - d for d in
+                                                                            range(nd)]))
+
+
+def test_max_pool_ties_nan_and_inf_like_eager():
+    """First max wins; the last NaN wins over everything; an all -inf window indexes its
+    first position inside the input."""
+    x = torch.tensor([[[1., 3, 3, 2, nan, 0, nan, 5, -1]]])
+    check(lambda x: F.max_pool1d(x, 3, stride=1, padding=1, return_indices=True), x)
+    check(lambda x: F.adaptive_max_pool1d(x, 4, return_indices=True), x)
+    inf = torch.full((1, 1, 4, 4), -float("inf"))
+    check(lambda x: F.max_pool2d(x, 3, stride=1, padding=1, return_indices=True), inf)
+    x = randn(1, 2, 6, 6)
+    x[0, 0, 1, 1] = x[0, 0, 0, 2] = x[0, 1, 4, 4] = nan
+    check(lambda x: F.max_pool2d(x, 3, stride=2, return_indices=True), x)
+    check(lambda x: F.adaptive_max_pool2d(x, (1, 4), return_indices=True), x)
+
+
+@pytest.mark.parametrize("size", [1, 3, (2, 5), 4])
+def test_adaptive_pools(size):
+    x = randn(2, 3, 7, 9)
+    check(lambda x: F.adaptive_max_pool2d(x, size, return_indices=True), x)
+    check(lambda x: F.adaptive_avg_pool2d(x, size), x)
+    check(lambda x: F.adaptive_max_pool1d(x[0], size if isinstance(size, int) else 3,
+                                          return_indices=True), x)
+    x3 = randn(2, 7, 5, 9)
+    check(lambda x: F.adaptive_avg_pool3d(x, size if isinstance(size, int) else (2, 3, 4)), x3)
+    check(lambda x: F.adaptive_max_pool3d(x, size if isinstance(size, int) else (2, 3, 4),
+                                          return_indices=True), x3)
+
+
+def test_pool_errors_are_plait_errors():
+    with pytest.raises(PlaitError):  # padding more than half the kernel
+        plait.jit(lambda x: F.avg_pool2d(x, 2, padding=2))(randn(1, 1, 6, 6))
+    with pytest.raises(PlaitError):
+        plait.jit(lambda x: F.max_pool2d(x, 2))(randn(6, 6))
+
+
+# ---------------------------------------------------------------------------------------
+# Normalization
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("affine", [False, True])
+def test_group_norm(affine):
+    x = randn(3, 6, 4, 5)
+    w, b = (randn(6), randn(6)) if affine else (None, None)
+    check(lambda x, w, b: F.group_norm(x, 3, w, b, eps=1e-3), x, w, b)
+    check(lambda x, w, b: torch.native_group_norm(x, w, b, 3, 6, 20, 2, 1e-5), x, w, b)
+
+
+def test_local_response_norm():
+    check(lambda x: F.local_response_norm(x, 3), randn(2, 6, 5, 4))
+    check(lambda x: F.local_response_norm(x, 2, k=2.0), randn(2, 6, 5, 4, 3))
+
+
+# ---------------------------------------------------------------------------------------
+# Contractions and distances
+# ---------------------------------------------------------------------------------------
+def test_bilinear():
+    check(lambda a, b, w, bias: F.bilinear(a, b, w, bias), randn(4, 3), randn(4, 5),
+          randn(6, 3, 5), randn(6))
+    check(lambda a, b, w: F.bilinear(a, b, w), randn(2, 4, 3), randn(2, 4, 5), randn(6, 3, 5))
+
+
+def test_addbmm():
+    x, b1, b2 = randn(3, 5), randn(4, 3, 2), randn(4, 2, 5)
+    check(lambda x, b1, b2: torch.addbmm(x, b1, b2), x, b1, b2)
+    check(lambda x, b1, b2: torch.addbmm(x, b1, b2, beta=0.5, alpha=2), x, b1, b2)
+    check(lambda x, b1, b2: torch.addbmm(x, b1, b2, beta=0), torch.full((3, 5), nan), b1, b2)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 3.5, float("inf")])
+@pytest.mark.parametrize("rows", [(4, 6), (30, 7)])  # eager uses a matmul past 25 rows
+def test_cdist_and_pdist(p, rows):
+    x1, x2 = randn(2, rows[0], 5), randn(rows[1], 5)
+    check(lambda a, b: torch.cdist(a, b, p), x1, x2, rtol=1e-4, atol=1e-5)
+    check(lambda a: F.pdist(a, p), x1[0], rtol=1e-4, atol=1e-5)
+    check(lambda a, b: torch.cdist(a, b, p), x1[:, :0], x2)
+
+
+@pytest.mark.parametrize("mode", ["donot_use_mm_for_euclid_dist", "use_mm_for_euclid_dist"])
+def test_cdist_compute_mode(mode):
+    check(lambda a, b: torch.cdist(a, b, compute_mode=mode), randn(3, 4), randn(5, 4),
+          rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# embedding_bag and anti-aliased resampling
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_embedding_bag(mode, padding_idx, include_last_offset):
+    w = randn(10, 3)
+    w[4, 1] = w[5, 0] = nan  # max keeps the bag's first row, then strictly greater ones
+    i, o = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 5]), torch.tensor([0, 3, 3, 6])
+    psw = randn(9) if mode == "sum" else None
+    check(lambda w, i, o, psw: F.embedding_bag(
+        i, w, o, mode=mode, per_sample_weights=psw, padding_idx=padding_idx,
+        include_last_offset=include_last_offset), w, i, o, psw)
+    # every output of the ATen op, its quirks included
+    check(lambda w, i, o: torch.ops.aten._embedding_bag(
+        w, i, o, False, ("sum", "mean", "max").index(mode), False, None, include_last_offset,
+        -1 if padding_idx is None else padding_idx), w, i, o)
+
+
+def test_embedding_bag_2d_and_max_norm():
+    w = randn(10, 4)
+    check(lambda w, i: F.embedding_bag(i, w.clone(), mode="mean", max_norm=1.0), w,
+          torch.tensor([[1, 2, 3], [4, 4, 9]]))
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("size", [(3, 5), (13, 17)])
+def test_interpolate_antialias(mode, size):
+    x = randn(2, 3, 7, 9)
+    check(lambda x: F.interpolate(x, size=size, mode=mode, antialias=True), x)
+    check(lambda x: F.interpolate(x, scale_factor=0.6, mode=mode, antialias=True,
+                                  align_corners=True), x)
+
+
+def test_group_norm_errors_are_plait_errors():
+    with pytest.raises(PlaitError):
+        plait.jit(lambda x: torch.native_group_norm(x, None, None, 2, 6, 2, 4, 1e-5))(
+            randn(2, 6, 2))
