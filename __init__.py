@@ -4,7 +4,8 @@ from .api import Jitted, Lowered, jit, make_graph
 from .config import config
 from .errors import PlaitError
 from .graph import Graph
+from .transforms import grad, grad_and_value, vjp
 
 __version__ = "0.1.0"
-__all__ = ["Graph", "Jitted", "Lowered", "PlaitError", "backends", "config", "errors", "jit",
-           "make_graph"]
+__all__ = ["Graph", "Jitted", "Lowered", "PlaitError", "backends", "config", "errors", "grad",
+           "grad_and_value", "jit", "make_graph", "vjp"]

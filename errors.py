@@ -18,7 +18,7 @@ class UnsupportedDtypeError(PlaitError):
     """A dtype or tensor layout plait does not handle (sparse, quantized)."""
 
 
-class OpError(PlaitError):
+class OpError(PlaitError, RuntimeError):
     """An operator failed while tracing: its arguments are invalid, or plait mishandles it."""
 
 

@@ -100,7 +100,71 @@ def _clone(x):
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
 
 
-def sweep(backend: str = "eager", names: set[str] | None = None) -> SweepResult:
+class _Skip(Exception):
+    """The sample does not apply to this mode (eager itself cannot compute the reference)."""
+
+
+def _jit_case(op, args, kwargs, backend):
+    expected = op(*_clone(args), **_clone(kwargs))
+    fn = plait.jit(lambda *a, **k: op.op(*a, **k), backend=backend)
+    graph = fn.lower(*_clone(args), **_clone(kwargs)).graph
+    opaque = any(graph.node(n).prim == "opaque" for n in graph.nx.nodes)
+    return lambda: fn(*_clone(args), **_clone(kwargs)), expected, opaque
+
+
+def _float_leaves(args):
+    leaves, tree = pytree.tree_flatten(args)
+    return leaves, tree, [i for i, x in enumerate(leaves)
+                          if isinstance(x, torch.Tensor) and x.dtype.is_floating_point]
+
+
+# Ops whose eager derivative is itself wrong, so autograd is no reference for them.
+_EAGER_GRAD_BUGS = {
+    # d/dx as_strided_scatter(x, s, (2,), (1,), 1) for a cotangent of 2 is [2, 0, 0, 2];
+    # eager gives [0, 2, 2, 0] (the scattered positions, which no longer depend on x).
+    "as_strided_scatter",
+}
+
+
+def _grad_case(op, args, kwargs, backend):
+    """d/d(float tensor leaves) of sum(output * fixed random cotangent), against autograd."""
+    leaves, tree, diff = _float_leaves((args, kwargs))
+    if not diff or op.name in _EAGER_GRAD_BUGS:
+        raise _Skip
+    generator = torch.Generator().manual_seed(0)
+
+    def scalar(*diff_values, cotangents=None):
+        filled = list(leaves)
+        for i, v in zip(diff, diff_values):
+            filled[i] = v
+        a, k = pytree.tree_unflatten(filled, tree)
+        outs = [o for o in pytree.tree_leaves(op.op(*a, **k))
+                if isinstance(o, torch.Tensor) and o.dtype.is_floating_point]
+        return sum((o * c).sum() for o, c in zip(outs, cotangents)) if outs else None
+
+    primals = [leaves[i].clone().requires_grad_() for i in diff]
+    try:
+        outs = [o for o in pytree.tree_leaves(op.op(*pytree.tree_unflatten(
+            [primals[diff.index(i)] if i in diff else x for i, x in enumerate(leaves)],
+            tree)[0], **kwargs)) if isinstance(o, torch.Tensor) and o.dtype.is_floating_point]
+        cotangents = [torch.randn(o.shape, generator=generator) for o in outs]
+        total = scalar(*primals, cotangents=cotangents)
+        if total is None or not total.requires_grad:
+            raise _Skip
+        expected = torch.autograd.grad(total, primals, allow_unused=True)
+    except _Skip:
+        raise
+    except Exception:
+        raise _Skip from None
+    expected = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(primals, expected))
+    fn = plait.grad(lambda *d: scalar(*d, cotangents=cotangents), argnums=tuple(range(len(diff))))
+    return lambda: fn(*[leaves[i].clone() for i in diff]), expected, False
+
+
+MODES = {"jit": _jit_case, "grad": _grad_case}
+
+
+def sweep(mode: str = "jit", names: set[str] | None = None, backend: str = "eager") -> SweepResult:
     from torch.testing._internal.common_methods_invocations import op_db
 
     result = SweepResult()
@@ -108,6 +172,8 @@ def sweep(backend: str = "eager", names: set[str] | None = None) -> SweepResult:
         if names is not None and op.name not in names and op.variant_test_name not in names:
             continue
         if torch.float32 not in op.supported_dtypes("cpu"):
+            continue
+        if mode == "grad" and not op.supports_autograd:
             continue
         name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
         try:
@@ -122,20 +188,21 @@ def sweep(backend: str = "eager", names: set[str] | None = None) -> SweepResult:
             key = (name, i)
             args = (sample.input, *sample.args)
             try:
-                expected = op(*_clone(args), **_clone(sample.kwargs))
+                op(*_clone(args), **_clone(sample.kwargs))
             except Exception:
-                continue
-            fn = plait.jit(lambda *a, **k: op.op(*a, **k), backend=backend)
+                continue  # eager rejects the sample
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    actual = fn(*_clone(args), **_clone(sample.kwargs))
-                    graph = fn.lower(*_clone(args), **_clone(sample.kwargs)).graph
-                if any(graph.node(n).prim == "opaque" for n in graph.nx.nodes):
+                    run, expected, opaque = MODES[mode](op, args, sample.kwargs, backend)
+                    actual = run()
+                if opaque:
                     result.opaque_ops.add(name)
                 _compare(actual, expected)
                 result.outcomes[key] = "match"
                 result.details[key] = ""
+            except _Skip:
+                continue
             except plait.PlaitError as e:
                 result.outcomes[key], result.details[key] = "plait_error", f"{type(e).__name__}: {e}"
             except Exception as e:
@@ -145,7 +212,9 @@ def sweep(backend: str = "eager", names: set[str] | None = None) -> SweepResult:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="jit", choices=sorted(MODES))
     parser.add_argument("--backend", default="eager")
     parser.add_argument("--ops", default=None, help="comma-separated op names")
     opts = parser.parse_args()
-    print(sweep(opts.backend, set(opts.ops.split(",")) if opts.ops else None).summary())
+    print(sweep(opts.mode, set(opts.ops.split(",")) if opts.ops else None,
+                opts.backend).summary())

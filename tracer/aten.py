@@ -341,7 +341,30 @@ def _prims_no_equivalent(*args, **kwargs):
 # ---------------------------------------------------------------------------------------
 # ATen ops handled directly: views, contractions, indexing, scans, sorting
 # ---------------------------------------------------------------------------------------
-@handles(aten.detach.default, aten.alias.default, aten.lift_fresh.default,
+@handles(aten.detach.default)
+def _detach(x):
+    return bind("stop_gradient", x) if type_of(x).dtype.is_floating_point else alias(x)
+
+
+def statistics_without_gradient(compute):
+    """Wrap a normalization handler whose outputs after the first are saved statistics:
+    PyTorch's derivative ignores their cotangents, so plait stops gradients there too."""
+    def handler(*args, **kwargs):
+        out, *stats = compute(*args, **kwargs)
+        return (out, *(bind("stop_gradient", s) if type_of(s).dtype.is_floating_point
+                       else s for s in stats))
+
+    return handler
+
+
+for _op in (aten.native_layer_norm.default, aten.native_batch_norm.default,
+            aten._native_batch_norm_legit.default,
+            aten._native_batch_norm_legit_no_training.default,
+            aten._native_batch_norm_legit_functional.default):
+    HANDLERS[_op] = statistics_without_gradient(torch._decomp.decomposition_table[_op])
+
+
+@handles(aten.alias.default, aten.lift_fresh.default,
          aten.lift_fresh_copy.default, aten.contiguous.default, aten.positive.default,
          aten.resolve_conj.default, aten.resolve_neg.default)
 def _identity(x, *args, **kwargs):
@@ -1204,11 +1227,25 @@ HANDLERS[aten.max.default] = _reduce_all("amax")
 HANDLERS[aten.min.default] = _reduce_all("amin")
 
 
+@handles(aten.linalg_vector_norm.default)
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """PyTorch's decomposition, but slices that are all zero are swapped for ones first and
+    their norm set to 0 after: the same value, and a derivative of 0 there, as eager's
+    subgradient, instead of 0 * inf (the double-where idiom)."""
+    norm = torch._decomp.decomposition_table[aten.linalg_vector_norm.default]
+    if ord in (0, math.inf, -math.inf) or not type_of(x).dtype.is_floating_point:
+        return norm(x, ord, dim, keepdim, dtype=dtype)
+    zero = torch.logical_not(torch.any(x != 0, dim=dim, keepdim=True))
+    out = norm(torch.where(zero, 1.0, x), ord, dim, keepdim, dtype=dtype)
+    return torch.where(torch.reshape(zero, out.shape), 0.0, out)
+
+
 @handles(aten._safe_softmax.default)
 def _safe_softmax(x, dim, dtype=None):
-    """softmax, but rows that are all -inf give 0 instead of NaN."""
-    out = torch.softmax(x, dim, dtype=dtype)
+    """softmax, but rows that are all -inf give 0 instead of NaN. Those rows are replaced
+    before the softmax too, so no NaN reaches a derivative (the double-where idiom)."""
     masked = (x == float("-inf")).all(dim, keepdim=True)
+    out = torch.softmax(torch.where(masked, 0.0, x), dim, dtype=dtype)
     return torch.where(masked, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 

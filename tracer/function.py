@@ -7,7 +7,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import ConcretizationError, PlaitError
+from ..errors import ConcretizationError, OpError, PlaitError
 from ..graph import Graph, TensorType
 from . import aten as _aten  # noqa: F401  (registers the handlers)
 from . import linalg as _linalg  # noqa: F401
@@ -36,6 +36,8 @@ class TracedFunction:
     out_tree: pytree.TreeSpec
     out_leaves: tuple
     mutated_inputs: tuple[int, ...]
+    # Tracers of enclosing traces the function captured: the graph's last inputs, in order.
+    captured: tuple = ()
 
 
 def _as_plait_error(e: RuntimeError) -> PlaitError | None:
@@ -84,8 +86,12 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         raw = []
         try:
             out = torch.func.functionalize(flat_fn, remove="mutations")(*inputs)
-        except RuntimeError as e:
-            raise _as_plait_error(e) or e from None
+        except PlaitError:
+            raise
+        except RuntimeError as e:  # torch's own checks (in C++ composites) land here
+            raise _as_plait_error(e) or OpError(
+                f"PyTorch raised while tracing: {e}. Eager PyTorch raises this too for these "
+                "arguments; fix the arguments.") from None
         # functionalize unwraps the result's tensors in order, but may rebuild containers
         # (torch.Size becomes a tuple): take the structure and non-tensor leaves from the raw
         # result, and the tensors from functionalize's.
@@ -101,6 +107,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]
         outputs += [inputs[i]._value for i in mutated]
     graph = trace.builder.build(outputs)
-    return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated))
+    return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated),
+                          tuple(trace.captured))
 
 

@@ -4,20 +4,23 @@ composed from them.
 NOTE [linalg primitives]
 Factorizations cannot be written with plait's other primitives, so each is one primitive
 whose ``impl`` is the LAPACK (or cuSOLVER) call eager PyTorch makes: ``cholesky``, ``lu``
-(with ``lu_pivots_to_permutation``), ``triangular_solve``, ``qr``, ``householder_product``,
+(with ``lu_pivots_to_permutation``), ``triangular_solve``, ``geqrf`` (QR as Householder
+reflectors), ``householder_product`` (their product: qr is geqrf then this, as in eager),
 ``eigh`` and ``svd``. ``linalg_check`` is an effectful primitive with no result: it raises
-``plait.errors.LinAlgError`` (a ``torch.linalg.LinAlgError``) at run time wherever eager would (a singular or indefinite matrix).
-Every other linalg op is composed from these and ordinary primitives (inv and solve from LU
-and two triangular solves, det from LU's diagonal, pinv from svd or eigh, ...). The set is
-kept small because each primitive needs its own differentiation and batching rules; the
-compositions get theirs for free. Eigen- and singular vectors are only defined up to sign,
-so they always come from the very LAPACK call eager uses, never from a different route.
+``plait.errors.LinAlgError`` (a ``torch.linalg.LinAlgError``) at run time wherever eager
+would (a singular or indefinite matrix). Every other linalg op is composed from these and
+ordinary primitives (inv and solve from LU and two triangular solves, det from LU's
+diagonal, pinv from svd or eigh, lstsq from geqrf or svd, ...). The set is kept small
+because each primitive needs its own differentiation and batching rules; the compositions
+get theirs for free. Eigen- and singular vectors are only defined up to sign, so they always
+come from the very LAPACK call eager uses, never from a different route.
 
-Handlers first run the op's meta kernel, so invalid arguments raise eager's own message
-while tracing. Complex operands go to an opaque node: the compositions use transposes where
-a complex matrix needs the conjugate transpose. ``linalg.matrix_exp`` (its Taylor degree and
-number of squarings depend on the matrix norm) and ``linalg.ldl_*`` (Bunch-Kaufman pivots
-interleave 1x1 and 2x2 blocks by value) stay opaque.
+Handlers first run the op's meta kernel (or, for an op without one, a copy of its checks),
+so invalid arguments raise eager's own message while tracing. Complex operands go to an
+opaque node: the compositions use transposes where a complex matrix needs the conjugate
+transpose. ``linalg.matrix_exp`` (its Taylor degree and number of squarings depend on the
+matrix norm) and ``linalg.ldl_*`` (Bunch-Kaufman pivots interleave 1x1 and 2x2 blocks by
+value) stay opaque.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import functools
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import CheckError, LinAlgError, ShapeError
+from ..errors import CheckError, LinAlgError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .aten import full, handles, type_of
 from .primitives import _check, define
@@ -114,15 +117,14 @@ def _pivots_impl(pivots, *, size):
 define("lu_pivots_to_permutation", _pivots_infer, _pivots_impl)
 
 
-def _qr_infer(a, *, full_matrices):
-    _check_matrices("qr", a)
-    m, n = a.shape[-2:]
-    k = m if full_matrices else min(m, n)
-    return _batch(a, m, k), _batch(a, k, n)
+def _geqrf_infer(a):
+    _check_matrices("geqrf", a)
+    return a, _like(a, a.shape[:-2] + (min(a.shape[-2:]),))
 
 
-define("qr", _qr_infer, lambda a, *, full_matrices: tuple(
-    torch.linalg.qr(a, "complete" if full_matrices else "reduced")), multiple_results=True)
+# Householder QR (LAPACK's geqrf): r in the upper triangle, each reflector's vector below the
+# diagonal and its scale in tau, as householder_product takes them.
+define("geqrf", _geqrf_infer, lambda a: tuple(torch.geqrf(a)), multiple_results=True)
 
 
 def _householder_infer(a, tau):
@@ -201,10 +203,10 @@ def _meta(x):
     return torch.device("meta") if isinstance(x, torch.device) else x
 
 
-def linalg_op(op, real_only: bool = True):
+def linalg_op(op, real_only: bool = True, check=None):
     """Register a handler for ``op`` that checks the arguments with the op's meta kernel
-    first (so errors read as eager's) and, if ``real_only``, hands complex operands to an
-    opaque node."""
+    (or ``check``, on meta tensors, for an op without one) first, so errors read as eager's,
+    and, if ``real_only``, hands complex operands to an opaque node."""
     def register(fn):
         def handler(*args, **kwargs):
             tensors = [x for x in pytree.tree_leaves((args, kwargs))
@@ -213,7 +215,7 @@ def linalg_op(op, real_only: bool = True):
                 return current_trace().opaque(op, args, kwargs)
             meta_args, meta_kwargs = pytree.tree_map(_meta, (args, kwargs))
             try:
-                op(*meta_args, **meta_kwargs)
+                (check or op)(*meta_args, **meta_kwargs)
             except Exception as e:  # torch._check raises several types
                 raise ShapeError(f"{op}: {e}") from None
             return fn(*args, **kwargs)
@@ -224,10 +226,10 @@ def linalg_op(op, real_only: bool = True):
     return register
 
 
-def _empty(like):
+def _empty(like, dtype=None):
     """The 0-element placeholder eager returns for an output it was told not to compute."""
     t = type_of(like)
-    return full((0,), 0, t.dtype, t.device)
+    return full((0,), 0, dtype or t.dtype, t.device)
 
 
 def _check_info(info, api: str, a) -> None:
@@ -283,6 +285,27 @@ def _diagonal_of(x):
     return torch.diagonal(x, 0, -2, -1)
 
 
+def _zero_pivot_info(diag):
+    """LAPACK's info for a triangular factor: the 1-based index of its first zero on the
+    diagonal, 0 if none."""
+    n = type_of(diag).shape[-1]
+    leading = (diag != 0).to(torch.int32).cumprod(-1).sum(-1)  # nonzeros before it
+    return torch.where(leading == n, 0, leading + 1).to(torch.int32)
+
+
+def _is_vector_rhs(a_shape, b_shape) -> bool:
+    """Whether b is a (batch of) vector(s) rather than matrices, as eager's solvers decide."""
+    return len(b_shape) == 1 or (len(b_shape) == len(a_shape) - 1
+                                 and tuple(b_shape) == tuple(a_shape[:-1]))
+
+
+def _householder_q(h, tau, cols: int):
+    """The first ``cols`` columns of q = the (m, m) product of geqrf's reflectors in h."""
+    k = min(type_of(h).shape[-1], cols)
+    return bind("householder_product", torch.nn.functional.pad(h[..., :, :k], (0, cols - k)),
+                tau)
+
+
 def _pivot_sign(pivots, dtype):
     """det of the permutation: -1 per row swap (a pivot that is not its own row)."""
     k = type_of(pivots).shape[-1]
@@ -333,10 +356,9 @@ def _cholesky_solve(b, l, upper=False):
 
 @linalg_op(aten.cholesky_inverse.default)
 def _cholesky_inverse(l, upper=False):
-    # Eager (LAPACK potri) raises for a zero on the diagonal: info is its 1-based index.
+    # Eager (LAPACK potri) raises for a zero on the diagonal.
     n = type_of(l).shape[-1]
-    leading = (_diagonal_of(l) != 0).to(torch.int32).cumprod(-1).sum(-1)  # nonzeros before it
-    _check_info(torch.where(leading == n, 0, leading + 1).to(torch.int32), "cholesky_inverse", l)
+    _check_info(_zero_pivot_info(_diagonal_of(l)), "cholesky_inverse", l)
     c_inv = solve_triangular(l, _eye(n, l), lower=not upper)  # l^-1
     return c_inv @ c_inv.mT if upper else c_inv.mT @ c_inv
 
@@ -391,8 +413,7 @@ def _linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
 
 @linalg_op(aten._linalg_solve_ex.default)
 def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
-    ta, tb = type_of(a), type_of(b)
-    vector = tb.ndim == 1 or (tb.ndim == ta.ndim - 1 and tb.shape == ta.shape[:-1])
+    vector = _is_vector_rhs(type_of(a).shape, type_of(b).shape)
     lu, pivots, info = _lu(a)
     x = lu_solve(lu, pivots, b.unsqueeze(-1) if vector else b, left=left)
     if check_errors:
@@ -423,10 +444,22 @@ def _linalg_slogdet(a):
     return sign, diag.abs().log().sum(-1), lu, pivots
 
 
+def _geqrf_check(a):
+    torch._check(a.ndim >= 2, lambda: "torch.geqrf: input must have at least 2 dimensions.")
+
+
+@linalg_op(aten.geqrf.default, check=_geqrf_check)
+def _geqrf(a):
+    return bind("geqrf", a)
+
+
 @linalg_op(aten.linalg_qr.default)
 def _linalg_qr(a, mode="reduced"):
-    q, r = bind("qr", a, full_matrices=mode == "complete")
-    return (_empty(a) if mode == "r" else q), r
+    """geqrf, then householder_product for q: eager's own two LAPACK calls."""
+    m, n = type_of(a).shape[-2:]
+    k = m if mode == "complete" else min(m, n)
+    h, tau = bind("geqrf", a)
+    return (_empty(a) if mode == "r" else _householder_q(h, tau, k)), h[..., :k, :].triu()
 
 
 @linalg_op(aten.linalg_householder_product.default)
@@ -437,10 +470,7 @@ def _linalg_householder_product(a, tau):
 @linalg_op(aten.ormqr.default)
 def _ormqr(a, tau, c, left=True, transpose=False):
     """q (the square product of all reflectors) applied to c by a matmul."""
-    m = type_of(a).shape[-2]
-    cols = a[..., :, :min(m, type_of(a).shape[-1])]
-    square = torch.nn.functional.pad(cols, (0, m - type_of(cols).shape[-1]))
-    q = bind("householder_product", square, tau)
+    q = _householder_q(a, tau, type_of(a).shape[-2])
     q = q.mT if transpose else q
     return q @ c if left else c @ q
 
@@ -480,3 +510,98 @@ def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
     keep = (s.abs() if hermitian else s) > tol
     s_inv = torch.where(keep, s.reciprocal(), torch.zeros((), dtype=t.dtype, device=t.device))
     return (v * s_inv.unsqueeze(-2)) @ u.mT
+
+
+_LSTSQ = "torch.linalg.lstsq"
+
+
+def _lstsq_check(a, b, rcond=None, *, driver=None):
+    """Eager's argument checks, in its order (linalg_lstsq has no meta kernel)."""
+    def need(ok, message):
+        torch._check(ok, lambda: f"{_LSTSQ}: {message}")
+
+    need(a.ndim >= 2, "input must have at least 2 dimensions.")
+    need(b.ndim >= 1, "other must have at least 1 dimension.")
+    need(a.dtype == b.dtype, "Expected input and other to have the same dtype, but got "
+         f"input's dtype {a.dtype} and other's dtype {b.dtype}")
+    torch._check(a.dtype in _FLOATS,  # complex operands never get here (an opaque node)
+                 lambda: "This function doesn't handle types other than float and double")
+    need(0 <= a.ndim - b.ndim <= 1, "input.dim() must be greater or equal to other.dim() and "
+         "(input.dim() - other.dim()) <= 1")
+    vector = _is_vector_rhs(a.shape, b.shape)
+    need(a.shape[-2] == b.shape[-1 if vector else -2],
+         f"input.size(-2) should match other.size({-1 if vector else -2})")
+    need(driver in (None, "gels", "gelsy", "gelsd", "gelss"),
+         "parameter `driver` should be one of (gels, gelsy, gelsd, gelss)")
+    torch.broadcast_shapes(a.shape[:-2], b.shape[:-1 if vector else -2])
+
+
+def _lstsq_gels(a, b):
+    """LAPACK's gels: QR of a (of a.mT, an LQ, for a wide a), assuming full rank; an exact zero
+    on r's diagonal raises. The residuals are those of q.mT @ b's rows past n, whatever the
+    solution. An all-zero a gives gels' quick return: zero solution and residuals."""
+    m, n = type_of(a).shape[-2:]
+    a, b = _broadcast_batch((a, 2), (b, 2))  # eager's errors name the broadcast batch element
+    h, tau = bind("geqrf", a if m >= n else a.mT)
+    r, q = h[..., :min(m, n), :min(m, n)], _householder_q(h, tau, m)  # q: square if m >= n
+    if m >= n:
+        qtb = q.mT @ b
+        x = solve_triangular(r, qtb[..., :n, :], lower=False)
+    else:  # a = r.mT @ q.mT
+        x = q @ solve_triangular(r, b, lower=False, transpose=True)
+    zero = (a == 0).all(-1).all(-1)
+    _check_info(torch.where(zero, 0, _zero_pivot_info(_diagonal_of(r))).to(torch.int32),
+                _LSTSQ, a)
+    x = torch.where(zero[..., None, None], 0.0, x)
+    if m <= n:
+        return x, _empty(a)
+    return x, torch.where(zero[..., None], 0.0, qtb[..., n:, :].square().sum(-2))
+
+
+def _lstsq_rank_revealing(a, b, rcond, driver):
+    """gelsy, gelsd, gelss: the minimum-norm solution from the singular values above rcond times
+    the largest (their number is the rank). gelsy drops the trailing part of a pivoted QR
+    instead, by a condition estimate: the same where what it drops is rounding noise."""
+    t = type_of(a)
+    m, n = t.shape[-2:]
+    noise = torch.finfo(t.dtype).eps * max(m, n)  # eager's default rcond
+    rcond = noise if rcond is None else rcond
+    # Out of (0, 1) LAPACK's drivers each substitute their own epsilon.
+    if not (0 < rcond < 1 and (driver != "gelsy" or rcond <= noise)):
+        raise UnsupportedOpError(
+            f"{_LSTSQ}: plait supports rcond={rcond} only for driver 'gelsd' or 'gelss' (in "
+            f"(0, 1)); for 'gelsy' in (0, {noise}], where its pivoted QR agrees with an SVD")
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    keep = s > rcond * s[..., :1]
+    if rcond < noise:
+        bind("check", (keep & (s <= noise * s[..., :1])).any(), message=(
+            f"{_LSTSQ}: rcond={rcond} keeps a singular value at rounding noise, which makes "
+            "the solution rounding error that differs between algorithms; raise rcond"))
+    s_inv = torch.where(keep, s.reciprocal(), 0.0)
+    x = vh.mT @ (s_inv.unsqueeze(-1) * (u.mT @ b))
+    rank = keep.sum(-1)
+    if driver == "gelsy":
+        return x, _empty(a), rank, _empty(a)
+    residuals = _empty(a)
+    if m > n:  # eager gives residuals only if every matrix has full rank: a data-dependent shape
+        bind("check", (rank != n).any(), message=(
+            f"{_LSTSQ}: with driver {driver!r} and a rank-deficient tall matrix eager returns no "
+            "residuals, an output shape that depends on the data, which plait cannot trace; "
+            "compute the residuals from the solution instead"))
+        residuals = (a @ x - b).square().sum(-2)
+    return x, residuals, rank, s
+
+
+@linalg_op(aten.linalg_lstsq.default, check=_lstsq_check)
+def _linalg_lstsq(a, b, rcond=None, *, driver=None):
+    if type_of(a).device != "cpu" and driver not in (None, "gels"):
+        raise UnsupportedOpError(f"{_LSTSQ}: only driver 'gels' is supported off the CPU")
+    driver = driver or ("gelsy" if type_of(a).device == "cpu" else "gels")
+    vector = _is_vector_rhs(type_of(a).shape, type_of(b).shape)
+    b2 = b.unsqueeze(-1) if vector else b
+    if driver == "gels":
+        x, residuals = _lstsq_gels(a, b2)
+        rank, s = _empty(a, torch.int64), _empty(a)
+    else:
+        x, residuals, rank, s = _lstsq_rank_revealing(a, b2, rcond, driver)
+    return (x.squeeze(-1) if vector else x), residuals, rank, s

@@ -26,7 +26,7 @@ from ..errors import ShapeError
 from ..graph import TensorType
 from .aten import handles, type_of
 from .primitives import _check, define
-from .trace import bind
+from .trace import HANDLERS, bind
 
 aten = torch.ops.aten
 
@@ -241,7 +241,6 @@ for _nd in (2, 3):
 # ---------------------------------------------------------------------------------------
 # Normalization
 # ---------------------------------------------------------------------------------------
-@handles(aten.native_group_norm.default)
 def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
     """Statistics per (sample, group) over the group's channels and spatial positions, in
     float32 for reduced-precision inputs (as eager); mean and rstd come back as [N, group]."""
@@ -258,6 +257,10 @@ def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
     if bias is not None:
         out = out + bias.reshape(C, 1)
     return out.reshape(type_of(x).shape).to(dtype), mean.to(dtype), rstd.to(dtype)
+
+
+# PyTorch differentiates group norm's mean and rstd outputs (unlike layer norm's).
+HANDLERS[aten.native_group_norm.default] = _native_group_norm
 
 
 # ---------------------------------------------------------------------------------------

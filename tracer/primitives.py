@@ -9,8 +9,9 @@ here is short, and later stages (autodiff, batching, lowering) see a small, regu
 A ``Primitive`` holds, next to each other:
   * ``infer``: operand types + params -> output types (raises ShapeError on a mismatch);
   * ``impl``: the eager implementation on torch tensors (the reference semantics);
-  * ``jvp`` / ``transpose`` / ``batch`` / ``lower``: transform and lowering rules, attached
-    by the modules that implement those stages, one per primitive.
+  * ``vjp``: the reverse-mode derivative rule (forward mode is derived from it);
+  * ``batch``: the vmap rule (a primitive without one is batched by a loop);
+  * ``lower``: the lowering rule, for the compiling backends.
 Elementwise families are tables: one row per primitive, one shared rule per family.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ..errors import CheckError, GraphError, ShapeError
+from ..errors import CheckError, GraphError, ShapeError, UnsupportedOpError
 from ..graph.types import TensorType
 
 prims = torch.ops.prims
@@ -35,9 +36,8 @@ class Primitive:
     multiple_results: bool = False
     # Effectful primitives are never removed, merged, folded or reordered.
     effectful: bool = False
-    jvp: Callable | None = None
-    transpose: Callable | None = None
-    batch: Callable | None = None
+    vjp: Callable | None = None    # reverse-mode rule (NOTE [autodiff], passes/autodiff.py)
+    batch: Callable | None = None  # vmap rule (NOTE [batching], passes/batching.py)
     lower: Callable | None = None
 
     def __repr__(self) -> str:
@@ -58,6 +58,17 @@ def define(name: str, infer, impl, **kwargs) -> Primitive:
     assert name not in PRIMITIVES, name
     PRIMITIVES[name] = prim = Primitive(name, infer, impl, **kwargs)
     return prim
+
+
+def vjp_rule(*names: str):
+    """Attach the decorated function as the VJP rule of the named primitives (see
+    ``NOTE [autodiff]`` in passes/autodiff.py for the signature)."""
+    def attach(rule):
+        for name in names:
+            PRIMITIVES[name].vjp = rule
+        return rule
+
+    return attach
 
 
 def _types(*shape_dtype_device) -> tuple[TensorType, ...]:
@@ -183,7 +194,7 @@ for _name in UNARY_PREDICATES + COMPARISONS:
     define(_name, _elementwise_infer(_name, torch.bool), _prim_impl(_name))
 
 # Special functions with no torch prim: elementwise, defined by torch.special.
-SPECIAL_UNARY = ("airy_ai bessel_y0 bessel_y1 modified_bessel_i0 modified_bessel_i1 "
+SPECIAL_UNARY = ("airy_ai bessel_y0 bessel_y1 log_ndtr modified_bessel_i0 modified_bessel_i1 "
                  "modified_bessel_k0 modified_bessel_k1 scaled_modified_bessel_k0 "
                  "scaled_modified_bessel_k1").split()
 SPECIAL_BINARY = ("chebyshev_polynomial_t chebyshev_polynomial_u chebyshev_polynomial_v "
@@ -200,6 +211,105 @@ def _polygamma_infer(x, *, n):
 
 
 define("polygamma", _polygamma_infer, lambda x, *, n: torch.polygamma(n, x))
+
+
+# Derivatives of the elementwise primitives, as PyTorch's autograd formulas give them:
+# unary ones as d(x, y) with y = f(x) (None: zero almost everywhere), binary ones as the
+# cotangents of both operands.
+_LN2, _LN10 = math.log(2.0), math.log(10.0)
+_UNARY_DERIVATIVES = {
+    "abs": lambda x, y: torch.sign(x),
+    "acos": lambda x, y: -torch.rsqrt(1 - x * x),
+    "acosh": lambda x, y: torch.rsqrt(x * x - 1),
+    "asin": lambda x, y: torch.rsqrt(1 - x * x),
+    "asinh": lambda x, y: torch.rsqrt(x * x + 1),
+    "atan": lambda x, y: 1 / (1 + x * x),
+    "atanh": lambda x, y: 1 / (1 - x * x),
+    "cbrt": lambda x, y: torch.pow(x * x, -1.0 / 3) / 3,
+    "cos": lambda x, y: -torch.sin(x),
+    "cosh": lambda x, y: torch.sinh(x),
+    "digamma": lambda x, y: torch.polygamma(1, x),
+    "erf": lambda x, y: 2 / math.sqrt(math.pi) * torch.exp(-x * x),
+    "erfc": lambda x, y: -2 / math.sqrt(math.pi) * torch.exp(-x * x),
+    "erf_inv": lambda x, y: math.sqrt(math.pi) / 2 * torch.exp(y * y),
+    "erfcx": lambda x, y: 2 * x * y - 2 / math.sqrt(math.pi),
+    "exp": lambda x, y: y,
+    "exp2": lambda x, y: y * _LN2,
+    "expm1": lambda x, y: y + 1,
+    "lgamma": lambda x, y: torch.digamma(x),
+    "log": lambda x, y: 1 / x,
+    "log10": lambda x, y: 1 / (x * _LN10),
+    "log1p": lambda x, y: 1 / (x + 1),
+    "log2": lambda x, y: 1 / (x * _LN2),
+    "ndtri": lambda x, y: math.sqrt(2 * math.pi) * torch.exp(y * y / 2),
+    "neg": lambda x, y: -1.0,
+    "reciprocal": lambda x, y: -y * y,
+    "rsqrt": lambda x, y: -0.5 * y * y * y,
+    "sin": lambda x, y: torch.cos(x),
+    "sinh": lambda x, y: torch.cosh(x),
+    "sqrt": lambda x, y: 0.5 / y,
+    "tan": lambda x, y: 1 + y * y,
+    "tanh": lambda x, y: 1 - y * y,
+    "bessel_i0": lambda x, y: torch.special.i1(x),
+    "log_ndtr": lambda x, y: torch.exp(-(y + x * x / 2)) / math.sqrt(2 * math.pi),
+    **{name: lambda x, y: None for name in ("ceil", "floor", "round", "trunc", "sign")},
+}
+
+
+def _unary_vjp(d):
+    def rule(cts, x, *, outs):
+        derivative = d(x, outs[0])
+        return (None if derivative is None else cts[0] * derivative,)
+
+    return rule
+
+
+for _name, _d in _UNARY_DERIVATIVES.items():
+    PRIMITIVES[_name].vjp = _unary_vjp(_d)
+
+
+@vjp_rule("polygamma")
+def _polygamma_vjp(cts, x, *, outs, n):
+    return (cts[0] * torch.polygamma(n + 1, x),)
+
+
+def _pow_vjp(ct, a, b, y):
+    base = torch.where(b == 0, 0.0, ct * b * torch.pow(a, b - 1))
+    exponent = torch.where((a == 0) & (b >= 0), 0.0, ct * y * torch.log(a))
+    return base, exponent
+
+
+_BINARY_DERIVATIVES = {
+    "add": lambda ct, a, b, y: (ct, ct),
+    "sub": lambda ct, a, b, y: (ct, -ct),
+    "mul": lambda ct, a, b, y: (ct * b, ct * a),
+    "div": lambda ct, a, b, y: (ct / b, -ct * a / (b * b)),
+    "pow": _pow_vjp,
+    "atan2": lambda ct, a, b, y: (ct * b / (a * a + b * b), -ct * a / (a * a + b * b)),
+    "hypot": lambda ct, a, b, y: (ct * a / y, ct * b / y),
+    "fmod": lambda ct, a, b, y: (ct, -ct * torch.trunc(a / b)),
+    "remainder": lambda ct, a, b, y: (ct, -ct * torch.floor(a / b)),
+    "maximum": lambda ct, a, b, y: (_split(ct, a == b, a < b), _split(ct, a == b, a > b)),
+    "minimum": lambda ct, a, b, y: (_split(ct, a == b, a > b), _split(ct, a == b, a < b)),
+    # fmax/fmin pick the number over a NaN; the picked operand takes the whole cotangent
+    "fmax": lambda ct, a, b, y: (torch.where((a >= b) | torch.isnan(b), ct, 0.0),
+                                 torch.where((a >= b) | torch.isnan(b), 0.0, ct)),
+    "fmin": lambda ct, a, b, y: (torch.where((a <= b) | torch.isnan(b), ct, 0.0),
+                                 torch.where((a <= b) | torch.isnan(b), 0.0, ct)),
+}
+
+
+def _split(ct, tie, lose):
+    """maximum/minimum: a tie splits the cotangent, the loser gets none; a NaN feeds both."""
+    return torch.where(lose, 0.0, torch.where(tie, ct / 2, ct))
+
+
+def _binary_vjp(d):
+    return lambda cts, a, b, *, outs: d(cts[0], a, b, outs[0])
+
+
+for _name, _d in _BINARY_DERIVATIVES.items():
+    PRIMITIVES[_name].vjp = _binary_vjp(_d)
 
 
 
@@ -235,6 +345,11 @@ def _frexp_infer(x):
 define("frexp", _frexp_infer, lambda x: tuple(torch.frexp(x)), multiple_results=True)
 
 
+@vjp_rule("frexp")
+def _frexp_vjp(cts, x, *, outs):
+    return (cts[0] / torch.exp2(outs[1].to(x.dtype)),)
+
+
 def _where_infer(pred, a, b):
     _check(pred.dtype == torch.bool, "where", "predicate must be bool", pred, a, b)
     _check(pred.shape == a.shape == b.shape, "where", "operands must have one shape", pred, a, b)
@@ -245,11 +360,25 @@ def _where_infer(pred, a, b):
 define("where", _where_infer, torch.where)
 
 
+@vjp_rule("where")
+def _where_vjp(cts, pred, a, b, *, outs):
+    return None, torch.where(pred, cts[0], 0.0), torch.where(pred, 0.0, cts[0])
+
+
 def _convert_infer(x, *, dtype):
     return (TensorType(x.shape, dtype, x.device),)
 
 
 define("convert", _convert_infer, lambda x, *, dtype: x.to(dtype))
+
+# The identity, through which no derivative flows (Tensor.detach; saved statistics).
+define("stop_gradient", lambda x: (x,), lambda x: x,
+       vjp=lambda cts, x, *, outs: (None,))
+
+
+@vjp_rule("convert")
+def _convert_vjp(cts, x, *, outs, dtype):
+    return (cts[0] if dtype.is_floating_point else None,)  # the engine casts it back
 
 
 # ---------------------------------------------------------------------------------------
@@ -286,12 +415,24 @@ def _broadcast_impl(x, *, shape, broadcast_dimensions):
 define("broadcast_in_dim", _broadcast_infer, _broadcast_impl)
 
 
+@vjp_rule("broadcast_in_dim")
+def _broadcast_vjp(cts, x, *, outs, shape, broadcast_dimensions):
+    """Sum over the new dims and over the size-1 dims that were stretched."""
+    kept = {d: i for i, d in enumerate(broadcast_dimensions)}
+    dims = [d for d in range(len(shape)) if d not in kept or
+            (x.shape[kept[d]] == 1 and shape[d] != 1)]
+    ct = torch.sum(cts[0], dims) if dims else cts[0]
+    return (ct.reshape(x.shape),)
+
+
 def _reshape_infer(x, *, shape):
     _check(math.prod(shape) == x.numel, "reshape", f"cannot reshape to {list(shape)}", x)
     return (TensorType(shape, x.dtype, x.device),)
 
 
 define("reshape", _reshape_infer, lambda x, *, shape: x.reshape(shape))
+
+vjp_rule("reshape")(lambda cts, x, *, outs, shape: (cts[0].reshape(x.shape),))
 
 
 def _transpose_infer(x, *, permutation):
@@ -301,6 +442,9 @@ def _transpose_infer(x, *, permutation):
 
 
 define("transpose", _transpose_infer, lambda x, *, permutation: x.permute(permutation))
+
+vjp_rule("transpose")(lambda cts, x, *, outs, permutation: (
+    cts[0].permute([permutation.index(d) for d in range(len(permutation))]),))
 
 
 def _slice_infer(x, *, start, limit, step):
@@ -330,6 +474,23 @@ def _pad_impl(x, *, low, high, value):
 define("pad", _pad_infer, _pad_impl)
 
 
+@vjp_rule("slice")
+def _slice_vjp(cts, x, *, outs, start, limit, step):
+    ct = cts[0]
+    for d, (s, st) in enumerate(zip(start, step)):
+        if st > 1 or s or ct.shape[d] != x.shape[d]:
+            grown = list(ct.shape)
+            grown[d] = x.shape[d]
+            ct = torch.slice_scatter(ct.new_zeros(grown), ct, d, s,
+                                     s + (ct.shape[d] - 1) * st + 1, st)
+    return (ct,)
+
+
+@vjp_rule("pad")
+def _pad_vjp(cts, x, *, outs, low, high, value):
+    return (cts[0][tuple(slice(lo, lo + n) for lo, n in zip(low, x.shape))],)
+
+
 def _concatenate_infer(*xs, dim):
     first = xs[0]
     for t in xs[1:]:
@@ -344,12 +505,19 @@ def _concatenate_infer(*xs, dim):
 define("concatenate", _concatenate_infer, lambda *xs, dim: torch.cat(xs, dim))
 
 
+@vjp_rule("concatenate")
+def _concatenate_vjp(cts, *xs, outs, dim):
+    return tuple(torch.split(cts[0], [x.shape[dim] for x in xs], dim))
+
+
 def _rev_infer(x, *, dims):
     _norm_dims(dims, x.ndim, "rev")
     return (x,)
 
 
 define("rev", _rev_infer, lambda x, *, dims: torch.flip(x, dims))
+
+vjp_rule("rev")(lambda cts, x, *, outs, dims: (torch.flip(cts[0], dims),))
 
 
 # ---------------------------------------------------------------------------------------
@@ -396,6 +564,38 @@ define("argmax", _reduce_infer("argmax", torch.int64), _arg_reduce_impl(torch.ar
 define("argmin", _reduce_infer("argmin", torch.int64), _arg_reduce_impl(torch.argmin))
 
 
+def _unreduce(ct, x, dims):
+    """A reduction's result (or cotangent) broadcast back over the reduced dims of x."""
+    shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
+    return ct.reshape(shape).expand(x.shape)
+
+
+vjp_rule("sum")(lambda cts, x, *, outs, dims: (_unreduce(cts[0], x, dims),))
+
+
+@vjp_rule("amax", "amin")
+def _extremum_vjp(cts, x, *, outs, dims):
+    """Ties share the cotangent evenly (a NaN result passes none), as PyTorch's rule."""
+    hit = (x == _unreduce(outs[0], x, dims)).to(x.dtype)
+    count = _unreduce(torch.sum(hit, dims) if dims else hit, x, dims)
+    return (_unreduce(cts[0], x, dims) * hit / count,)
+
+
+@vjp_rule("prod")
+def _prod_vjp(cts, x, *, outs, dims):
+    """d/dx_i = product of the other elements: exclusive products from both ends, exact
+    when some elements are zero."""
+    rest = [d for d in range(x.ndim) if d not in dims]
+    moved = x.permute(rest + list(dims)).reshape([x.shape[d] for d in rest] + [-1])
+    ones = moved.new_ones(moved.shape[:-1] + (1,))
+    before = torch.cumprod(torch.cat([ones, moved[..., :-1]], -1), -1)
+    after = torch.flip(torch.cumprod(torch.cat([ones, torch.flip(moved, [-1])[..., :-1]], -1),
+                                     -1), [-1])
+    others = (before * after).reshape([x.shape[d] for d in rest + list(dims)])
+    others = others.permute([(rest + list(dims)).index(d) for d in range(x.ndim)])
+    return (_unreduce(cts[0], x, dims) * others,)
+
+
 def _scan_infer(name: str, with_indices: bool):
     def infer(x, *, dim):
         _norm_dims((dim,), x.ndim, name)
@@ -418,6 +618,53 @@ SCANS = {"cumsum": (torch.cumsum, False), "cumprod": (torch.cumprod, False),
 for _name, (_fn, _indices) in SCANS.items():
     define(_name, _scan_infer(_name, _indices), _scan_impl(_fn, _indices),
            multiple_results=_indices)
+
+
+def _reverse_cumsum(x, dim):
+    return torch.flip(torch.cumsum(torch.flip(x, [dim]), dim), [dim])
+
+
+def _later(x, dim):
+    """Mask [..., i, k] of k >= i along dim (the outputs an input feeds in a scan)."""
+    n = x.shape[dim]
+    return torch.ones(n, n, dtype=torch.bool, device=x.device).triu()
+
+
+vjp_rule("cumsum")(lambda cts, x, *, outs, dim: (_reverse_cumsum(cts[0], dim),))
+
+
+@vjp_rule("logcumsumexp")
+def _logcumsumexp_vjp(cts, x, *, outs, dim):
+    """d y_k / d x_i = exp(x_i - y_k) for k >= i, summed in log space with the cotangent's
+    positive and negative parts apart (PyTorch's formula, stable for large values)."""
+    def reverse_logcumsumexp(v):
+        return torch.flip(torch.logcumsumexp(torch.flip(v, [dim]), dim), [dim])
+
+    ct, lowest = cts[0], torch.finfo(x.dtype).min
+    log_abs = torch.log(torch.abs(ct))
+    parts = [torch.where(keep, log_abs, lowest) for keep in (ct > 0, ct < 0)]
+    pos, neg = (torch.exp(reverse_logcumsumexp(p - outs[0]) + x) for p in parts)
+    return (pos - neg,)
+
+
+@vjp_rule("cumprod")
+def _cumprod_vjp(cts, x, *, outs, dim):
+    """d y_k / d x_i = prod_{j <= k, j != i} x_j for k >= i: products over a masked square,
+    exact when some x_j are zero."""
+    moved = x.movedim(dim, -1)
+    n = moved.shape[-1]
+    mask = _later(x, dim)
+    # row i of the square holds x_j for j != i, and 1 at j == i
+    square = torch.where(torch.eye(n, dtype=torch.bool, device=x.device), 1.0,
+                         moved.unsqueeze(-2).expand(*moved.shape[:-1], n, n))
+    partial = torch.cumprod(square, -1)  # [..., i, k] = prod_{j <= k, j != i} x_j
+    ct = cts[0].movedim(dim, -1).unsqueeze(-2)
+    return ((torch.where(mask, partial, 0.0) * ct).sum(-1).movedim(-1, dim),)
+
+
+@vjp_rule("cummax", "cummin")
+def _cumextremum_vjp(cts, x, *, outs, dim):
+    return (torch.zeros_like(x).scatter_add(dim, outs[1], cts[0]),)
 
 
 # ---------------------------------------------------------------------------------------
@@ -449,6 +696,23 @@ def _dot_general_impl(lhs, rhs, *, contracting, batch):
 define("dot_general", _dot_general_infer, _dot_general_impl)
 
 
+@vjp_rule("dot_general")
+def _dot_general_vjp(cts, lhs, rhs, *, outs, contracting, batch):
+    """Each operand's cotangent contracts the output cotangent with the other operand, as
+    an einsum over one letter per dimension."""
+    (lc, rc), (lb, rb) = contracting, batch
+    letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    lhs_l = [next(letters) for _ in range(lhs.ndim)]
+    rhs_l = [next(letters) for _ in range(rhs.ndim)]
+    for a, b in zip(lc + lb, rc + rb):
+        rhs_l[b] = lhs_l[a]
+    out_l = ([lhs_l[i] for i in lb] + [lhs_l[i] for i in range(lhs.ndim) if i not in lc + lb]
+             + [rhs_l[i] for i in range(rhs.ndim) if i not in rc + rb])
+    out, left, right = ("".join(v) for v in (out_l, lhs_l, rhs_l))
+    return (torch.einsum(f"{out},{right}->{left}", cts[0], rhs),
+            torch.einsum(f"{out},{left}->{right}", cts[0], lhs))
+
+
 def _gather_infer(x, index, *, dim):
     ok = index.dtype == torch.int64 and index.ndim == x.ndim
     _check(ok, "gather", f"index must be int64 with the operand's rank (dim={dim})", x, index)
@@ -456,6 +720,9 @@ def _gather_infer(x, index, *, dim):
 
 
 define("gather", _gather_infer, lambda x, index, *, dim: torch.gather(x, dim, index))
+
+vjp_rule("gather")(lambda cts, x, index, *, outs, dim: (
+    torch.zeros_like(x).scatter_add(dim, index, cts[0]), None))
 
 
 def _scatter_infer(x, index, src, *, dim, reduce, include_self):
@@ -474,6 +741,23 @@ def _scatter_impl(x, index, src, *, dim, reduce, include_self):
 define("scatter", _scatter_infer, _scatter_impl)
 
 
+@vjp_rule("scatter")
+def _scatter_vjp(cts, x, index, src, *, outs, dim, reduce, include_self):
+    ct = cts[0]
+    if reduce is None:  # overwritten positions owe nothing to x
+        return ct.scatter(dim, index, 0.0), None, torch.gather(ct, dim, index)
+    if reduce == "sum":
+        kept = ct if include_self else ct.scatter(dim, index, 0.0)
+        return kept, None, torch.gather(ct, dim, index)
+    if reduce == "mean":  # a scattered position is the mean of its sources (and itself)
+        count = torch.zeros_like(x).scatter_add(dim, index, torch.ones_like(src))
+        hit = count > 0
+        share = ct / torch.where(hit, count + int(include_self), 1.0)
+        kept = torch.where(hit, share if include_self else 0.0, ct)
+        return kept, None, torch.gather(share, dim, index)
+    raise UnsupportedOpError(f"scatter with reduce={reduce!r} has no derivative rule yet")
+
+
 def _sort_infer(x, *, dim, descending, stable):
     _norm_dims((dim,), x.ndim, "sort")
     return (x, TensorType(x.shape, torch.int64, x.device))
@@ -481,6 +765,8 @@ def _sort_infer(x, *, dim, descending, stable):
 
 define("sort", _sort_infer, lambda x, *, dim, descending, stable: tuple(
     torch.sort(x, dim=dim, descending=descending, stable=stable)), multiple_results=True)
+
+
 
 
 def _topk_infer(x, *, k, dim, largest, sorted):
@@ -494,6 +780,15 @@ def _topk_infer(x, *, k, dim, largest, sorted):
 
 define("topk", _topk_infer, lambda x, *, k, dim, largest, sorted: tuple(
     torch.topk(x, k, dim=dim, largest=largest, sorted=sorted)), multiple_results=True)
+
+
+@vjp_rule("sort", "topk")
+def _selection_vjp(cts, x, *, outs, **params):
+    """The selected values' cotangents go back to where they came from."""
+    dim = params["dim"] if x.ndim else 0
+    if not x.ndim:
+        return (cts[0],)
+    return (torch.zeros_like(x).scatter_add(dim, outs[1], cts[0]),)
 
 
 # ---------------------------------------------------------------------------------------

@@ -132,6 +132,8 @@ class Trace:
         self._constants: dict[int, tuple[torch.Tensor, Value]] = {}
         self._provenance = Provenance()
         self._depth = 0
+        self._captures: dict[int, tuple[TracerTensor, Value]] = {}
+        self.captured: list[TracerTensor] = []  # enclosing traces' tracers, in input order
 
     @property
     def issued_by_torch(self) -> bool:
@@ -151,15 +153,27 @@ class Trace:
         return tracer
 
     def value_of(self, x: Any) -> Value:
+        x = unwrap_functional(x)
         if isinstance(x, TracerTensor):
-            if x._trace is not self:
-                raise TraceError("a tracer from another trace reached this one; nested "
-                                 "transforms that capture outer tracers come with plait's "
-                                 "transforms")
-            return x._value
+            if x._trace is self:
+                return x._value
+            if x._trace in _TRACES:  # an enclosing trace's value, captured by a closure
+                return self._capture(x)
+            raise TraceError("a tracer of a finished trace was used: it escaped its traced "
+                             "function (e.g. stored in a global). Return it instead.")
         if isinstance(x, torch.Tensor):
             return self.constant(x)
         raise TraceError(f"expected a tensor operand, got {type(x).__name__}")
+
+    def _capture(self, outer: TracerTensor) -> Value:
+        """An enclosing trace's tracer becomes an extra input of this (nested) trace; the
+        transform that started this trace passes it back in when it inlines the result."""
+        hit = self._captures.get(id(outer))
+        if hit is None:
+            hit = self._captures[id(outer)] = (outer, self.builder.add_input(
+                outer._trace.type_of(outer)))
+            self.captured.append(outer)
+        return hit[1]
 
     def constant(self, tensor: torch.Tensor) -> Value:
         check_dtype(tensor, "a captured tensor")
@@ -362,6 +376,15 @@ def _user_source() -> str | None:
             return f"{os.path.basename(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+def unwrap_functional(x: Any) -> Any:
+    """The tracer inside a ``torch.func.functionalize`` wrapper (what user code holds inside
+    a traced function), with its pending writes applied; anything else as it is."""
+    if isinstance(x, torch.Tensor) and torch._is_functional_tensor(x):
+        torch._sync(x)
+        return torch._C._functorch._unwrap_functional_tensor(x, True)
+    return x
 
 
 def is_dense(tensor: torch.Tensor) -> bool:

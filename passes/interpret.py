@@ -1,0 +1,42 @@
+"""Replay a graph into the current trace: the one interpreter every transform is built on.
+
+A transform is a graph -> graph pass that replays its input graph into a fresh trace while
+emitting extra (or different) nodes; calling a transformed function inside ``jit`` or another
+transform replays (inlines) the transformed graph into the enclosing trace.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from ..graph import Graph, Value
+from ..tracer.trace import bind
+
+
+def replay(graph: Graph, inputs: Sequence[Any],
+           visit: Callable[[int, list], list] | None = None) -> dict[Value, Any]:
+    """Bind every node of ``graph`` on ``inputs`` (tracers of the current trace).
+
+    Returns the environment: graph value -> tracer. ``visit(n, operands)``, if given, replaces
+    the default binding of node ``n`` (it returns the node's output tracers).
+    """
+    env: dict[Value, Any] = {}
+    for n in graph.order:
+        node = graph.node(n)
+        if node.prim == "input":
+            env[Value(n, 0)] = inputs[node.kwargs["index"]]
+            continue
+        operands = [env[v] for v in graph.operands(n)]
+        if visit is not None:
+            outs = visit(n, operands)
+        else:
+            outs = bind(node.prim, *operands, **node.kwargs)
+            outs = list(outs) if isinstance(outs, tuple) else [outs]
+        for i, out in enumerate(outs):
+            env[Value(n, i)] = out
+    return env
+
+
+def inline(graph: Graph, inputs: Sequence[Any]) -> list:
+    """The outputs of ``graph`` applied to ``inputs``, as tracers of the current trace."""
+    env = replay(graph, inputs)
+    return [env[v] for v in graph.outputs]

@@ -1,0 +1,92 @@
+"""plait.grad / grad_and_value / vjp against torch.func and torch.autograd."""
+import pytest
+import torch
+
+import plait
+from plait.errors import TraceError, UnsupportedOpError
+
+
+def _mlp_loss(params, x, y):
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return torch.nn.functional.mse_loss(h @ params["w2"], y)
+
+
+@pytest.fixture
+def mlp():
+    params = {"w1": torch.randn(4, 8), "b1": torch.randn(8), "w2": torch.randn(8, 2)}
+    return params, torch.randn(16, 4), torch.randn(16, 2)
+
+
+def test_grad_of_pytree_argument_matches_torch_func(mlp):
+    torch.testing.assert_close(plait.grad(_mlp_loss)(*mlp), torch.func.grad(_mlp_loss)(*mlp))
+
+
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1), (1, 0), -1])
+def test_argnums_forms(argnums):
+    f = lambda a, b: (torch.sin(a) * b).sum()  # noqa: E731
+    a, b = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(plait.grad(f, argnums)(a, b), torch.func.grad(f, argnums)(a, b))
+
+
+def test_has_aux_and_grad_and_value(mlp):
+    def f(params, x, y):
+        loss = _mlp_loss(params, x, y)
+        return loss, {"loss": loss.detach() * 2}
+
+    for plait_fn, torch_fn in ((plait.grad, torch.func.grad),
+                               (plait.grad_and_value, torch.func.grad_and_value)):
+        torch.testing.assert_close(plait_fn(f, has_aux=True)(*mlp),
+                                   torch_fn(f, has_aux=True)(*mlp))
+
+
+def test_detach_stops_the_gradient():
+    f = lambda x: (x * x.detach()).sum()  # noqa: E731
+    x = torch.randn(5)
+    torch.testing.assert_close(plait.grad(f)(x), x)
+
+
+def test_compositions():
+    f = lambda x: torch.sin(x).pow(3).sum()  # noqa: E731
+    x = torch.randn(4)
+    expected = torch.func.grad(lambda y: torch.func.grad(f)(y).sum())(x)
+    torch.testing.assert_close(plait.grad(lambda y: plait.grad(f)(y).sum())(x), expected)
+    torch.testing.assert_close(plait.jit(plait.grad(f))(x), torch.func.grad(f)(x))
+    graph = plait.make_graph(plait.grad(f))(x)
+    assert {graph.node(n).prim for n in graph.nx.nodes} >= {"sin", "cos", "mul"}
+
+
+def test_closure_over_an_outer_tracer():
+    x = torch.randn(3)
+
+    def outer(w):
+        return plait.grad(lambda v: (v * torch.sin(w)).sum())(x) * w
+
+    torch.testing.assert_close(plait.jit(outer)(x), torch.sin(x) * x)
+    torch.testing.assert_close(plait.grad(lambda w: outer(w).sum())(x),
+                               torch.func.grad(lambda w: (torch.sin(w) * w).sum())(x))
+
+
+def test_vjp_matches_torch_func():
+    x = torch.randn(3, 4)
+    out, fn = plait.vjp(lambda a: (torch.exp(a), a.sum(0)), x)
+    eout, efn = torch.func.vjp(lambda a: (torch.exp(a), a.sum(0)), x)
+    cts = (torch.randn(3, 4), torch.randn(4))
+    torch.testing.assert_close(out, eout)
+    torch.testing.assert_close(fn(cts), efn(cts))
+
+
+def test_errors():
+    x = torch.randn(3)
+    with pytest.raises(TraceError, match="scalar"):
+        plait.grad(lambda a: a * 2)(x)
+    with pytest.raises(TraceError, match="argnums"):
+        plait.grad(lambda a: a.sum(), argnums=3)(x)
+    with pytest.raises(TraceError, match="floating-point"):
+        plait.grad(lambda a, n: a.sum() * n, argnums=1)(x, torch.tensor(2))
+    with pytest.raises(TraceError, match="pair"):
+        plait.grad(lambda a: a.sum(), has_aux=True)(x)
+    with pytest.raises(UnsupportedOpError, match="complex"):
+        plait.grad(lambda a: torch.fft.fft(a).abs().sum())(x)
+    _, fn = plait.vjp(torch.sin, x)
+    with pytest.raises(TraceError, match="shape"):
+        fn(torch.randn(4))

@@ -1,0 +1,226 @@
+"""grad, vjp, jvp, vmap, jacrev, jacfwd, hessian: drop-in replacements for ``torch.func``.
+
+NOTE [how a transform runs]
+A transform traces the function it wraps into a graph (a nested trace when it is called
+inside ``jit`` or another transform: tracers of enclosing traces that the function captures
+become extra graph inputs), transforms that graph with a pass (``passes/autodiff.py``,
+``passes/batching.py``) and inlines the result into the enclosing trace. Called on real
+tensors, a transformed function runs through ``jit`` (so it is traced once per signature and
+cached). Inside a traced function the user holds ``functionalize`` wrappers; a transform
+unwraps them to tracers on entry and wraps its results again on exit.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch.utils import _pytree as pytree
+
+from .errors import TraceError
+from .passes import autodiff
+from .passes.interpret import inline
+from .tracer import trace_function
+from .tracer.trace import _TRACES, TracerTensor, bind, unwrap_functional
+
+
+# ---------------------------------------------------------------------------------------
+# Running a transform body on tracers
+# ---------------------------------------------------------------------------------------
+def _staged(body: Callable) -> Callable:
+    """``body(*args)`` works on tracers of the current trace. Outside any trace, run it
+    through a cached jit; inside one, run it directly (its nodes land in the enclosing
+    graph), converting between the user's functionalize wrappers and tracers."""
+    from .api import jit
+
+    def inside(*args, **kwargs):
+        level = torch._C._functorch.maybe_current_level()
+        args, kwargs = pytree.tree_map(unwrap_functional, (args, kwargs))
+        out = body(*args, **kwargs)
+        if level is None:
+            return out
+        return pytree.tree_map(lambda x: torch._C._functorch._wrap_functional_tensor(x, level)
+                               if isinstance(x, TracerTensor) else x, out)
+
+    jitted = jit(inside)
+
+    @functools.wraps(body)
+    def run(*args, **kwargs):
+        if _TRACES:
+            return inside(*args, **kwargs)
+        with torch.no_grad():  # a transform's result is not recorded by torch.autograd
+            return jitted(*args, **kwargs)
+
+    return run
+
+
+class _Traced:
+    """A function traced on some arguments: its graph plus how to call and read it."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        leaves, self.in_tree = pytree.tree_flatten((args, kwargs))
+        self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        # A nested trace runs its own functionalize; the enclosing one's layer is set aside
+        # meanwhile (the tracers it holds are unwrapped where they are used).
+        with temporarily_clear_interpreter_stack():
+            self.traced = trace_function(fn, leaves, self.in_tree)
+        if self.traced.mutated_inputs:
+            raise TraceError("a function under a plait transform mutates one of its tensor "
+                             "arguments; transforms need functions without side effects "
+                             "on their inputs (clone the argument first).")
+        self.inputs = [leaves[i] for i in self.tensor_pos] + list(self.traced.captured)
+        self.graph = self.traced.graph
+
+    def leaf_index(self, leaf_positions: Sequence[int]) -> list[int]:
+        """Graph input indices of the given argument leaves (which must be tensors)."""
+        return [self.tensor_pos.index(p) for p in leaf_positions]
+
+    def outputs(self, values: Sequence[Any]):
+        """The function's result structure, filled with graph output ``values``."""
+        leaves = [values[x] if isinstance(x, int) else x.value for x in self.traced.out_leaves]
+        return pytree.tree_unflatten(leaves, self.traced.out_tree)
+
+
+def _argnum_leaves(args: tuple, kwargs: dict, argnums: int | tuple[int, ...]):
+    """Positions (in the flattened (args, kwargs)) of the leaves of the chosen arguments."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums:
+        raise TraceError("argnums must name at least one argument")
+    positions, start = {}, 0
+    for i, a in enumerate(args):
+        n = len(pytree.tree_leaves(a))
+        positions[i] = list(range(start, start + n))
+        start += n
+    for num in nums:
+        if not -len(args) <= num < len(args):
+            raise TraceError(f"argnums={argnums} names argument {num}, but the function got "
+                             f"{len(args)} positional arguments")
+    chosen = [positions[num % len(args)] for num in nums]
+    flat = pytree.tree_leaves((args, kwargs))
+    for pos in chosen:
+        for p in pos:
+            x = flat[p]
+            if not (isinstance(x, torch.Tensor) and x.dtype.is_floating_point):
+                raise TraceError(f"argnums={argnums}: differentiated arguments must be "
+                                 f"floating-point tensors (or pytrees of them), got "
+                                 f"{type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}")
+    return chosen
+
+
+def _split_aux(out, has_aux: bool, what: str):
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TraceError(f"{what}(has_aux=True) needs the function to return a pair "
+                         "(output, aux)")
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------------------------------
+# Reverse mode
+# ---------------------------------------------------------------------------------------
+def _zeros(ty):
+    return bind("full", shape=ty.shape, value=0, dtype=ty.dtype, device=ty.device)
+
+
+def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
+              seeds_for: Callable):
+    """Trace ``func``, differentiate it and inline the result. ``seeds_for(main, types)``
+    gives the cotangents ({graph output index: tracer}) of the non-aux result ``main``, whose
+    tensors are given as graph output indices. Returns the result and the cotangents of the
+    chosen arguments' leaves, one list per argument."""
+    chosen = _argnum_leaves(args, kwargs, argnums)
+    t = _Traced(func, args, kwargs)
+    types = t.graph.output_types
+    main, _ = _split_aux(t.outputs(list(range(len(types)))), has_aux, "vjp")
+    seeds = seeds_for(main, types)
+    cotangents = [seeds[k] if k in seeds else _zeros(ty) for k, ty in enumerate(types)]
+    wrt = [i for pos in chosen for i in t.leaf_index(pos)]
+    results = inline(autodiff.vjp(t.graph, wrt), t.inputs + cotangents)
+    values, grads = results[:len(types)], iter(results[len(types):])
+    return t.outputs(values), [[next(grads) for _ in pos] for pos in chosen]
+
+
+def _as_argnums_tree(args, argnums, grouped):
+    """Cotangent leaves, per chosen argument, rebuilt in that argument's structure."""
+    trees = [pytree.tree_unflatten(g, pytree.tree_structure(args[n])) for n, g in
+             zip((argnums,) if isinstance(argnums, int) else argnums, grouped)]
+    return trees[0] if isinstance(argnums, int) else tuple(trees)
+
+
+def _scalar_seed(main, types):
+    """grad's cotangent: 1 for its one scalar, floating-point output."""
+    if not isinstance(main, int) or types[main].shape != () or \
+            not types[main].dtype.is_floating_point:
+        what = f"an output of {types[main]}" if isinstance(main, int) else \
+            f"a {type(main).__name__}"
+        raise TraceError(f"grad needs a function returning one floating-point scalar tensor, "
+                         f"got {what}; use vjp or jacrev for other outputs")
+    ty = types[main]
+    return {main: bind("full", shape=(), value=1.0, dtype=ty.dtype, device=ty.device)}
+
+
+def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False):
+    """As ``torch.func.grad_and_value``: ``(gradient, value)`` of a function returning one
+    scalar (``(gradient, (value, aux))`` with ``has_aux``), w.r.t. the arguments ``argnums``."""
+    @_staged
+    def body(*args, **kwargs):
+        out, grouped = _vjp_body(func, argnums, has_aux, args, kwargs, _scalar_seed)
+        return _as_argnums_tree(args, argnums, grouped), out
+
+    return body
+
+
+def grad(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False):
+    """As ``torch.func.grad``: the gradient of a function returning one scalar w.r.t. the
+    arguments ``argnums`` (``(gradient, aux)`` with ``has_aux``)."""
+    both = grad_and_value(func, argnums, has_aux)
+
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        g, out = both(*args, **kwargs)
+        return (g, out[1]) if has_aux else g
+
+    return run
+
+
+def vjp(func: Callable, *primals, has_aux: bool = False):
+    """As ``torch.func.vjp``: ``(output, vjp_fn)`` (``(output, vjp_fn, aux)`` with
+    ``has_aux``), where ``vjp_fn(cotangents)`` returns one cotangent per primal. Inside a
+    trace the forward pass is traced twice, and simplification (CSE) merges the copies."""
+    argnums = tuple(range(len(primals)))
+    main, aux = _split_aux(_forward(func, primals), has_aux, "vjp")
+
+    @_staged
+    def backward(primal_args, cotangents):
+        def seeds(main_slots, types):
+            slots, tree = pytree.tree_flatten(main_slots)
+            cts, ct_tree = pytree.tree_flatten(cotangents)
+            if tree != ct_tree:
+                raise TraceError(f"vjp_fn got cotangents of structure {ct_tree}, but the "
+                                 f"function's output has structure {tree}")
+            for k, ct in zip(slots, cts):
+                if not isinstance(ct, torch.Tensor) or tuple(ct.shape) != types[k].shape:
+                    raise TraceError(f"vjp_fn: a cotangent must be a tensor of the output's "
+                                     f"shape {list(types[k].shape)}, got {ct!r:.60}")
+            return dict(zip(slots, cts))
+
+        _, grouped = _vjp_body(func, argnums, has_aux, tuple(primal_args), {}, seeds)
+        return tuple(pytree.tree_unflatten(g, pytree.tree_structure(p))
+                     for g, p in zip(grouped, primal_args))
+
+    def vjp_fn(cotangents):
+        return backward(primals, cotangents)
+
+    return (main, vjp_fn, aux) if has_aux else (main, vjp_fn)
+
+
+def _forward(func: Callable, primals: tuple):
+    """func(*primals), traced and inlined (or jitted at top level) like a transform's."""
+    @_staged
+    def run(*p):
+        t = _Traced(func, p, {})
+        return t.outputs(inline(t.graph, t.inputs))
+
+    return run(*primals)
