@@ -4,8 +4,9 @@ from .api import Jitted, Lowered, jit, make_graph
 from .config import config
 from .errors import PlaitError
 from .graph import Graph
-from .transforms import grad, grad_and_value, vjp
+from .transforms import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 __version__ = "0.1.0"
 __all__ = ["Graph", "Jitted", "Lowered", "PlaitError", "backends", "config", "errors", "grad",
-           "grad_and_value", "jit", "make_graph", "vjp"]
+           "grad_and_value", "hessian", "jacfwd", "jacrev", "jit", "jvp", "make_graph", "vjp",
+           "vmap"]

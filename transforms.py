@@ -224,3 +224,207 @@ def _forward(func: Callable, primals: tuple):
         return t.outputs(inline(t.graph, t.inputs))
 
     return run(*primals)
+
+
+# ---------------------------------------------------------------------------------------
+# Forward mode and vectorization
+# ---------------------------------------------------------------------------------------
+def jvp(func: Callable, primals: tuple, tangents: tuple, has_aux: bool = False):
+    """As ``torch.func.jvp``: ``(output, tangent of the output)`` (and ``aux``)."""
+    if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
+        raise TraceError("jvp takes primals and tangents as tuples (as torch.func.jvp)")
+    if pytree.tree_structure(primals) != pytree.tree_structure(tangents):
+        raise TraceError("jvp: tangents must have the structure of primals")
+
+    @_staged
+    def body(primal_args, tangent_args):
+        t = _Traced(func, primal_args, {})
+        leaves = pytree.tree_leaves(tangent_args)
+        wrt = list(range(len(t.tensor_pos)))
+        for p, tan in zip(pytree.tree_leaves(primal_args), leaves):
+            if isinstance(p, torch.Tensor) and tuple(p.shape) != tuple(tan.shape):
+                raise TraceError(f"jvp: a tangent of shape {list(tan.shape)} for a primal of "
+                                 f"shape {list(p.shape)}")
+        results = inline(autodiff.jvp(t.graph, wrt), t.inputs + [
+            leaves[i] for i in t.tensor_pos])
+        n = len(t.graph.outputs)
+        out, aux = _split_aux(t.outputs(results[:n]), has_aux, "jvp")
+        tangent_out, _ = _split_aux(t.outputs(results[n:]), has_aux, "jvp")
+        return (out, tangent_out, aux) if has_aux else (out, tangent_out)
+
+    return body(primals, tangents)
+
+
+def _broadcast_prefix(prefix, tree, what: str) -> list:
+    """Expand an in_dims/out_dims prefix (int, None or a pytree) to one entry per leaf."""
+    try:
+        return pytree.tree_leaves(pytree.tree_map(lambda p, sub: [p] * len(pytree.tree_leaves(
+            sub)), prefix, tree, is_leaf=lambda x: x is None or isinstance(x, int)),
+            is_leaf=lambda x: isinstance(x, list))
+    except (ValueError, TypeError):
+        raise TraceError(f"vmap: {what} {prefix!r} does not match the structure of "
+                         f"{pytree.tree_structure(tree)}") from None
+
+
+def _leaf_dims(prefix, tree, what: str) -> list:
+    if prefix is None or isinstance(prefix, int):
+        return [prefix] * len(pytree.tree_leaves(tree))
+    return [d for part in _broadcast_prefix(prefix, tree, what) for d in part]
+
+
+def vmap(func: Callable, in_dims=0, out_dims=0, randomness: str = "error",
+         chunk_size: int | None = None):
+    """As ``torch.func.vmap``: ``func`` mapped over dimension ``in_dims`` of its arguments,
+    results stacked along ``out_dims``. ``chunk_size`` is accepted for compatibility; the
+    whole batch is always computed at once."""
+    from .passes import batching
+
+    if randomness not in batching.RANDOMNESS:
+        raise TraceError(f"vmap: randomness must be one of {batching.RANDOMNESS}, got "
+                         f"{randomness!r}")
+
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        dims_tree = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+        if isinstance(in_dims, tuple) and len(in_dims) != len(args):
+            raise TraceError(f"vmap: in_dims {in_dims} has {len(in_dims)} entries for "
+                             f"{len(args)} arguments")
+        dims = _leaf_dims(dims_tree, args, "in_dims")
+        return _vmapped(func, dims, out_dims, randomness, args, kwargs)
+
+    return run
+
+
+def _vmapped(func, dims, out_dims, randomness, args, kwargs):
+    from .passes import batching
+
+    @_staged
+    def body(args, kwargs):
+        leaves, tree = pytree.tree_flatten(args)
+        sizes = set()
+        for x, d in zip(leaves, dims):
+            if d is None:
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise TraceError(f"vmap: in_dims gives dim {d} for a non-tensor argument")
+            if not -x.ndim <= d < x.ndim:
+                raise TraceError(f"vmap: in_dims {d} is out of range for an argument of "
+                                 f"shape {list(x.shape)}")
+            sizes.add(x.shape[d])
+        if len(sizes) != 1:
+            raise TraceError("vmap: " + ("no argument is mapped (in_dims are all None)"
+                                         if not sizes else
+                                         f"mapped dims have different sizes {sorted(sizes)}"))
+        (size,) = sizes
+        moved = [x.movedim(d, 0) if d is not None else x for x, d in zip(leaves, dims)]
+        example = [x[0] if d is not None else x for x, d in zip(moved, dims)]
+        t = _Traced(func, pytree.tree_unflatten(example, tree), kwargs)
+        flags = [dims[i] is not None for i in t.tensor_pos] + [False] * len(t.traced.captured)
+        graph, out_flags = batching.vmap(t.graph, flags, size, randomness)
+        results = inline(graph, [moved[i] for i in t.tensor_pos] + list(t.traced.captured))
+        out = t.outputs(list(range(len(results))))
+        placed = []
+        for k, d in zip(pytree.tree_leaves(out), _leaf_dims(out_dims, out, "out_dims")):
+            r = results[k]
+            if d is None:
+                if out_flags[k]:
+                    raise TraceError("vmap: out_dims=None for an output that depends on the "
+                                     "mapped inputs")
+                placed.append(r)
+            else:
+                r = r if out_flags[k] else r.unsqueeze(0).expand(size, *r.shape)
+                placed.append(r.movedim(0, d))
+        return pytree.tree_unflatten(placed, pytree.tree_structure(out))
+
+    return body(args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Jacobians: a vmap over basis vectors of vjp (reverse) or jvp (forward)
+# ---------------------------------------------------------------------------------------
+def _with_args(func: Callable, args: tuple, argnums) -> tuple[Callable, tuple]:
+    """``func`` as a function of the ``argnums`` arguments only, and their values."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    nums = tuple(n % len(args) if -len(args) <= n < len(args) else n for n in nums)
+    for n in nums:
+        if not isinstance(n, int) or not 0 <= n < len(args):
+            raise TraceError(f"argnums={argnums} does not name one of the {len(args)} "
+                             "positional arguments")
+
+    def of_chosen(*chosen):
+        full = list(args)
+        for n, value in zip(nums, chosen):
+            full[n] = value
+        return func(*full)
+
+    return of_chosen, tuple(args[n] for n in nums)
+
+
+def _basis(like: torch.Tensor) -> torch.Tensor:
+    """The standard basis of ``like``'s space: [numel, *like.shape]."""
+    n = like.numel()
+    return torch.eye(n, dtype=like.dtype, device=like.device).reshape(n, *like.shape)
+
+
+def _per_arg(argnums, values: list):
+    return values[0] if isinstance(argnums, int) else tuple(values)
+
+
+def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
+           chunk_size: int | None = None):
+    """As ``torch.func.jacrev``: for each output leaf, the Jacobian w.r.t. each of
+    ``argnums``, shaped output.shape + argument.shape."""
+    @_staged
+    def body(*args):
+        of_chosen, chosen = _with_args(func, args, argnums)
+        out, vjp_fn, *aux = vjp(of_chosen, *chosen, has_aux=has_aux)
+        leaves, tree = pytree.tree_flatten(out)
+        jacobians = []
+        for i, leaf in enumerate(leaves):
+            def row(e, i=i):
+                return vjp_fn(pytree.tree_unflatten(
+                    [e if k == i else torch.zeros_like(x) for k, x in enumerate(leaves)], tree))
+
+            rows = vmap(row)(_basis(leaf))
+            jacobians.append(_per_arg(argnums, [
+                pytree.tree_map(lambda r: r.reshape(*leaf.shape, *r.shape[1:]), r)
+                for r in rows]))
+        result = pytree.tree_unflatten(jacobians, tree)
+        return (result, aux[0]) if has_aux else result
+
+    return body
+
+
+def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
+           *, randomness: str = "error"):
+    """As ``torch.func.jacfwd``: the Jacobians of ``jacrev``, from forward mode."""
+    @_staged
+    def body(*args):
+        of_chosen, chosen = _with_args(func, args, argnums)
+        flat, tree = pytree.tree_flatten(chosen)
+        per_input = []
+        for j, leaf in enumerate(flat):
+            def column(e, j=j):
+                tangents = [e if k == j else torch.zeros_like(x) for k, x in enumerate(flat)]
+                return jvp(of_chosen, chosen, pytree.tree_unflatten(tangents, tree),
+                           has_aux=has_aux)[1]
+
+            cols = vmap(column, randomness=randomness)(_basis(leaf))
+            per_input.append(pytree.tree_map(
+                lambda c: c.movedim(0, -1).reshape(*c.shape[1:], *leaf.shape), cols))
+        out_tree = pytree.tree_structure(per_input[0])
+        jacobians = [pytree.tree_unflatten([pytree.tree_leaves(p)[i] for p in per_input], tree)
+                     for i in range(out_tree.num_leaves)]
+        result = pytree.tree_unflatten([_per_arg(argnums, list(j)) for j in jacobians],
+                                       out_tree)
+        if has_aux:
+            return result, jvp(of_chosen, chosen, tuple(map(torch.zeros_like, chosen)),
+                               has_aux=True)[2]
+        return result
+
+    return body
+
+
+def hessian(func: Callable, argnums: int | tuple[int, ...] = 0):
+    """As ``torch.func.hessian``: ``jacfwd(jacrev(func, argnums), argnums)``."""
+    return jacfwd(jacrev(func, argnums), argnums)

@@ -161,7 +161,44 @@ def _grad_case(op, args, kwargs, backend):
     return lambda: fn(*[leaves[i].clone() for i in diff]), expected, False
 
 
-MODES = {"jit": _jit_case, "grad": _grad_case}
+VMAP_SCALES = (1.0, 0.5, 0.25)  # examples: the float inputs scaled (keeps signs and ranges)
+
+
+def _vmap_case(op, args, kwargs, backend):
+    """A batch of 3 examples (float tensor inputs scaled, the rest shared) through
+    plait.vmap, against eager per example, stacked."""
+    leaves, tree, mapped = _float_leaves((args, kwargs))
+    if not mapped:
+        raise _Skip
+
+    def example(k):
+        filled = [x * VMAP_SCALES[k] if i in mapped else x for i, x in enumerate(leaves)]
+        return pytree.tree_unflatten(filled, tree)
+
+    try:
+        per_example = [op.op(*a, **kw) for a, kw in map(example, range(len(VMAP_SCALES)))]
+        out_leaves = [pytree.tree_leaves(r) for r in per_example]
+        if not all(isinstance(x, torch.Tensor) for x in out_leaves[0]):
+            raise _Skip
+        expected = pytree.tree_unflatten([torch.stack(xs) for xs in zip(*out_leaves)],
+                                         pytree.tree_structure(per_example[0]))
+        stacked = [torch.stack([x * c for c in VMAP_SCALES]) if i in mapped else x
+                   for i, x in enumerate(leaves)]
+    except _Skip:
+        raise
+    except Exception:
+        raise _Skip from None
+    in_dims = [0 if i in mapped else None for i in range(len(leaves))]
+
+    def flat_fn(*flat):
+        a, kw = pytree.tree_unflatten(list(flat), tree)
+        return op.op(*a, **kw)
+
+    fn = plait.vmap(flat_fn, in_dims=tuple(in_dims))
+    return lambda: fn(*stacked), expected, False
+
+
+MODES = {"jit": _jit_case, "grad": _grad_case, "vmap": _vmap_case}
 
 
 def sweep(mode: str = "jit", names: set[str] | None = None, backend: str = "eager") -> SweepResult:

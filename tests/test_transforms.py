@@ -90,3 +90,93 @@ def test_errors():
     _, fn = plait.vjp(torch.sin, x)
     with pytest.raises(TraceError, match="shape"):
         fn(torch.randn(4))
+
+
+# ---------------------------------------------------------------------------------------
+# vmap and jvp
+# ---------------------------------------------------------------------------------------
+def test_vmap_in_dims_out_dims_and_none():
+    x, w = torch.randn(5, 3), torch.randn(3, 2)
+    f = lambda x, w: torch.tanh(x @ w)  # noqa: E731
+    torch.testing.assert_close(plait.vmap(f, (0, None))(x, w), torch.func.vmap(f, (0, None))(x, w))
+    torch.testing.assert_close(plait.vmap(f, (1, None), out_dims=1)(x.t(), w),
+                               torch.func.vmap(f, (1, None), out_dims=1)(x.t(), w))
+
+
+def test_vmap_nested_in_dims_pytree():
+    params = {"a": torch.randn(4, 3), "b": torch.randn(3)}
+    f = lambda p, x: (p["a"] * x + p["b"]).sum()  # noqa: E731
+    in_dims = ({"a": 0, "b": None}, None)
+    x = torch.randn(())
+    torch.testing.assert_close(plait.vmap(f, in_dims)(params, x),
+                               torch.func.vmap(f, in_dims)(params, x))
+
+
+def test_per_example_gradients(mlp):
+    params, x, y = mlp
+    per_example = lambda p, xi, yi: _mlp_loss(p, xi[None], yi[None])  # noqa: E731
+    torch.testing.assert_close(
+        plait.vmap(plait.grad(per_example), (None, 0, 0))(params, x, y),
+        torch.func.vmap(torch.func.grad(per_example), (None, 0, 0))(params, x, y))
+
+
+def test_vmap_of_unvectorized_primitive_loops():
+    x = torch.randn(4, 3, 3)
+    x = x @ x.mT + 3 * torch.eye(3)
+    torch.testing.assert_close(plait.vmap(torch.linalg.cholesky)(x), torch.linalg.cholesky(x))
+
+
+def test_vmap_randomness():
+    with pytest.raises(UnsupportedOpError, match="randomness"):
+        plait.vmap(lambda x: x + torch.rand(3))(torch.zeros(2, 3))
+    same = plait.vmap(lambda x: x + torch.rand(3), randomness="same")(torch.zeros(2, 3))
+    torch.testing.assert_close(same[0], same[1])
+    different = plait.vmap(lambda x: x + torch.rand(3), randomness="different")(
+        torch.zeros(2, 3))
+    assert not torch.equal(different[0], different[1])
+
+
+def test_vmap_errors():
+    with pytest.raises(TraceError, match="different sizes"):
+        plait.vmap(torch.add)(torch.randn(2), torch.randn(3))
+    with pytest.raises(TraceError, match="out of range"):
+        plait.vmap(torch.sin, in_dims=2)(torch.randn(2))
+    with pytest.raises(TraceError, match="randomness"):
+        plait.vmap(torch.sin, randomness="sometimes")
+
+
+def test_jvp_and_hessian_vector_product():
+    x, t = torch.randn(4), torch.randn(4)
+    f = lambda x: (torch.sin(x) * x).sum()  # noqa: E731
+    torch.testing.assert_close(plait.jvp(torch.exp, (x,), (t,)),
+                               torch.func.jvp(torch.exp, (x,), (t,)))
+    torch.testing.assert_close(plait.jvp(plait.grad(f), (x,), (t,)),
+                               torch.func.jvp(torch.func.grad(f), (x,), (t,)))
+
+
+# ---------------------------------------------------------------------------------------
+# Jacobians and Hessians
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)])
+def test_jacobians_match_torch_func(argnums):
+    x, w = torch.randn(3), torch.randn(3, 2)
+    f = lambda x, w: torch.tanh(x @ w)  # noqa: E731
+    for plait_fn, torch_fn in ((plait.jacrev, torch.func.jacrev),
+                               (plait.jacfwd, torch.func.jacfwd)):
+        torch.testing.assert_close(plait_fn(f, argnums)(x, w), torch_fn(f, argnums)(x, w))
+
+
+def test_jacobian_of_pytree_output_and_hessian():
+    x = torch.randn(3)
+    h = lambda x: {"a": x.sin(), "b": (x * 2).sum()}  # noqa: E731
+    torch.testing.assert_close(plait.jacrev(h)(x), torch.func.jacrev(h)(x))
+    torch.testing.assert_close(plait.jacfwd(h)(x), torch.func.jacfwd(h)(x))
+    g = lambda x: (torch.sin(x) * x).sum()  # noqa: E731
+    torch.testing.assert_close(plait.hessian(g)(x), torch.func.hessian(g)(x))
+
+
+def test_jit_vmap_jacrev():
+    xs = torch.randn(4, 3)
+    f = lambda v: v.sin() * v  # noqa: E731
+    torch.testing.assert_close(plait.jit(plait.vmap(plait.jacrev(f)))(xs),
+                               torch.func.vmap(torch.func.jacrev(f))(xs))

@@ -831,3 +831,90 @@ def is_effectful(node) -> bool:
         return True
     return node.prim == "opaque" and (not node.out_types or torch.Tag.nondeterministic_seeded
                                       in node.kwargs["op"].tags)
+
+
+# ---------------------------------------------------------------------------------------
+# Batching rules (NOTE [batching] in passes/batching.py): batch dims are leading, so most
+# rules line the unbatched operands up and shift the dimension params by one.
+# ---------------------------------------------------------------------------------------
+def _bind(name, *operands, **params):
+    from .trace import bind  # the tracer builds on this module
+
+    return bind(name, *operands, **params)
+
+
+def batch_rule(*names: str):
+    def attach(rule):
+        for name in names:
+            PRIMITIVES[name].batch = rule
+        return rule
+
+    return attach
+
+
+def _spread(operands, batched, axis_size):
+    """Every operand with the leading batch dim (unbatched ones broadcast to it)."""
+    return [x if b else x.unsqueeze(0).expand(axis_size, *x.shape)
+            for x, b in zip(operands, batched)]
+
+
+def _shifted(shift_params: Callable[[dict], dict]):
+    """A rule for ops whose operands all get the batch dim, with shifted dim params."""
+    def rule(operands, batched, axis_size, **params):
+        if shift_params(params) != params and not operands[0].ndim - batched[0]:
+            from ..passes.batching import loop  # a 0-dim example has no dim to shift
+            return loop(rule.name, operands, batched, axis_size, params)
+        out = _bind(rule.name, *_spread(operands, batched, axis_size), **shift_params(params))
+        outs = list(out) if isinstance(out, tuple) else [out]
+        return outs, [True] * len(outs)
+
+    return rule
+
+
+def _shift(*keys: str):
+    """Params naming dims (an int or a tuple of ints) move one to the right."""
+    def shift(params):
+        return {k: (tuple(d + 1 for d in v) if isinstance(v, tuple) else v + 1)
+                if k in keys else v for k, v in params.items()}
+
+    return shift
+
+
+def _attach_shifted(names, *keys):
+    for name in names:
+        rule = _shifted(_shift(*keys))
+        rule.name = name
+        PRIMITIVES[name].batch = rule
+
+
+_attach_shifted(UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS) + SPECIAL_UNARY
+                + SPECIAL_BINARY + ["polygamma", "where", "convert", "complex", "real",
+                                    "imag", "conj", "frexp", "stop_gradient"])
+_attach_shifted(list(REDUCTIONS) + ["argmax", "argmin", "rev"], "dims")
+_attach_shifted(list(SCANS) + ["sort", "topk", "gather", "scatter", "concatenate"], "dim")
+
+
+@batch_rule("broadcast_in_dim")
+def _broadcast_batch(operands, batched, axis_size, *, shape, broadcast_dimensions):
+    return [_bind("broadcast_in_dim", operands[0], shape=(axis_size, *shape),
+                  broadcast_dimensions=(0, *(d + 1 for d in broadcast_dimensions)))], [True]
+
+
+batch_rule("reshape")(lambda ops, b, n, *, shape: (
+    [_bind("reshape", ops[0], shape=(n, *shape))], [True]))
+batch_rule("transpose")(lambda ops, b, n, *, permutation: (
+    [_bind("transpose", ops[0], permutation=(0, *(p + 1 for p in permutation)))], [True]))
+batch_rule("slice")(lambda ops, b, n, *, start, limit, step: (
+    [_bind("slice", ops[0], start=(0, *start), limit=(n, *limit), step=(1, *step))], [True]))
+batch_rule("pad")(lambda ops, b, n, *, low, high, value: (
+    [_bind("pad", ops[0], low=(0, *low), high=(0, *high), value=value)], [True]))
+
+
+@batch_rule("dot_general")
+def _dot_general_batch(operands, batched, axis_size, *, contracting, batch):
+    """The vmapped dim becomes the first batch dim of both operands."""
+    lhs, rhs = _spread(operands, batched, axis_size)
+    (lc, rc), (lb, rb) = contracting, batch
+    up = lambda dims: tuple(d + 1 for d in dims)  # noqa: E731
+    return [_bind("dot_general", lhs, rhs, contracting=(up(lc), up(rc)),
+                  batch=((0, *up(lb)), (0, *up(rb))))], [True]

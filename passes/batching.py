@@ -1,0 +1,89 @@
+"""Vectorization as a graph -> graph pass: ``vmap``.
+
+NOTE [batching]
+``vmap(graph, batched, axis_size)`` returns a graph taking the same inputs, where those marked
+``batched`` carry an extra leading dimension of ``axis_size``, and computing every example at
+once; it also says which outputs are batched (the others are the same for every example).
+Batch dimensions are always leading, so each primitive's ``batch`` rule is short::
+
+    rule(operands, batched, axis_size, **params) -> (outputs, which outputs are batched)
+
+A rule is only called when some operand is batched. A primitive without a rule runs once
+per example (a loop, unrolled in the graph: correct for every primitive, opaque ops
+included, but not vectorized). Random ops follow ``randomness``: "error" refuses them,
+"different" draws per example (the loop), "same" draws once for all examples.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import UnsupportedOpError
+from ..graph import Graph, Value
+from ..tracer.primitives import get_primitive, is_effectful
+from ..tracer.trace import Trace, bind, tracing
+from .interpret import replay
+
+RANDOMNESS = ("error", "different", "same")
+
+
+def _outs(result) -> list:
+    return list(result) if isinstance(result, tuple) else [result]
+
+
+def loop(prim: str, operands, batched, axis_size: int, params: dict):
+    """The fallback rule: one call per example, results stacked."""
+    per_example = [_outs(bind(prim, *[x[k] if b else x for x, b in zip(operands, batched)],
+                              **params)) for k in range(axis_size)]
+    outs = [torch.stack([ex[i] for ex in per_example]) for i in range(len(per_example[0]))]
+    return outs, [True] * len(outs)
+
+
+def vmap(graph: Graph, batched: Sequence[bool], axis_size: int,
+         randomness: str = "error") -> tuple[Graph, list[bool]]:
+    trace = Trace()
+    is_batched: dict[Value, bool] = {}
+    with tracing(trace):
+        inputs = []
+        for t, b in zip(graph.input_types, batched):
+            inputs.append(trace.new_input(type(t)((axis_size, *t.shape), t.dtype, t.device)
+                                          if b else t))
+
+        def visit(n, operands):
+            node = graph.node(n)
+            flags = [is_batched[v] for v in graph.operands(n)]
+            if not any(flags) and not (is_effectful(node) and node.prim == "opaque"):
+                outs, out_flags = _outs(bind(node.prim, *operands, **node.kwargs)), None
+            elif node.prim == "opaque" and is_effectful(node) and node.out_types:
+                outs, out_flags = _random(node, operands, flags, axis_size, randomness)
+            else:
+                rule = get_primitive(node.prim).batch
+                outs, out_flags = (rule(operands, flags, axis_size, **node.kwargs) if rule
+                                   else loop(node.prim, operands, flags, axis_size,
+                                             node.kwargs))
+                outs = _outs(outs) if not isinstance(outs, list) else outs
+            for i in range(len(node.out_types)):
+                is_batched[Value(n, i)] = bool(out_flags[i]) if out_flags else False
+            return outs
+
+        for n, b in zip(graph.inputs, batched):
+            is_batched[Value(n, 0)] = b
+        env = replay(graph, inputs, visit)
+        out = trace.builder.build([trace.value_of(env[v]) for v in graph.outputs])
+    return out, [is_batched[v] for v in graph.outputs]
+
+
+def _random(node, operands, flags, axis_size, randomness):
+    op = node.kwargs["op"]
+    if randomness == "error":
+        raise UnsupportedOpError(
+            f"vmap: {op} draws random numbers, and vmap(randomness='error') (the default) "
+            "refuses random ops; pass randomness='different' (independent draws per example) "
+            "or 'same' (one draw shared by all examples)")
+    if randomness == "same" and not any(flags):
+        return _outs(bind("opaque", *operands, **node.kwargs)), None
+    if randomness == "same":
+        raise UnsupportedOpError(f"vmap(randomness='same'): {op} takes a batched operand, so "
+                                 "its draws cannot be shared")
+    return loop("opaque", operands, flags, axis_size, node.kwargs)
