@@ -252,8 +252,18 @@ _UNARY_DERIVATIVES = {
     "tanh": lambda x, y: 1 - y * y,
     "bessel_i0": lambda x, y: torch.special.i1(x),
     "log_ndtr": lambda x, y: torch.exp(-(y + x * x / 2)) / math.sqrt(2 * math.pi),
+    "bessel_i0e": lambda x, y: torch.special.i1e(x) - torch.sign(x) * y,
+    "bessel_i1": lambda x, y: torch.where(x == 0, 0.5, torch.special.i0(x) - y / _nonzero(x)),
+    "bessel_i1e": lambda x, y: torch.where(
+        x == 0, 0.5, torch.special.i0e(x) - y * (torch.sign(x) + 1 / _nonzero(x))),
     **{name: lambda x, y: None for name in ("ceil", "floor", "round", "trunc", "sign")},
 }
+
+
+def _nonzero(x):
+    """x with zeros replaced by ones: a divisor whose unused branch stays finite (so no
+    inf * 0 = NaN reaches a derivative through the other branch of a where)."""
+    return torch.where(x == 0, 1.0, x)
 
 
 def _unary_vjp(d):
@@ -755,6 +765,16 @@ def _scatter_vjp(cts, x, index, src, *, outs, dim, reduce, include_self):
         share = ct / torch.where(hit, count + int(include_self), 1.0)
         kept = torch.where(hit, share if include_self else 0.0, ct)
         return kept, None, torch.gather(share, dim, index)
+    if reduce in ("amax", "amin"):  # the cotangent is shared by all that equal the result
+        y = outs[0]
+        self_hit = x == y
+        if not include_self:
+            self_hit = self_hit.scatter(dim, index, False)
+        src_hit = src == torch.gather(y, dim, index)
+        count = self_hit.to(ct.dtype).scatter_add(dim, index, src_hit.to(ct.dtype))
+        share = ct / torch.where(count > 0, count, 1.0)
+        return (torch.where(self_hit, share, 0.0), None,
+                torch.where(src_hit, torch.gather(share, dim, index), 0.0))
     raise UnsupportedOpError(f"scatter with reduce={reduce!r} has no derivative rule yet")
 
 
