@@ -180,3 +180,18 @@ def test_jit_vmap_jacrev():
     f = lambda v: v.sin() * v  # noqa: E731
     torch.testing.assert_close(plait.jit(plait.vmap(plait.jacrev(f)))(xs),
                                torch.func.vmap(torch.func.jacrev(f))(xs))
+
+
+def test_backward_graph_has_no_duplicated_forward_work():
+    x, ct = torch.randn(4, 3), torch.randn(4, 3)
+
+    def f(x):
+        out, vjp_fn = plait.vjp(lambda a: torch.tanh(torch.exp(a)), x)  # forward traced twice
+        return out, vjp_fn(ct)
+
+    graph = plait.make_graph(f)(x)
+    prims = [graph.node(n).prim for n in graph.nx.nodes]
+    assert prims.count("exp") == 1 and prims.count("tanh") == 1
+    out, (grad,) = plait.jit(f)(x)
+    torch.testing.assert_close(grad, torch.func.vjp(lambda a: torch.tanh(torch.exp(a)), x)[1](
+        ct)[0])
