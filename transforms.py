@@ -22,7 +22,7 @@ from .errors import TraceError
 from .passes import autodiff
 from .passes.interpret import inline
 from .tracer import trace_function
-from .tracer.trace import _TRACES, TracerTensor, bind, unwrap_functional
+from .tracer.trace import TracerTensor, bind, tracing_active, unwrap_functional
 
 
 # ---------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def _staged(body: Callable) -> Callable:
 
     @functools.wraps(body)
     def run(*args, **kwargs):
-        if _TRACES:
+        if tracing_active():
             return inside(*args, **kwargs)
         with torch.no_grad():  # a transform's result is not recorded by torch.autograd
             return jitted(*args, **kwargs)

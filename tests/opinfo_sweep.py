@@ -13,7 +13,6 @@ Samples on which eager itself raises are not counted. Ops whose output is not de
 from __future__ import annotations
 
 import argparse
-import collections
 import warnings
 
 import attrs

@@ -103,6 +103,10 @@ def captured_write_error() -> TraceError:
                       "as constants. Pass the tensor as an argument instead.")
 
 
+def tracing_active() -> bool:
+    return bool(_TRACES)
+
+
 def current_trace(func=None) -> "Trace":
     if not _TRACES:
         raise TraceError(f"a traced tensor was used outside of its trace (op {func}); a tracer "
