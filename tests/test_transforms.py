@@ -195,3 +195,18 @@ def test_backward_graph_has_no_duplicated_forward_work():
     out, (grad,) = plait.jit(f)(x)
     torch.testing.assert_close(grad, torch.func.vjp(lambda a: torch.tanh(torch.exp(a)), x)[1](
         ct)[0])
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_gradients_match_autograd(reduce, include_self):
+    x, src = torch.randn(5, 3), torch.randn(6, 3)
+    x[1, 0], src[2, 1] = 0.0, 0.0  # products with zeros take the exact path
+    index, ct = torch.randint(0, 5, (6, 3)), torch.randn(5, 3)
+
+    def f(a, b):
+        return (a.scatter_reduce(0, index, b, reduce, include_self=include_self) * ct).sum()
+
+    leaves = [x.clone().requires_grad_(), src.clone().requires_grad_()]
+    expected = torch.autograd.grad(f(*leaves), leaves)
+    torch.testing.assert_close(plait.grad(f, argnums=(0, 1))(x, src), expected)

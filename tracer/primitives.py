@@ -775,6 +775,21 @@ def _scatter_vjp(cts, x, index, src, *, outs, dim, reduce, include_self):
         share = ct / torch.where(count > 0, count, 1.0)
         return (torch.where(self_hit, share, 0.0), None,
                 torch.where(src_hit, torch.gather(share, dim, index), 0.0))
+    if reduce == "prod":  # products of the others, recomputed with zeros masked out
+        y = outs[0]
+        masked_x = torch.where(x == 0, 1.0, x)
+        kept = ct * masked_x.scatter_reduce(dim, index, src, "prod",
+                                            include_self=include_self) / masked_x
+        kept = kept if include_self else kept.scatter(dim, index, 0.0)
+        src_zero = src == 0
+        zeros_there = torch.gather(torch.zeros_like(x).scatter_add(
+            dim, index, src_zero.to(x.dtype)), dim, index)
+        single_zero = src_zero & (zeros_there == 1)
+        without_it = x.scatter_reduce(dim, index, torch.where(single_zero, 1.0, src), "prod",
+                                      include_self=include_self)
+        return kept, None, torch.where(
+            single_zero, torch.gather(ct * without_it, dim, index),
+            torch.gather(ct * y, dim, index) / torch.where(src_zero, 1.0, src))
     raise UnsupportedOpError(f"scatter with reduce={reduce!r} has no derivative rule yet")
 
 
