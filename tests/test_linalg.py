@@ -111,10 +111,10 @@ def test_geqrf(shape):
 @pytest.mark.parametrize("shape", [(5, 3), (3, 5), (2, 4, 4), (0, 3), (2, 6, 1)])
 @pytest.mark.parametrize("mode", ["reduced", "complete", "r"])
 def test_qr(shape, mode):
-    """geqrf then householder_product, as eager: q's and r's signs are eager's exactly."""
+    """Eager's geqrf and householder_product (the qr primitive): signs are eager's exactly."""
     a = _matrix(*shape)
     used = check(lambda a: torch.linalg.qr(a, mode=mode), a)
-    assert "geqrf" in used and ("householder_product" in used) == (mode != "r")
+    assert ("geqrf" if mode == "r" else "qr") in used
     for x, y in zip(plait.jit(torch.linalg.qr)(a), torch.linalg.qr(a)):
         assert torch.equal(x.sign(), y.sign())
 
@@ -364,3 +364,89 @@ def test_invalid_arguments_raise_while_tracing():
             plait.jit(fn).lower(x)
     with pytest.raises(PlaitError):
         plait.jit(torch.linalg.solve).lower(_matrix(3, 3), _matrix(4))
+
+
+# ---------------------------------------------------------------------------------------
+# Derivatives: plait.grad equals torch.func.grad (each primitive's rule, batched)
+# ---------------------------------------------------------------------------------------
+def _weighted(fn):
+    """A scalar of all of fn's float outputs, each weighted by a fixed pattern (so that no
+    output's cotangent is uniform)."""
+    def loss(*args):
+        outs = fn(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return sum((o * torch.cos(torch.arange(o.numel(), dtype=o.dtype)).reshape(o.shape)).sum()
+                   for o in outs if o.dtype.is_floating_point)
+    return loss
+
+
+def check_grad(fn, *args):
+    argnums = tuple(range(len(args)))
+    expected = torch.func.grad(_weighted(fn), argnums)(*args)
+    assert_close(plait.grad(_weighted(fn), argnums)(*args), expected, rtol=1e-6, atol=1e-8)
+
+
+_D = torch.float64
+_SQ, _TALL, _WIDE = (_matrix(2, 4, 4, dtype=_D), _matrix(2, 5, 3, dtype=_D),
+                     _matrix(2, 3, 5, dtype=_D))
+
+
+@pytest.mark.parametrize("fn, args", [
+    (lambda a: torch.linalg.cholesky(a), (_spd(2, 4, 4, dtype=_D),)),
+    (lambda a: torch.linalg.cholesky(a, upper=True), (_spd(2, 4, 4, dtype=_D),)),
+    (lambda a, b: torch.linalg.solve_triangular(a, b, upper=False), (_SQ, _TALL[..., :4, :])),
+    (lambda a, b: torch.linalg.solve_triangular(a, b, upper=True, left=False,
+                                                unitriangular=True), (_SQ, _WIDE[..., :4])),
+    (lambda a: torch.linalg.lu_factor(a)[0], (_SQ,)),
+    (lambda a: torch.linalg.lu(a)[1:], (_TALL,)),
+    (lambda a: torch.linalg.lu(a)[1:], (_WIDE,)),
+    (torch.linalg.inv, (_SQ,)),
+    (torch.linalg.det, (_SQ,)),
+    (torch.linalg.solve, (_SQ, _TALL[..., :4, :])),
+    (lambda a: torch.linalg.qr(a), (_TALL,)),
+    (lambda a: torch.linalg.qr(a, mode="complete"), (_WIDE,)),
+    (torch.linalg.householder_product, (_TALL, _matrix(2, 2, dtype=_D))),
+    (lambda a, t, c: torch.ormqr(a, t, c, transpose=True), (_TALL, _matrix(2, 3, dtype=_D),
+                                                             _matrix(2, 5, 2, dtype=_D))),
+    (lambda a: torch.linalg.eigh(a), (_SQ,)),
+    (lambda a: torch.linalg.eigh(a, UPLO="U"), (_SQ,)),
+    (torch.linalg.eigvalsh, (_SQ,)),
+    (lambda a: torch.linalg.svd(a, full_matrices=False), (_TALL,)),
+    (lambda a: torch.linalg.svd(a, full_matrices=True), (_WIDE,)),
+    (torch.linalg.svdvals, (_TALL,)),
+    (torch.linalg.pinv, (_WIDE,)),
+    (lambda a: torch.linalg.pinv(a, hermitian=True), (_SQ,)),  # eager's formula, any a
+])
+def test_grad_matches_eager(fn, args):
+    check_grad(fn, *args)
+
+
+def test_unused_eigen_and_singular_vectors_give_no_nan():
+    """Eager skips the vector terms when they got no cotangent; their gap division would turn
+    a repeated eigen- or singular value into NaN."""
+    eye = torch.eye(3, dtype=_D)
+    check_grad(lambda a: torch.linalg.eigh(a)[0], eye)
+    check_grad(lambda a: torch.linalg.svd(a)[1], eye)
+
+
+@pytest.mark.parametrize("fn", [
+    torch.linalg.det,
+    lambda a: torch.linalg.inv(a).sin().sum(),
+    lambda a: torch.linalg.eigvalsh(a @ a.mT).prod(),
+    lambda a: torch.linalg.svd(a)[0].cos().sum(),
+])
+def test_grad_of_grad_matches_eager(fn):
+    a = _SQ[0]
+    expected = torch.func.grad(lambda x: torch.func.grad(fn)(x).square().sum())(a)
+    actual = plait.grad(lambda x: plait.grad(fn)(x).square().sum())(a)
+    assert_close(actual, expected, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a: torch.linalg.qr(a, mode="r")[1],         # eager: needs q
+    lambda a: torch.linalg.qr(a, mode="complete")[0],  # eager: not differentiable if tall
+    lambda a: torch.geqrf(a)[0],                       # eager: not implemented
+])
+def test_nondifferentiable_factorizations_raise(fn):
+    with pytest.raises(UnsupportedOpError):
+        plait.grad(lambda a: fn(a).sum())(_TALL[0])

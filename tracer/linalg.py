@@ -5,15 +5,22 @@ NOTE [linalg primitives]
 Factorizations cannot be written with plait's other primitives, so each is one primitive
 whose ``impl`` is the LAPACK (or cuSOLVER) call eager PyTorch makes: ``cholesky``, ``lu``
 (with ``lu_pivots_to_permutation``), ``triangular_solve``, ``geqrf`` (QR as Householder
-reflectors), ``householder_product`` (their product: qr is geqrf then this, as in eager),
-``eigh`` and ``svd``. ``linalg_check`` is an effectful primitive with no result: it raises
-``plait.errors.LinAlgError`` (a ``torch.linalg.LinAlgError``) at run time wherever eager
-would (a singular or indefinite matrix). Every other linalg op is composed from these and
+reflectors), ``householder_product`` (their product), ``qr`` (geqrf then householder_product,
+as in eager: one primitive since eager differentiates qr through q and r, never through
+geqrf, which is not differentiable), ``eigh`` and ``svd``. ``linalg_check`` is an effectful
+primitive with no result: it raises ``plait.errors.LinAlgError`` (a
+``torch.linalg.LinAlgError``) at run time wherever eager would (a singular or indefinite
+matrix). Every other linalg op is composed from these and
 ordinary primitives (inv and solve from LU and two triangular solves, det from LU's
 diagonal, pinv from svd or eigh, lstsq from geqrf or svd, ...). The set is kept small
 because each primitive needs its own differentiation and batching rules; the compositions
 get theirs for free. Eigen- and singular vectors are only defined up to sign, so they always
 come from the very LAPACK call eager uses, never from a different route.
+
+Each derivative rule is eager's backward formula (FunctionsManual.cpp), written with torch
+ops so that it is differentiable again; like eager's, eigh's and cholesky's gradients are
+symmetric rather than confined to the triangle read, and eigh's and svd's skip the
+eigenvector terms when those outputs got no cotangent.
 
 Handlers first run the op's meta kernel (or, for an op without one, a copy of its checks),
 so invalid arguments raise eager's own message while tracing. Complex operands go to an
@@ -32,7 +39,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CheckError, LinAlgError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .aten import full, handles, type_of
-from .primitives import _check, define
+from .primitives import _check, define, vjp_rule
 from .trace import bind, current_trace
 
 aten = torch.ops.aten
@@ -71,6 +78,18 @@ define("cholesky", _cholesky_infer, lambda a: tuple(torch.linalg.cholesky_ex(a))
        multiple_results=True)
 
 
+@vjp_rule("cholesky")
+def _cholesky_vjp(cts, a, *, outs):
+    """Eager's: l^-T phi(l^T gl) l^-1, phi keeping the lower triangle with the diagonal
+    halved, mirrored into a symmetric matrix (eager's gradient is not masked to the triangle
+    that is read)."""
+    l = outs[0]
+    g = (l.mT @ cts[0]).tril()
+    g = 0.5 * (g + g.tril(-1).mT)
+    g = solve_triangular(l, g, lower=True, transpose=True)
+    return (solve_triangular(l, g, lower=True, left=False),)
+
+
 def _triangular_solve_infer(a, b, *, lower, unit_diagonal):
     _check_matrices("triangular_solve", a, b)
     _check(a.shape[-1] == a.shape[-2] == b.shape[-2], "triangular_solve",
@@ -84,6 +103,15 @@ define("triangular_solve", _triangular_solve_infer,
            a, b, upper=not lower, unitriangular=unit_diagonal))
 
 
+@vjp_rule("triangular_solve")
+def _triangular_solve_vjp(cts, a, b, *, outs, lower, unit_diagonal):
+    """gb solves with a.mT; ga = -gb x^T, masked to the entries of a that are read."""
+    gb = solve_triangular(a, cts[0], lower=lower, unit=unit_diagonal, transpose=True)
+    ga = -(gb @ outs[0].mT)
+    unit = int(unit_diagonal)
+    return (ga.tril(-unit) if lower else ga.triu(unit)), gb
+
+
 def _lu_infer(a, *, pivot):
     _check_matrices("lu", a)
     k = min(a.shape[-2:])
@@ -93,6 +121,29 @@ def _lu_infer(a, *, pivot):
 # LU, 1-based LAPACK row pivots (int32) and info (> 0: U has a zero on its diagonal).
 define("lu", _lu_infer, lambda a, *, pivot: tuple(torch.linalg.lu_factor_ex(a, pivot=pivot)),
        multiple_results=True)
+
+
+@vjp_rule("lu")
+def _lu_vjp(cts, a, *, outs, pivot):
+    """Eager's linalg_lu_backward, with gl and gu the packed cotangent's strict lower (unit l)
+    and upper parts. p @ l @ u = a, l (m, k), u (k, n); for a wide (or square) a with
+    u = [u1 | u2]: ga = p l^-T [(l^T gl - gu u^T).tril(-1) u1^-T + gu1 | gu2]; for a tall
+    one with l = [l1; l2], the same with the roles of l and u exchanged."""
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    p, l, u = _lu_unpack(*outs[:2])
+    gl, gu = cts[0][..., :, :k].tril(-1), cts[0][..., :k, :].triu()
+    if m <= n:
+        g = solve_triangular(u[..., :k], (l.mT @ gl - gu @ u.mT).tril(-1), lower=False,
+                             left=False, transpose=True)
+        g = torch.cat([g + gu[..., :k], gu[..., k:]], -1)
+        g = solve_triangular(l, g, lower=True, unit=True, transpose=True)
+    else:
+        g = solve_triangular(l[..., :k, :], (gu @ u.mT - l.mT @ gl).triu(), lower=True,
+                             unit=True, transpose=True)
+        g = torch.cat([g + gl[..., :k, :], gl[..., k:, :]], -2)
+        g = solve_triangular(u, g, lower=False, left=False, transpose=True)
+    return (p @ g if pivot else g,)
 
 
 def _pivots_infer(pivots, *, size):
@@ -127,6 +178,14 @@ def _geqrf_infer(a):
 define("geqrf", _geqrf_infer, lambda a: tuple(torch.geqrf(a)), multiple_results=True)
 
 
+@vjp_rule("geqrf")
+def _geqrf_vjp(cts, a, *, outs):
+    raise UnsupportedOpError(
+        "geqrf is not differentiable, as in eager PyTorch, nor is linalg.qr with mode='r' "
+        "(use mode='reduced'). plait's linalg.lstsq with driver 'gels' is built on geqrf, so "
+        "it cannot be differentiated yet either (eager can): use driver 'gelsd' instead")
+
+
 def _householder_infer(a, tau):
     _check_matrices("householder_product", a)
     ok = (tau.shape == a.shape[:-2] + tau.shape[-1:] and tau.dtype == a.dtype
@@ -138,6 +197,66 @@ def _householder_infer(a, tau):
 
 # The first n columns of the product of the k Householder reflectors (LAPACK's orgqr).
 define("householder_product", _householder_infer, torch.linalg.householder_product)
+
+
+@vjp_rule("householder_product")
+def _householder_product_vjp(cts, a, tau, *, outs):
+    """q = h_1 ... h_k e (e: the first n columns of the identity), h_i = I - tau_i v_i v_i^T
+    with v_i column i of a below the diagonal and 1 on it; tau is independent of a, as in
+    eager. With q = l_i h_i r_i (l_i the reflectors before i, r_i those after, times e):
+    g(h_i) = l_i^T g r_i^T, so g(tau_i) = -(l_i v)^T g (r_i^T v) and
+    g(v_i) = -tau_i (l_i^T g r_i^T v + r_i g^T l_i v), of which a gets the part below the
+    diagonal (the rest of a is never read)."""
+    m, n = a.shape[-2:]
+    k = tau.shape[-1]
+    if k == 0:  # q is e
+        return None, None
+    g = cts[0]
+    vs = a[..., :, :k].tril(-1) + _eye(m, a, k)
+    v, t = [vs[..., :, i:i + 1] for i in range(k)], [tau[..., i, None, None] for i in range(k)]
+    rs = [_eye(m, a, n)]  # r_{k-1}, ..., r_0
+    for i in reversed(range(1, k)):
+        rs.append(rs[-1] - t[i] * v[i] @ (v[i].mT @ rs[-1]))
+    l, gv, gtau = _eye(m, a), [], []
+    for i, r in zip(range(k), reversed(rs)):
+        lv, gb = l @ v[i], g @ (r.mT @ v[i])
+        gtau.append(-(lv.mT @ gb)[..., 0, 0])
+        gv.append(-t[i] * (l.mT @ gb + r @ (g.mT @ lv)))
+        l = l - t[i] * lv @ v[i].mT
+    return torch.nn.functional.pad(torch.cat(gv, -1).tril(-1), (0, n - k)), torch.stack(gtau, -1)
+
+
+def _qr_infer(a, *, complete):
+    _check_matrices("qr", a)
+    m, n = a.shape[-2:]
+    k = m if complete else min(m, n)
+    return _batch(a, m, k), _batch(a, k, n)
+
+
+# q and r of linalg.qr: eager's geqrf and householder_product, as one primitive because eager
+# differentiates qr through q and r (geqrf itself is not differentiable).
+define("qr", _qr_infer, lambda a, *, complete: tuple(torch.linalg.qr(
+    a, "complete" if complete else "reduced")), multiple_results=True)
+
+
+@vjp_rule("qr")
+def _qr_vjp(cts, a, *, outs, complete):
+    """Eager's linalg_qr_backward. For m >= n: ga = (gq + q sym(m)) r^-T, m = r gr^T - gq^T q
+    and sym(m) the symmetric matrix with m's lower triangle. For m < n, a = [x | y] with
+    x = q r1 square and y = q r2: gy = q gr2, and x's rule sees gq + y gr2^T."""
+    m, n = a.shape[-2:]
+    if complete and m > n:
+        raise UnsupportedOpError("qr: the QR decomposition is not differentiable with "
+                                 "mode='complete' and more rows than columns, as in eager")
+    q, r = outs
+    k = min(m, n)
+    gq, gr = cts
+    if m < n:
+        gq = gq + a[..., k:] @ gr[..., k:].mT
+    sym = (r[..., :k] @ gr[..., :k].mT - gq.mT @ q).tril()
+    sym = sym + sym.tril(-1).mT
+    gx = solve_triangular(r[..., :k], gq + q @ sym, lower=False, left=False, transpose=True)
+    return (torch.cat([gx, q @ gr[..., k:]], -1),)
 
 
 def _eigh_infer(a, *, lower, compute_v):
@@ -153,6 +272,27 @@ def _eigh_impl(a, *, lower, compute_v):
 
 # Ascending eigenvalues of the symmetric matrix in a's lower (or upper) triangle.
 define("eigh", _eigh_infer, _eigh_impl, multiple_results=True)
+
+
+def _no_cotangent(ct) -> bool:
+    """Is ``ct`` the zeros the engine passes for an output that got no cotangent? Eager skips
+    an undefined gradient's terms; computing them from zeros would give 0/0 = NaN where they
+    divide by the gap between two equal eigen- or singular values."""
+    node = ct._trace.builder.node(ct._value.node)
+    return node.prim == "full" and node.kwargs.get("value") == 0
+
+
+@vjp_rule("eigh")
+def _eigh_vjp(cts, a, *, outs, lower, compute_v):
+    """Eager's: ga = v (diag(gw) + skew(v^T gv) / e) v^T, e_ij = w_j - w_i; symmetric, not
+    masked to the triangle read. eigvalsh computes v here, as eager does when differentiating."""
+    w, v = outs if compute_v else torch.linalg.eigh(a, "L" if lower else "U")
+    gw = cts[0]
+    if not compute_v or _no_cotangent(cts[1]):
+        return ((v * gw.unsqueeze(-2)) @ v.mT,)
+    vtgv = v.mT @ cts[1]
+    e = w.unsqueeze(-2) - w.unsqueeze(-1) + _eye(w.shape[-1], a)
+    return (v @ (0.5 * (vtgv - vtgv.mT) / e + torch.diag_embed(gw)) @ v.mT,)
 
 
 def _svd_infer(a, *, full_matrices, compute_uv, driver):
@@ -172,6 +312,39 @@ def _svd_impl(a, *, full_matrices, compute_uv, driver):
 
 # Descending singular values; u and vh as eager's (the driver only matters on CUDA).
 define("svd", _svd_infer, _svd_impl, multiple_results=True)
+
+
+@vjp_rule("svd")
+def _svd_vjp(cts, a, *, outs, full_matrices, compute_uv, driver):
+    """Eager's svd_backward, on the first k = min(m, n) singular vectors (eager drops the rest
+    of full_matrices' too): ga = u (diag(gs) + (skew(u^T gu) s + s skew(v^T gv)) / e) v^T,
+    e_ij = s_j^2 - s_i^2, plus the part of gu outside u's span (tall a) or of gv outside v's
+    (wide a). svdvals computes u and v here, as eager does when differentiating."""
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    if compute_uv:
+        (u, s, vh), (gu, gs, gvh) = outs, cts
+        u, vh = u[..., :k], vh[..., :k, :]
+        gu = None if _no_cotangent(gu) else gu[..., :k]
+        gvh = None if _no_cotangent(gvh) else gvh[..., :k, :]
+    else:
+        (u, s, vh), (gs,), gu, gvh = torch.linalg.svd(a, False, driver=driver), cts, None, None
+    if gu is None and gvh is None:
+        return ((u * gs.unsqueeze(-2)) @ vh,)
+    s2 = s * s
+    inner = 0
+    if gu is not None:
+        inner = (u.mT @ gu - gu.mT @ u) * s.unsqueeze(-2)
+    if gvh is not None:
+        inner = inner + s.unsqueeze(-1) * (vh @ gvh.mT - gvh @ vh.mT)
+    inner = inner / (s2.unsqueeze(-2) - s2.unsqueeze(-1) + _eye(k, a)) + torch.diag_embed(gs)
+    if m > n and gu is not None:
+        gus = gu / s.unsqueeze(-2)
+        return ((u @ inner + gus - u @ (u.mT @ gus)) @ vh,)
+    if m < n and gvh is not None:
+        gvs = gvh / s.unsqueeze(-1)
+        return (u @ (inner @ vh + gvs - (gvs @ vh.mT) @ vh),)
+    return (u @ inner @ vh,)
 
 
 def _linalg_check_infer(info, *, api, is_matrix):
@@ -455,11 +628,12 @@ def _geqrf(a):
 
 @linalg_op(aten.linalg_qr.default)
 def _linalg_qr(a, mode="reduced"):
-    """geqrf, then householder_product for q: eager's own two LAPACK calls."""
+    """The qr primitive; r alone from geqrf, as eager."""
     m, n = type_of(a).shape[-2:]
-    k = m if mode == "complete" else min(m, n)
-    h, tau = bind("geqrf", a)
-    return (_empty(a) if mode == "r" else _householder_q(h, tau, k)), h[..., :k, :].triu()
+    if mode != "r":
+        return bind("qr", a, complete=mode == "complete")
+    h, _ = bind("geqrf", a)
+    return _empty(a), h[..., :min(m, n), :].triu()
 
 
 @linalg_op(aten.linalg_householder_product.default)
@@ -500,16 +674,27 @@ def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
         rtol = default if atol is None else torch.where(atol > 0, torch.zeros((), **f64),
                                                           default)
     atol = torch.zeros((), **f64) if atol is None else atol
-    if hermitian:
-        s, u = torch.linalg.eigh(a)
-        largest, v = s.abs().amax(-1, keepdim=True), u
-    else:
-        u, s, vh = torch.linalg.svd(a, full_matrices=False)
-        largest, v = s[..., :1], vh.mT
-    tol = torch.maximum(atol.unsqueeze(-1), rtol.unsqueeze(-1) * largest)
-    keep = (s.abs() if hermitian else s) > tol
-    s_inv = torch.where(keep, s.reciprocal(), torch.zeros((), dtype=t.dtype, device=t.device))
-    return (v * s_inv.unsqueeze(-2)) @ u.mT
+
+    def from_factors(u, s, v, magnitude):
+        tol = torch.maximum(atol.unsqueeze(-1), rtol.unsqueeze(-1) * magnitude.amax(-1, True))
+        s_inv = torch.where(magnitude > tol, s.reciprocal(), torch.zeros((), dtype=t.dtype,
+                                                                           device=t.device))
+        return (v * s_inv.unsqueeze(-2)) @ u.mT
+
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    p = from_factors(u, s, vh.mT, s)
+    if not hermitian:
+        return p
+    # The value from eigh, as eager. Eager differentiates it by its own formula: the derivative
+    # of the pseudo-inverse of the whole matrix (not of eigh's triangle) at that value,
+    # dp = -p da p + p p^T da^T (I - a p) + (I - p a) da^T p^T p, written out here at
+    # da = a - a (zero, with a's derivative); p carries svd's derivative for higher orders.
+    s, u = torch.linalg.eigh(a)
+    value = bind("stop_gradient", from_factors(u, s, u, s.abs()))
+    p = value + (p - bind("stop_gradient", p))
+    da = a - bind("stop_gradient", a)
+    return value + (-p @ da @ p + (p @ p.mT) @ da.mT @ (_eye(m, a) - a @ p)
+                    + (_eye(n, a) - p @ a) @ da.mT @ (p.mT @ p))
 
 
 _LSTSQ = "torch.linalg.lstsq"

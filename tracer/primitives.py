@@ -295,6 +295,7 @@ _BINARY_DERIVATIVES = {
     "mul": lambda ct, a, b, y: (ct * b, ct * a),
     "div": lambda ct, a, b, y: (ct / b, -ct * a / (b * b)),
     "pow": _pow_vjp,
+    "nextafter": lambda ct, a, b, y: (ct, None),  # as eager: the step counts as identity
     "atan2": lambda ct, a, b, y: (ct * b / (a * a + b * b), -ct * a / (a * a + b * b)),
     "hypot": lambda ct, a, b, y: (ct * a / y, ct * b / y),
     "fmod": lambda ct, a, b, y: (ct, -ct * torch.trunc(a / b)),
@@ -595,6 +596,8 @@ def _extremum_vjp(cts, x, *, outs, dims):
 def _prod_vjp(cts, x, *, outs, dims):
     """d/dx_i = product of the other elements: exclusive products from both ends, exact
     when some elements are zero."""
+    if not x.numel():
+        return (torch.zeros_like(x),)
     rest = [d for d in range(x.ndim) if d not in dims]
     moved = x.permute(rest + list(dims)).reshape([x.shape[d] for d in rest] + [-1])
     ones = moved.new_ones(moved.shape[:-1] + (1,))
