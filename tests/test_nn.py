@@ -73,6 +73,62 @@ def test_conv_shape_errors_are_plait_errors():
         plait.jit(F.conv2d)(randn(1, 4, 2, 2), randn(6, 4, 3, 3))  # input smaller than kernel
 
 
+def check_grad(fn, *args):
+    """plait.grad of sum(fn(*args) * a fixed cotangent) equals torch.func.grad's, for every
+    argument."""
+    ct = randn(*fn(*args).shape)
+    loss = lambda *a: (fn(*a) * ct).sum()
+    argnums = tuple(range(len(args)))
+    assert_close(plait.grad(loss, argnums=argnums)(*args),
+                 torch.func.grad(loss, argnums=argnums)(*args), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kwargs", CONV_CASES, ids=str)
+def test_conv_grad(nd, kwargs):
+    conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    x, w = randn(2, 4, *[7 - d for d in range(nd)]), randn(6, 4 // kwargs.get("groups", 1),
+                                                          *[3] * nd)
+    check_grad(lambda x, w, b: conv(x, w, b, **kwargs), x, w, randn(6))
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kwargs", TRANSPOSE_CASES, ids=str)
+def test_conv_transpose_grad(nd, kwargs):
+    conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+    x, w = randn(2, 4, *[5 - d for d in range(nd)]), randn(4, 3, *[3] * nd)
+    check_grad(lambda x, w, b: conv(x, w, b, **kwargs), x, w, randn(3 * kwargs.get("groups", 1)))
+
+
+def test_conv_grad_of_grad():
+    """The conv VJP is itself made of convs, so it differentiates again."""
+    x, w, v = randn(2, 4, 7, 6), randn(6, 2, 3, 3), randn(2, 4, 7, 6)
+
+    def inner(grad):
+        loss = lambda x, w: (F.conv2d(x, w, stride=2, padding=2, dilation=2, groups=2) ** 2).sum()
+        return lambda x, w: (grad(loss)(x, w) * v).sum()  # d loss/dx, projected on v
+
+    assert_close(plait.grad(inner(plait.grad), argnums=(0, 1))(x, w),
+                 torch.func.grad(inner(torch.func.grad), argnums=(0, 1))(x, w),
+                 rtol=1e-4, atol=1e-5)
+
+
+def test_conv_primitive_vjp_all_params():
+    """Input dilation, negative padding and groups together, which the torch front ends
+    never emit at once: the rule against autograd through the primitive's implementation."""
+    from plait.tracer.nn import _conv_impl
+    from plait.tracer.trace import bind
+
+    params = dict(window_strides=(2, 3), padding=((-2, 3), (3, -1)), lhs_dilation=(3, 2),
+                  rhs_dilation=(2, 1), feature_group_count=3)
+    x, w = randn(2, 6, 5, 4).double(), randn(9, 2, 2, 3).double()
+    ct = randn(*_conv_impl(x, w, **params).shape).double()
+    got = plait.grad(lambda x, w: (bind("conv", x, w, **params) * ct).sum(),
+                     argnums=(0, 1))(x, w)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    assert_close(got, torch.autograd.grad((_conv_impl(x, w, **params) * ct).sum(), (x, w)))
+
+
 # ---------------------------------------------------------------------------------------
 # Pooling
 # ---------------------------------------------------------------------------------------
@@ -214,6 +270,30 @@ def test_embedding_bag_2d_and_max_norm():
     w = randn(10, 4)
     check(lambda w, i: F.embedding_bag(i, w.clone(), mode="mean", max_norm=1.0), w,
           torch.tensor([[1, 2, 3], [4, 4, 9]]))
+
+
+def test_embedding_grads_follow_eager_backward():
+    """Eager's backward drops padding rows, scales by frequency if asked (embedding_bag's
+    with its indexing quirk), and passes 'mean' bags' cotangents to rows past the last
+    offset, which the forward leaves out."""
+    w, i = randn(10, 4), torch.tensor([[1, 2, 2], [4, 2, 1]])
+    for kwargs in (dict(padding_idx=2), dict(scale_grad_by_freq=True),
+                   dict(padding_idx=1, scale_grad_by_freq=True)):
+        check_grad(lambda w: F.embedding(i, w, **kwargs), w)
+    i, o = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 5]), torch.tensor([0, 3, 3, 6])
+    for kwargs in (dict(mode="sum", scale_grad_by_freq=True),
+                   dict(mode="mean", scale_grad_by_freq=True, padding_idx=4),
+                   dict(mode="mean", include_last_offset=True)):
+        check_grad(lambda w: F.embedding_bag(i, w, o, **kwargs), w)
+    check_grad(lambda w, psw: F.embedding_bag(i, w, o, mode="sum", per_sample_weights=psw,
+                                              scale_grad_by_freq=True), w, randn(9))
+
+
+def test_sparse_embedding_grad_is_refused():
+    i = torch.tensor([1, 2, 2])
+    with pytest.raises(PlaitError, match="sparse"):
+        plait.grad(lambda w: F.embedding(i, w, sparse=True).sum())(randn(5, 3))
+    check(lambda w: F.embedding(i, w, sparse=True), randn(5, 3))  # the forward is fine
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])

@@ -22,10 +22,10 @@ import math
 
 import torch
 
-from ..errors import ShapeError
+from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .aten import handles, type_of
-from .primitives import _check, define
+from .primitives import _check, define, vjp_rule
 from .trace import HANDLERS, bind
 
 aten = torch.ops.aten
@@ -59,14 +59,54 @@ def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
             (n - 1) * d + 1 for n, d in zip(lhs.shape[2:], lhs_dilation)))
         dilated[(..., *(slice(None, None, d) for d in lhs_dilation))] = lhs
         lhs = dilated
-    # F.pad crops where padding is negative (as it is for some transposed convolutions).
-    lhs = torch.nn.functional.pad(lhs, [p for lo, hi in reversed(padding) for p in (lo, hi)])
+    # Negative padding crops (as in some transposed convolutions and in the VJP), possibly
+    # into the other side's padding, which F.pad cannot: pad first, then crop.
+    lhs = torch.nn.functional.pad(lhs, [max(p, 0) for lo, hi in reversed(padding)
+                                        for p in (lo, hi)])
+    lhs = lhs[(..., *(slice(max(-lo, 0), n - max(-hi, 0))
+                      for n, (lo, hi) in zip(lhs.shape[2:], padding)))]
     zeros = [0] * len(window_strides)
     return torch.convolution(lhs, rhs, None, window_strides, zeros, rhs_dilation, False,
                              zeros, feature_group_count)
 
 
 define("conv", _conv_infer, _conv_impl)
+
+
+def _flipped_transpose(w, groups: int):
+    """Kernel [groups * a, b, k...] -> [groups * b, a, k...], spatially flipped: within each
+    group, inputs and outputs swap, which runs the convolution backwards."""
+    ga, b, *k = type_of(w).shape
+    return w.reshape(groups, ga // groups, b, *k).transpose(1, 2).reshape(
+        groups * b, ga // groups, *k).flip(list(range(2, len(k) + 2)))
+
+
+@vjp_rule("conv")
+def _conv_vjp(cts, lhs, rhs, *, outs, window_strides, padding, lhs_dilation, rhs_dilation,
+              feature_group_count):
+    """Per spatial dim, output o reads padded input position o*s + j*rd through kernel tap j,
+    where the padded input holds input i at lo + i*ld. Both cotangents are convolutions:
+    - input: the cotangent dilated by s and correlated with the flipped kernel (span K) sees
+      position p when padded by K-1 low; stepping by ld from lo reads the input positions;
+    - kernel: the input (channels as batch, batch as features, kept apart per group)
+      correlated with the cotangent dilated by s, stepping by rd over the taps.
+    r is the high padding no window reaches (it is cropped from both)."""
+    ct, g = cts[0], feature_group_count
+    (n, c, *size), (_, _, *k) = type_of(lhs).shape, type_of(rhs).shape
+    span = [(kk - 1) * rd + 1 for kk, rd in zip(k, rhs_dilation)]
+    r = [((nn - 1) * ld + 1 + lo + hi - kk) % s for nn, ld, (lo, hi), kk, s in zip(
+        size, lhs_dilation, padding, span, window_strides)]
+    d_lhs = bind("conv", ct, _flipped_transpose(rhs, g), window_strides=lhs_dilation,
+                 padding=tuple((kk - 1 - lo, rr + kk - 1 - hi)
+                               for kk, (lo, hi), rr in zip(span, padding, r)),
+                 lhs_dilation=window_strides, rhs_dilation=rhs_dilation,
+                 feature_group_count=g)
+    grouped = lhs.reshape(n, g, c // g, *size).transpose(0, 2).reshape(c // g, g * n, *size)
+    d_rhs = bind("conv", grouped, ct.transpose(0, 1), window_strides=rhs_dilation,
+                 padding=tuple((lo, hi - rr) for (lo, hi), rr in zip(padding, r)),
+                 lhs_dilation=lhs_dilation, rhs_dilation=window_strides,
+                 feature_group_count=g).transpose(0, 1)
+    return d_lhs, d_rhs
 
 
 def _per_dim(v, nd: int) -> tuple[int, ...]:
@@ -84,11 +124,10 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
     stride, padding, dilation, output_padding = (
         _per_dim(v, nd) for v in (stride, padding, dilation, output_padding))
     if transposed:
-        cin, cout, *k = type_of(w).shape
+        cin, _, *k = type_of(w).shape
         _check(cin % groups == 0, "conv_transpose", f"groups={groups} do not divide the "
                "kernel's input channels", type_of(x), type_of(w))
-        w = w.reshape(groups, cin // groups, cout, *k).transpose(1, 2).reshape(
-            groups * cout, cin // groups, *k).flip(list(range(2, nd + 2)))
+        w = _flipped_transpose(w, groups)
         span = [d * (n - 1) for d, n in zip(dilation, k)]
         out = bind("conv", x, w, window_strides=(1,) * nd, padding=tuple(
             (s - p, s - p + op) for s, p, op in zip(span, padding, output_padding)),
@@ -322,17 +361,51 @@ def _pdist_forward(x, p=2.0):
 
 
 # ---------------------------------------------------------------------------------------
-# embedding_bag
+# Embeddings
 # ---------------------------------------------------------------------------------------
+# Looked-up rows as the forward sees them (zero where not ``kept``), with the derivative that
+# eager's embedding backward gives them instead: it scales a row's cotangent (``scale``: 0
+# for padding rows, or one over a frequency), passes it to rows that embedding_bag's fast
+# path leaves out of its sum, and with ``sparse`` makes a sparse gradient, which plait
+# cannot, so it refuses rather than hand back a dense one.
+define("embedding_rows", lambda rows, scale, kept, *, sparse: (rows,),
+       lambda rows, scale, kept, *, sparse: torch.where(kept, rows, 0),
+       vjp=lambda cts, rows, scale, kept, *, outs, sparse: (
+           _refuse_sparse() if sparse else cts[0] * scale, None, None))
+
+
+def _refuse_sparse():
+    raise UnsupportedOpError("embedding with sparse=True has a sparse gradient in eager, "
+                             "which plait cannot produce; pass sparse=False")
+
+
+def _lookup_frequency(indices, num_embeddings):
+    """How often each index is looked up."""
+    return indices.new_zeros(num_embeddings).scatter_add(0, indices, torch.ones_like(indices))
+
+
+@handles(aten.embedding.default)
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    flat, dtype = indices.flatten(), type_of(weight).dtype
+    rows = weight.index_select(0, flat)
+    if padding_idx >= 0 or scale_grad_by_freq or sparse:
+        scale = (flat != padding_idx).to(dtype)
+        if scale_grad_by_freq:
+            scale = scale / _lookup_frequency(flat, type_of(weight).shape[0])[flat].to(dtype)
+        rows = bind("embedding_rows", rows, scale[:, None], torch.tensor([[True]]),
+                    sparse=sparse)
+    return rows.reshape(type_of(indices).shape + type_of(weight).shape[1:])
+
+
 def _embedding_bag(forward_only: bool):
     """Bags are data (offsets), but every bag's size is bounded by the number of indices, so
-    rows scatter into their bag: [bags + 1, dim], the extra bag collecting padding rows and
-    rows past the last offset. Results and extra outputs follow eager's CPU kernel, quirks
-    included: with include_last_offset the last bag still runs to the end of indices in
-    bag_size and offset2bag, and in the values except on the fast path (float weights, no
-    padding_idx, 'sum' or 'mean'; yet 'mean' divides by that bag_size); fast 'sum' leaves
-    offset2bag empty; bag_size is zero for 'sum' (sized by
-    offsets in the forward-only op); max_indices is bag_size except in 'max' mode."""
+    rows scatter into their bag: [bags + 1, dim], the extra bag collecting padding rows.
+    Results and extra outputs follow eager's CPU kernel, quirks included: with
+    include_last_offset the last bag still runs to the end of indices in bag_size and
+    offset2bag, and in the values except on the fast path (float weights, no padding_idx,
+    'sum' or 'mean'; yet 'mean' divides by that bag_size); fast 'sum' leaves offset2bag
+    empty; bag_size is zero for 'sum' (sized by offsets in the forward-only op); max_indices
+    is bag_size except in 'max' mode."""
     def handler(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                 per_sample_weights=None, include_last_offset=False, padding_idx=-1):
         length, dim = type_of(indices).shape[0], type_of(weight).shape[1]
@@ -345,12 +418,25 @@ def _embedding_bag(forward_only: bool):
         # The fast sum/mean path stops at the last offset; the other paths do not.
         fast = padding_idx < 0 and type_of(weight).dtype in (torch.float32, torch.float16,
                                                             torch.bfloat16)
-        if include_last_offset and fast and mode != 2:
-            kept = kept & (position < offsets[bags])
         target = torch.where(kept, bag, bags)
         rows = weight.index_select(0, indices)
+        if scale_grad_by_freq:  # eager divides the rows of the u-th smallest distinct index
+            # by the frequency of the u-th smallest index (repeats counted)
+            freq = _lookup_frequency(indices, type_of(weight).shape[0])
+            ordinal = freq.clamp(max=1).cumsum(0)[indices] - 1
+            rows = bind("embedding_rows", rows, 1 / freq[torch.sort(indices).values[ordinal]][
+                :, None].to(type_of(weight).dtype), torch.tensor([[True]]), sparse=False)
         if per_sample_weights is not None:
             rows = rows * per_sample_weights[:, None]
+        # Rows past the last offset are out of the fast path's sums, yet eager's 'mean'
+        # backward passes them the last bag's cotangent ('sum' reads an offset2bag it never
+        # filled there: plait gives them the derivative, zero).
+        past_fast = include_last_offset and fast and mode != 2
+        if past_fast or sparse:
+            summed = (position < offsets[bags] if past_fast else
+                      torch.ones(length, dtype=torch.bool))
+            rows = bind("embedding_rows", rows, (summed | (mode == 1)).to(
+                type_of(weight).dtype)[:, None], summed[:, None], sparse=sparse)
         spread = target[:, None].expand(length, dim)
         if mode == 2:  # eager keeps a bag's first row, then any strictly greater one
             first = target.new_full((bags + 1,), length).scatter_reduce(0, target, position,
