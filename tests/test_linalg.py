@@ -450,3 +450,20 @@ def test_grad_of_grad_matches_eager(fn):
 def test_nondifferentiable_factorizations_raise(fn):
     with pytest.raises(UnsupportedOpError):
         plait.grad(lambda a: fn(a).sum())(_TALL[0])
+
+
+def test_pinv_gradient_at_repeated_singular_values_matches_eager():
+    """pinv is differentiated by eager's own formula, defined at the identity too (svd's
+    derivative divides by the gap between singular values there)."""
+    weights = torch.arange(9.0).reshape(3, 3)
+    f = lambda x: (torch.linalg.pinv(x) * weights).sum()  # noqa: E731
+    for a in (torch.eye(3), torch.diag(torch.tensor([1.0, 1.0, 0.0]))):
+        assert_close(plait.grad(f)(a), torch.func.grad(f)(a))
+        assert_close(plait.grad(lambda x: plait.grad(f)(x).sum())(a),
+                     torch.func.grad(lambda x: torch.func.grad(f)(x).sum())(a))
+
+
+def test_derivative_through_a_singular_lu_raises():
+    singular = torch.tensor([[1.0, 2.0], [2.0, 4.0]])
+    with pytest.raises(plait.errors.CheckError, match="singular"):
+        plait.grad(torch.linalg.det)(singular)

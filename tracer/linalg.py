@@ -132,6 +132,11 @@ def _lu_vjp(cts, a, *, outs, pivot):
     m, n = a.shape[-2:]
     k = min(m, n)
     p, l, u = _lu_unpack(*outs[:2])
+    # The rule solves with U: at a zero pivot it would give inf/NaN, where eager has special
+    # formulas for some ops (det); refuse rather than answer differently.
+    bind("check", torch.any(torch.diagonal(u[..., :k, :k], 0, -2, -1) == 0),
+         message="plait cannot differentiate through the LU factorization of a singular "
+                 "matrix (det, slogdet, inv or solve at a singular matrix)")
     gl, gu = cts[0][..., :, :k].tril(-1), cts[0][..., :k, :].triu()
     if m <= n:
         g = solve_triangular(u[..., :k], (l.mT @ gl - gu @ u.mT).tril(-1), lower=False,
@@ -345,6 +350,32 @@ def _svd_vjp(cts, a, *, outs, full_matrices, compute_uv, driver):
         gvs = gvh / s.unsqueeze(-1)
         return (u @ (inner @ vh + gvs - (gvs @ vh.mT) @ vh),)
     return (u @ inner @ vh,)
+
+
+# pinv is a primitive of its own because eager differentiates it by a formula in the
+# pseudo-inverse itself, which is defined where svd's derivative is not (repeated singular
+# values, e.g. at the identity); the rule reads the output, so it differentiates again.
+def _pinv_infer(a, atol, rtol, *, hermitian):
+    _check_matrices("pinv", a)
+    return (_batch(a, a.shape[-1], a.shape[-2]),)
+
+
+define("pinv", _pinv_infer, lambda a, atol, rtol, *, hermitian: torch.linalg.pinv(
+    a, atol=atol, rtol=rtol, hermitian=hermitian))
+
+
+@vjp_rule("pinv")
+def _pinv_vjp(cts, a, atol, rtol, *, outs, hermitian):
+    """Eager's pinv_backward, arranged so the products stay small."""
+    p, gh = outs[0], cts[0].mT
+    ph = p.mT
+    if a.shape[-2] <= a.shape[-1]:
+        k = gh @ p
+        kph = k @ ph
+        return -(p @ k).mT + kph - (a @ p) @ kph + (ph @ p) @ (gh - k @ a), None, None
+    k = p @ gh
+    phk = ph @ k
+    return -(k @ p).mT + (gh - a @ k) @ p @ ph + phk - phk @ p @ a, None, None
 
 
 def _linalg_check_infer(info, *, api, is_matrix):
@@ -663,7 +694,8 @@ def _linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None):
 
 @linalg_op(aten.linalg_pinv.atol_rtol_tensor)
 def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
-    """As eager: invert the singular values above max(atol, rtol * largest), zero the rest."""
+    """The pinv primitive, with eager's tolerances made explicit: singular values above
+    max(atol, rtol * largest) are inverted, the rest zeroed."""
     t = type_of(a)
     m, n = t.shape[-2:]
     if t.numel == 0:
@@ -674,27 +706,7 @@ def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
         rtol = default if atol is None else torch.where(atol > 0, torch.zeros((), **f64),
                                                           default)
     atol = torch.zeros((), **f64) if atol is None else atol
-
-    def from_factors(u, s, v, magnitude):
-        tol = torch.maximum(atol.unsqueeze(-1), rtol.unsqueeze(-1) * magnitude.amax(-1, True))
-        s_inv = torch.where(magnitude > tol, s.reciprocal(), torch.zeros((), dtype=t.dtype,
-                                                                           device=t.device))
-        return (v * s_inv.unsqueeze(-2)) @ u.mT
-
-    u, s, vh = torch.linalg.svd(a, full_matrices=False)
-    p = from_factors(u, s, vh.mT, s)
-    if not hermitian:
-        return p
-    # The value from eigh, as eager. Eager differentiates it by its own formula: the derivative
-    # of the pseudo-inverse of the whole matrix (not of eigh's triangle) at that value,
-    # dp = -p da p + p p^T da^T (I - a p) + (I - p a) da^T p^T p, written out here at
-    # da = a - a (zero, with a's derivative); p carries svd's derivative for higher orders.
-    s, u = torch.linalg.eigh(a)
-    value = bind("stop_gradient", from_factors(u, s, u, s.abs()))
-    p = value + (p - bind("stop_gradient", p))
-    da = a - bind("stop_gradient", a)
-    return value + (-p @ da @ p + (p @ p.mT) @ da.mT @ (_eye(m, a) - a @ p)
-                    + (_eye(n, a) - p @ a) @ da.mT @ (p.mT @ p))
+    return bind("pinv", a, atol, rtol, hermitian=hermitian)
 
 
 _LSTSQ = "torch.linalg.lstsq"
