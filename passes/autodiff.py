@@ -13,19 +13,22 @@ the forward values they need, and only those stay alive, so the saved residuals 
 what the rules read. A ``None`` cotangent means zero. Integer and boolean values carry no
 cotangent (as in torch.func); complex values are refused for now.
 
-``jvp(graph, wrt)`` needs no second rule per primitive: the VJP graph is linear in its
-cotangent inputs, so differentiating it once more with respect to them (at zero), with the
-tangents as cotangents, gives J @ t. Simplification then removes the dead half.
+``jvp(graph, wrt)`` is one forward pass: each node's tangents come from its primitive's
+``jvp`` rule (``rule(operands, tangents, outs, **params)``). Elementwise primitives share
+their derivative tables with the VJP rules; linear ones map tangents through themselves. A
+primitive without a ``jvp`` rule has one derived from its ``vjp`` rule: the VJP is linear in
+its cotangent, so differentiating it once more with respect to the cotangent (at zero), with
+the tangent as cotangent, gives J @ t (simplification then removes the dead half).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from ..errors import UnsupportedOpError
-from ..graph import Graph, TensorType, Value
+from ..graph import Graph, GraphBuilder, TensorType, Value
 from ..tracer.primitives import get_primitive
 from ..tracer.trace import Trace, bind, tracing
-from .interpret import replay
+from .interpret import inline, replay
 
 
 def differentiable(t: TensorType) -> bool:
@@ -44,6 +47,12 @@ def _fit(ct, t: TensorType, trace: Trace):
     return ct if ct_t.dtype == t.dtype else bind("convert", ct, dtype=t.dtype)
 
 
+def _refuse_complex(node, operand_types) -> None:
+    if any(t.dtype.is_complex for t in (*operand_types, *node.out_types)):
+        raise UnsupportedOpError(f"differentiating {node.prim} on complex values is not "
+                                 "supported yet; differentiate a real-valued function")
+
+
 def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
              trace: Trace) -> dict[Value, object]:
     """Propagate cotangents from ``seeds`` (graph value -> tracer) to every value; return the
@@ -59,9 +68,7 @@ def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
         operand_types = [graph.type_of(v) for v in operands]
         if all(c is None for c in node_cts):
             continue
-        if any(t.dtype.is_complex for t in (*operand_types, *node.out_types)):
-            raise UnsupportedOpError(f"differentiating {node.prim} on complex values is not "
-                                     "supported yet; differentiate a real-valued function")
+        _refuse_complex(node, operand_types)
         if not any(map(differentiable, operand_types)):
             continue
         rule = get_primitive(node.prim).vjp
@@ -103,20 +110,51 @@ def vjp(graph: Graph, wrt: Sequence[int]) -> Graph:
 
 
 def jvp(graph: Graph, wrt: Sequence[int]) -> Graph:
-    """(inputs, tangents of inputs ``wrt``) -> (outputs, tangents of outputs)."""
-    n_in, n_out = len(graph.inputs), len(graph.outputs)
-    linear = vjp(graph, wrt)  # (x, u) -> (y, J^T u): differentiate it in u at u = 0
-    transposed = vjp(linear, range(n_in, n_in + n_out))
+    """(inputs, tangents of inputs ``wrt``) -> (outputs, tangents of outputs): one forward
+    pass, each node's tangents from its ``jvp`` rule, or derived from its ``vjp`` rule."""
     trace = Trace()
     with tracing(trace):
         primals = [trace.new_input(t) for t in graph.input_types]
-        tangents = [trace.new_input(graph.input_types[i]) for i in wrt]
-        at_zero = [zeros(t) for t in graph.output_types]
-        no_seed = [zeros(t) for t in graph.output_types]  # cotangents of linear's outputs y
-        out = replay(transposed, primals + at_zero + no_seed + tangents)
-        results = [out[v] for v in transposed.outputs]
-        ys, tangent_outs = results[:n_out], results[n_out + len(wrt):]
-        tangent_outs = [t if differentiable(ty) else zeros(ty)
-                        for t, ty in zip(tangent_outs, graph.output_types)]
-        return trace.builder.build([trace.value_of(x) for x in ys + tangent_outs])
+        tangent = {Value(graph.inputs[i], 0): trace.new_input(graph.input_types[i])
+                   for i in wrt}
 
+        def visit(n, operands):
+            node = graph.node(n)
+            out = bind(node.prim, *operands, **node.kwargs)
+            outs = list(out) if isinstance(out, tuple) else [out]
+            types = [graph.type_of(v) for v in graph.operands(n)]
+            tangents = [tangent.get(v) if differentiable(t) else None
+                        for v, t in zip(graph.operands(n), types)]
+            if all(t is None for t in tangents):
+                return outs
+            _refuse_complex(node, types)
+            rule = get_primitive(node.prim).jvp
+            out_tangents = rule(operands, tangents, tuple(outs), **node.kwargs) if rule else None
+            if out_tangents is None:
+                out_tangents = _derived_jvp(node, operands, tangents, types)
+            for i, (t, ty) in enumerate(zip(out_tangents, node.out_types)):
+                if t is not None and differentiable(ty):
+                    tangent[Value(n, i)] = _fit(t, ty, trace)
+            return outs
+
+        env = replay(graph, primals, visit)
+        outs = [env[v] for v in graph.outputs]
+        tangents_out = [tangent[v] if v in tangent else zeros(t)
+                        for v, t in zip(graph.outputs, graph.output_types)]
+        return trace.builder.build([trace.value_of(x) for x in outs + tangents_out])
+
+
+def _derived_jvp(node, operands, tangents, types) -> list:
+    """A node's JVP from its VJP: the VJP is linear in its cotangents, so differentiating it
+    in them (at zero), with the tangents as cotangents, gives J @ t."""
+    builder = GraphBuilder()
+    ins = [builder.add_input(t) for t in types]
+    alone = builder.build(builder.add_node(node.prim, ins, node.kwargs, node.out_types,
+                                           node.provenance))
+    wrt = [i for i, t in enumerate(tangents) if t is not None]
+    n_in, n_out = len(types), len(node.out_types)
+    linear = vjp(alone, wrt)  # (x, u) -> (y, J^T u)
+    transposed = vjp(linear, range(n_in, n_in + n_out))
+    at_zero = [zeros(t) for t in node.out_types]
+    results = inline(transposed, list(operands) + at_zero + at_zero + [tangents[i] for i in wrt])
+    return results[n_out + len(wrt):]

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CheckError, LinAlgError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .aten import full, handles, type_of
-from .primitives import _check, define, vjp_rule
+from .primitives import _check, define, jvp_rule, vjp_rule
 from .trace import bind, current_trace
 
 aten = torch.ops.aten
@@ -76,6 +76,18 @@ def _cholesky_infer(a):
 # the first minor that is not positive-definite.
 define("cholesky", _cholesky_infer, lambda a: tuple(torch.linalg.cholesky_ex(a)),
        multiple_results=True)
+
+
+@jvp_rule("cholesky")
+def _cholesky_jvp(operands, tangents, outs):
+    """Eager's forward formula on the whole tangent: dl = l phi(l^-1 da l^-T), phi taking
+    the lower triangle with the diagonal halved (not the transpose of the symmetrized VJP)."""
+    l = outs[0]
+    inner = torch.linalg.solve_triangular(
+        l.mT, torch.linalg.solve_triangular(l, tangents[0], upper=False), upper=True,
+        left=False)
+    phi = inner.tril() - 0.5 * torch.diag_embed(torch.diagonal(inner, 0, -2, -1))
+    return l @ phi, None
 
 
 @vjp_rule("cholesky")
@@ -277,6 +289,22 @@ def _eigh_impl(a, *, lower, compute_v):
 
 # Ascending eigenvalues of the symmetric matrix in a's lower (or upper) triangle.
 define("eigh", _eigh_infer, _eigh_impl, multiple_results=True)
+
+
+@jvp_rule("eigh")
+def _eigh_jvp(operands, tangents, outs, *, lower, compute_v):
+    """Eager's forward formula, on the whole tangent (as eager reads it): with
+    p = v^T da v, dw = diag(p) and dv = v (p / e), e_ij = w_j - w_i, zero on the diagonal.
+    It is not the transpose of the (symmetrized) VJP, so it is written out."""
+    w, v = outs if compute_v else torch.linalg.eigh(operands[0], "L" if lower else "U")
+    p = v.mT @ tangents[0] @ v
+    dw = torch.diagonal(p, 0, -2, -1)
+    if not compute_v:
+        return dw, None
+    gap = w.unsqueeze(-2) - w.unsqueeze(-1)
+    off = torch.where(_eye(gap.shape[-1], p).to(torch.bool), 0.0,
+                      p / (gap + _eye(gap.shape[-1], p)))
+    return dw, v @ off
 
 
 def _no_cotangent(ct) -> bool:
@@ -531,8 +559,12 @@ def _linalg_check_errors(info, api_name, *, is_matrix):
 
 
 def _cholesky(a, upper):
-    """The upper factor of a is the transpose of the lower factor of a.mT (same triangle)."""
-    l, info = bind("cholesky", a.mT if upper else a)
+    """The upper factor of a is the transpose of the lower factor of a.mT (same triangle).
+    Eager's forward derivative of the upper factor takes the tangent untransposed, so a.mT's
+    value is passed with a's own derivative (the reverse rule is symmetric either way)."""
+    if upper:
+        a = bind("stop_gradient", a.mT) + (a - bind("stop_gradient", a))
+    l, info = bind("cholesky", a)
     return (l.mT if upper else l), info
 
 

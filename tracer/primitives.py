@@ -9,7 +9,8 @@ here is short, and later stages (autodiff, batching, lowering) see a small, regu
 A ``Primitive`` holds, next to each other:
   * ``infer``: operand types + params -> output types (raises ShapeError on a mismatch);
   * ``impl``: the eager implementation on torch tensors (the reference semantics);
-  * ``vjp``: the reverse-mode derivative rule (forward mode is derived from it);
+  * ``vjp`` / ``jvp``: the reverse- and forward-mode derivative rules (a missing ``jvp`` is
+    derived from ``vjp`` by transposition);
   * ``batch``: the vmap rule (a primitive without one is batched by a loop);
   * ``lower``: the lowering rule, for the compiling backends.
 Elementwise families are tables: one row per primitive, one shared rule per family.
@@ -37,6 +38,7 @@ class Primitive:
     # Effectful primitives are never removed, merged, folded or reordered.
     effectful: bool = False
     vjp: Callable | None = None    # reverse-mode rule (NOTE [autodiff], passes/autodiff.py)
+    jvp: Callable | None = None    # forward-mode rule (derived from vjp where missing)
     batch: Callable | None = None  # vmap rule (NOTE [batching], passes/batching.py)
     lower: Callable | None = None
 
@@ -66,6 +68,17 @@ def vjp_rule(*names: str):
     def attach(rule):
         for name in names:
             PRIMITIVES[name].vjp = rule
+        return rule
+
+    return attach
+
+
+def jvp_rule(*names: str):
+    """Attach the decorated function as the JVP rule of the named primitives:
+    ``rule(operands, tangents, outs, **params) -> one tangent per output`` (None: zero)."""
+    def attach(rule):
+        for name in names:
+            PRIMITIVES[name].jvp = rule
         return rule
 
     return attach
@@ -194,8 +207,8 @@ for _name in UNARY_PREDICATES + COMPARISONS:
     define(_name, _elementwise_infer(_name, torch.bool), _prim_impl(_name))
 
 # Special functions with no torch prim: elementwise, defined by torch.special.
-SPECIAL_UNARY = ("airy_ai bessel_y0 bessel_y1 log_ndtr modified_bessel_i0 modified_bessel_i1 "
-                 "modified_bessel_k0 modified_bessel_k1 scaled_modified_bessel_k0 "
+SPECIAL_UNARY = ("airy_ai bessel_y0 bessel_y1 entr log_ndtr modified_bessel_i0 "
+                 "modified_bessel_i1 modified_bessel_k0 modified_bessel_k1 scaled_modified_bessel_k0 "
                  "scaled_modified_bessel_k1").split()
 SPECIAL_BINARY = ("chebyshev_polynomial_t chebyshev_polynomial_u chebyshev_polynomial_v "
                   "chebyshev_polynomial_w shifted_chebyshev_polynomial_t "
@@ -251,6 +264,7 @@ _UNARY_DERIVATIVES = {
     "tan": lambda x, y: 1 + y * y,
     "tanh": lambda x, y: 1 - y * y,
     "bessel_i0": lambda x, y: torch.special.i1(x),
+    "entr": lambda x, y: -(1 + torch.log(x)),  # eager's: NaN below 0, inf at 0
     "log_ndtr": lambda x, y: torch.exp(-(y + x * x / 2)) / math.sqrt(2 * math.pi),
     "bessel_i0e": lambda x, y: torch.special.i1e(x) - torch.sign(x) * y,
     "bessel_i1": lambda x, y: torch.where(x == 0, 0.5, torch.special.i0(x) - y / _nonzero(x)),
@@ -274,8 +288,16 @@ def _unary_vjp(d):
     return rule
 
 
+def _unary_jvp(d):
+    def rule(operands, tangents, outs):
+        derivative = d(operands[0], outs[0])
+        return (None if derivative is None else tangents[0] * derivative,)
+
+    return rule
+
+
 for _name, _d in _UNARY_DERIVATIVES.items():
-    PRIMITIVES[_name].vjp = _unary_vjp(_d)
+    PRIMITIVES[_name].vjp, PRIMITIVES[_name].jvp = _unary_vjp(_d), _unary_jvp(_d)
 
 
 @vjp_rule("polygamma")
@@ -319,8 +341,19 @@ def _binary_vjp(d):
     return lambda cts, a, b, *, outs: d(cts[0], a, b, outs[0])
 
 
+def _binary_jvp(d):
+    """Elementwise, so each operand's VJP (linear in the cotangent, a diagonal Jacobian)
+    applied to that operand's tangent is its share of the output tangent."""
+    def rule(operands, tangents, outs):
+        parts = [d(t, *operands, outs[0])[i] for i, t in enumerate(tangents) if t is not None]
+        parts = [p for p in parts if p is not None]
+        return (sum(parts[1:], parts[0]) if parts else None,)
+
+    return rule
+
+
 for _name, _d in _BINARY_DERIVATIVES.items():
-    PRIMITIVES[_name].vjp = _binary_vjp(_d)
+    PRIMITIVES[_name].vjp, PRIMITIVES[_name].jvp = _binary_vjp(_d), _binary_jvp(_d)
 
 
 
@@ -660,6 +693,16 @@ def _logcumsumexp_vjp(cts, x, *, outs, dim):
     return (pos - neg,)
 
 
+@jvp_rule("logcumsumexp")
+def _logcumsumexp_jvp(operands, tangents, outs, *, dim):
+    """dy_k = sum_{i <= k} t_i exp(x_i - y_k): weights exp(x - max x) keep it in range
+    (the derivation from the VJP would take log|0| at a zero tangent)."""
+    (x,), (t,) = operands, tangents
+    weight = torch.exp(x - torch.amax(x, dim, keepdim=True))
+    total = torch.cumsum(weight, dim)  # 0 where every weight so far underflowed: 0, as eager
+    return (torch.where(total == 0, 0.0, torch.cumsum(t * weight, dim) / _nonzero(total)),)
+
+
 @vjp_rule("cumprod")
 def _cumprod_vjp(cts, x, *, outs, dim):
     """d y_k / d x_i = prod_{j <= k, j != i} x_j for k >= i: products over a masked square,
@@ -956,3 +999,65 @@ def _dot_general_batch(operands, batched, axis_size, *, contracting, batch):
     up = lambda dims: tuple(d + 1 for d in dims)  # noqa: E731
     return [_bind("dot_general", lhs, rhs, contracting=(up(lc), up(rc)),
                   batch=((0, *up(lb)), (0, *up(rb))))], [True]
+
+
+# ---------------------------------------------------------------------------------------
+# JVP rules of the linear primitives: the tangent goes through the primitive itself
+# (missing tangents of a multi-operand op are zeros). Bilinear ones take one term per
+# operand. Other primitives derive their JVP from their VJP (passes/autodiff.py).
+# ---------------------------------------------------------------------------------------
+def _zeros_for(tangents, operands):
+    return [t if t is not None else torch.zeros_like(x) for t, x in zip(tangents, operands)]
+
+
+def _linear_jvp(name: str, linear_in: tuple[int, ...] | None = None, **fixed):
+    """``linear_in``: the operands the op is linear in (the others, e.g. indices or a
+    predicate, pass through as they are); ``fixed`` overrides params (pad's value)."""
+    def rule(operands, tangents, outs, **params):
+        idx = range(len(operands)) if linear_in is None else linear_in
+        if all(tangents[i] is None for i in idx):
+            return (None,) * len(outs)
+        args = list(operands)
+        for i, t in zip(idx, _zeros_for([tangents[i] for i in idx], [operands[i] for i in idx])):
+            args[i] = t
+        out = _bind(name, *args, **{**params, **fixed})
+        return tuple(out) if isinstance(out, tuple) else (out,)
+
+    return rule
+
+
+for _name in ("reshape", "transpose", "broadcast_in_dim", "slice", "concatenate", "rev",
+              "sum", "cumsum", "real", "imag", "conj", "complex", "fft_r2c", "fft_c2r",
+              "fft_c2c"):
+    PRIMITIVES[_name].jvp = _linear_jvp(_name)
+PRIMITIVES["pad"].jvp = _linear_jvp("pad", value=0.0)
+PRIMITIVES["where"].jvp = _linear_jvp("where", (1, 2))
+PRIMITIVES["gather"].jvp = _linear_jvp("gather", (0,))
+jvp_rule("convert")(lambda ops, tans, outs, *, dtype: (
+    None if tans[0] is None or not dtype.is_floating_point else _bind("convert", tans[0],
+                                                                      dtype=dtype),))
+jvp_rule("stop_gradient")(lambda ops, tans, outs: (None,))
+
+
+@jvp_rule("scatter")
+def _scatter_jvp(operands, tangents, outs, *, dim, reduce, include_self):
+    if reduce not in (None, "sum"):
+        return None  # not linear: derived from the VJP
+    return _linear_jvp("scatter", (0, 2))(operands, tangents, outs, dim=dim, reduce=reduce,
+                                          include_self=include_self)
+
+
+@jvp_rule("dot_general")
+def _dot_general_jvp(operands, tangents, outs, **params):
+    (lhs, rhs), (tl, tr) = operands, tangents
+    terms = ([_bind("dot_general", tl, rhs, **params)] if tl is not None else []) + (
+        [_bind("dot_general", lhs, tr, **params)] if tr is not None else [])
+    return (sum(terms[1:], terms[0]),)
+
+
+@jvp_rule("sort", "topk")
+def _selection_jvp(operands, tangents, outs, **params):
+    x, t = operands[0], tangents[0]
+    if x.ndim == 0:
+        return t, None
+    return torch.gather(t, params["dim"], outs[1]), None
