@@ -1,0 +1,164 @@
+"""The loop-level IR: buffers, kernels whose bodies are expression DAGs over loads, externs.
+
+NOTE [loop IR]
+Lowering (passes/lowering.py) turns a primitive graph into a ``LoopProgram``: an ordered list
+of kernels over named, contiguous buffers. A ``Kernel`` loops over ``sizes`` (loop variables
+``x0, x1, ...``) and, for a reduction, over ``reduction_sizes`` (``r0, r1, ...``) inside
+them; each of its ``stores`` writes one value per point of the outer loops. Values are
+expression DAGs:
+
+  ``Load(buffer, index)``    an element of a buffer; ``index`` is a sympy expression over the
+                             loop variables giving the flat (row-major) element offset
+  ``Constant(value)``        a Python scalar
+  ``IndexValue(expr)``       an index expression used as a value (iota)
+  ``Apply(op, args)``        an elementwise primitive (``add``, ``exp``, ``where``, ...) or
+                             ``convert``, with the primitive's params
+  ``Reduce(op, body)``       ``body`` (over outer and reduction variables) combined over the
+                             reduction loops; ``op`` is sum, prod, amax, amin, argmax, argmin
+
+Every node knows its dtype. Nodes are frozen and compare by value, so a DAG shares equal
+subexpressions and code generators can emit each once. Loads are always in bounds: lowering
+clamps the indices of a branch that ``where`` discards (padding, concatenation). An
+``Extern`` runs a torch function on whole buffers (a library call such as a matmul, or a
+primitive with no loop form).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import sympy
+import torch
+
+from .types import TensorType
+
+
+def loop_vars(prefix: str, n: int) -> tuple[sympy.Symbol, ...]:
+    """Loop variables ``x0..`` (outer) or ``r0..`` (reduction): non-negative integers."""
+    return tuple(sympy.Symbol(f"{prefix}{i}", integer=True, nonnegative=True) for i in range(n))
+
+
+@attrs.frozen
+class Buffer:
+    name: str
+    type: TensorType
+
+
+@attrs.frozen(cache_hash=True)
+class Load:
+    buffer: str
+    index: sympy.Expr
+    dtype: torch.dtype
+
+
+@attrs.frozen(cache_hash=True)
+class Constant:
+    value: Any
+    dtype: torch.dtype
+
+
+@attrs.frozen(cache_hash=True)
+class IndexValue:
+    expr: sympy.Expr
+    dtype: torch.dtype
+
+
+@attrs.frozen(cache_hash=True)
+class Apply:
+    op: str
+    args: tuple
+    params: tuple  # sorted (name, value) pairs of the primitive's params
+    dtype: torch.dtype
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.params)
+
+
+@attrs.frozen(cache_hash=True)
+class Reduce:
+    op: str
+    body: Any
+    dtype: torch.dtype
+
+
+Expr = Load | Constant | IndexValue | Apply | Reduce
+
+
+@attrs.frozen
+class Store:
+    buffer: str
+    index: sympy.Expr  # over the outer loop variables
+    value: Any
+
+
+@attrs.frozen
+class Kernel:
+    name: str
+    sizes: tuple[int, ...]
+    reduction_sizes: tuple[int, ...]
+    stores: tuple[Store, ...]
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for store in self.stores:
+            for node in walk(store.value):
+                if isinstance(node, Load):
+                    seen[node.buffer] = None
+        return tuple(seen)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.buffer for s in self.stores))
+
+
+@attrs.frozen
+class Extern:
+    name: str
+    fn: Callable[..., Any]  # torch tensors in, a tensor or a tuple of tensors out
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: tuple  # sorted (name, value) pairs passed as keyword arguments
+    label: str     # what it calls, for printing
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.inputs))
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return self.outputs
+
+
+@attrs.frozen
+class LoopProgram:
+    buffers: dict  # name -> Buffer
+    inputs: tuple[str, ...]     # graph inputs, in order
+    constants: dict             # buffer name -> torch.Tensor (contiguous)
+    kernels: tuple              # Kernel | Extern, in execution order
+    outputs: tuple[str, ...]    # graph outputs, in order (may repeat or name inputs)
+
+
+def walk(*exprs) -> list:
+    """Every distinct node (by value) of expression DAGs once, operands before users."""
+    seen: dict[Any, None] = {}
+
+    def visit(e):
+        if e in seen:
+            return
+        for child in children(e):
+            visit(child)
+        seen[e] = None
+
+    for e in exprs:
+        visit(e)
+    return list(seen)
+
+
+def children(expr) -> tuple:
+    if isinstance(expr, Apply):
+        return expr.args
+    if isinstance(expr, Reduce):
+        return (expr.body,)
+    return ()

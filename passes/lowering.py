@@ -1,0 +1,287 @@
+"""Lowering: a primitive graph becomes a LoopProgram (graph/loops.py).
+
+NOTE [lowering]
+Each graph value becomes either a buffer or a *lazy* value: a function from an index (one
+sympy expression per dimension) to an expression DAG. Elementwise primitives, constants,
+iotas and views (broadcast, reshape, transpose, slice, rev, pad, concatenate) give lazy
+values, so a chain of them becomes one expression (vertical fusion) and views are index
+rewrites, never copies. A lazy value is materialized (a pointwise kernel stores it) only where
+it must be: a graph output, an extern operand, or a value with several users that does real
+work (recomputing it per use would cost more than one store and a load per use). A reduction
+is a kernel with its operand's expression inlined. Every other primitive (dot_general,
+gather, scatter, sort, scans, linalg, FFTs, opaque ops, ...) is an Extern over buffers, as is
+any op or dtype the code generator cannot express (``supported_ops``, ``supported_dtypes``).
+A buffer that no kernel writes has no elements: the runtime allocates it empty.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import attrs
+import sympy
+import torch
+
+from ..graph import Graph, TensorType, Value
+from ..graph.loops import (Apply, Buffer, Constant, Extern, IndexValue, Kernel, Load,
+                           LoopProgram, Reduce, Store, loop_vars, walk)
+from ..tracer.primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
+                                 UNARY_PREDICATES, get_primitive)
+
+ELEMENTWISE = frozenset(UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS)
+                        + SPECIAL_UNARY + SPECIAL_BINARY + ["polygamma", "where", "convert"])
+REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
+VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
+                   "concatenate", "stop_gradient"))
+
+
+@attrs.frozen
+class Lazy:
+    """A value not in memory: ``at(index)`` is its expression at that index. ``buffer``
+    names the contiguous buffer it reads straight through, if it is one (reshape keeps it)."""
+
+    type: TensorType
+    at: Callable[[tuple], object]
+    buffer: str | None = None
+
+
+def strides(shape) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def flat(index, shape) -> sympy.Expr:
+    return sum((i * s for i, s, n in zip(index, strides(shape), shape) if n != 1),
+               sympy.Integer(0))
+
+
+def unflat(offset, shape) -> tuple:
+    return tuple(sympy.Integer(0) if n == 1 else sympy.Mod(sympy.floor(offset / s), n)
+                 if d else sympy.floor(offset / s)
+                 for d, (n, s) in enumerate(zip(shape, strides(shape))))
+
+
+def _clamp(e, n):
+    return sympy.Max(0, sympy.Min(n - 1, e))
+
+
+def _works(expr) -> bool:
+    """Does computing it take more than loads, constants and index math?"""
+    return any(isinstance(e, (Apply, Reduce)) for e in walk(expr))
+
+
+class _Lowering:
+    def __init__(self, graph: Graph, supported_ops: Iterable[str],
+                 supported_dtypes: Iterable[torch.dtype]):
+        self.graph = graph
+        self.ops, self.dtypes = frozenset(supported_ops), frozenset(supported_dtypes)
+        self.buffers: dict[str, Buffer] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        self.kernels: list = []
+        self.values: dict[Value, Lazy] = {}
+        self.uses: dict[Value, int] = {}
+        for n in graph.order:
+            for v in graph.operands(n):
+                self.uses[v] = self.uses.get(v, 0) + 1
+        for v in graph.outputs:
+            self.uses[v] = self.uses.get(v, 0) + 1
+
+    # -- buffers ---------------------------------------------------------------------------
+    def new_buffer(self, prefix: str, type: TensorType) -> str:
+        name = f"{prefix}{len(self.buffers)}"
+        self.buffers[name] = Buffer(name, type)
+        return name
+
+    def in_memory(self, name: str) -> Lazy:
+        t = self.buffers[name].type
+        return Lazy(t, lambda idx: Load(name, flat(idx, t.shape), t.dtype), name)
+
+    def realize(self, v: Value) -> str:
+        """The buffer holding ``v`` (a pointwise kernel stores it first if it is lazy)."""
+        lazy = self.values[v]
+        if lazy.buffer is not None and self.buffers[lazy.buffer].type.shape == lazy.type.shape:
+            return lazy.buffer
+        name = self.new_buffer("buf", lazy.type)
+        xs = loop_vars("x", lazy.type.ndim)
+        self.kernels.append(Kernel(f"kernel{len(self.kernels)}", lazy.type.shape, (),
+                                   (Store(name, flat(xs, lazy.type.shape), lazy.at(xs)),)))
+        self.values[v] = self.in_memory(name)
+        return name
+
+    # -- nodes -----------------------------------------------------------------------------
+    def loopable(self, node, types) -> bool:
+        if any(t.dtype not in self.dtypes for t in (*types, *node.out_types)):
+            return False
+        if node.prim in ELEMENTWISE:
+            return node.prim in self.ops
+        return node.prim in REDUCTIONS or node.prim in VIEWS or node.prim in ("full", "iota")
+
+    def lower(self) -> LoopProgram:
+        g = self.graph
+        inputs = []
+        for n in g.order:
+            node = g.node(n)
+            outs = [Value(n, i) for i in range(len(node.out_types))]
+            if node.prim == "input":
+                inputs.append(self.new_buffer("in", node.out_types[0]))
+                self.values[outs[0]] = self.in_memory(inputs[-1])
+                continue
+            if node.prim == "constant":
+                name = self.new_buffer("const", node.out_types[0])
+                self.constants[name] = node.kwargs["value"].tensor.contiguous()
+                self.values[outs[0]] = self.in_memory(name)
+                continue
+            operands = g.operands(n)
+            types = [g.type_of(v) for v in operands]
+            if not self.loopable(node, types):
+                self.extern(node, operands, outs)
+                continue
+            if not node.out_types[0].numel:  # nothing to compute: an empty buffer
+                self.values[outs[0]] = self.in_memory(self.new_buffer("buf", node.out_types[0]))
+                continue
+            args = [self.values[v] for v in operands]
+            if node.prim in REDUCTIONS:
+                self.reduction(node, args[0], outs[0])
+                continue
+            self.values[outs[0]] = lazy = Lazy(node.out_types[0], _LAZY[node.prim](
+                node, args, node.out_types[0]))
+            if self.uses.get(outs[0], 0) > 1 and _works(lazy.at(loop_vars(
+                    "x", lazy.type.ndim))):
+                self.realize(outs[0])
+        outputs = tuple(self.realize(v) for v in g.outputs)
+        return LoopProgram(dict(self.buffers), tuple(inputs), dict(self.constants),
+                           tuple(self.kernels), outputs)
+
+    def extern(self, node, operands, outs):
+        names = tuple(self.realize(v) for v in operands)
+        results = tuple(self.new_buffer("buf", t) for t in node.out_types)
+        prim = get_primitive(node.prim)
+        label = str(node.kwargs["op"]) if node.prim == "opaque" else node.prim
+        self.kernels.append(Extern(f"extern{len(self.kernels)}", _as_tuple(prim), names,
+                                   results, node.params, label))
+        for v, name in zip(outs, results):
+            self.values[v] = self.in_memory(name)
+
+    def reduction(self, node, x: Lazy, out: Value):
+        dims = node.kwargs["dims"] if x.type.ndim else ()
+        t = node.out_types[0]
+        if not dims:  # reducing over nothing: the value itself (argmax of a scalar: 0)
+            self.values[out] = (Lazy(t, lambda idx: Constant(0, t.dtype))
+                                if node.prim in ("argmax", "argmin") else
+                                Lazy(t, x.at, x.buffer))
+            return
+        kept = [d for d in range(x.type.ndim) if d not in dims]
+        xs, rs = loop_vars("x", len(kept)), loop_vars("r", len(dims))
+        index = [None] * x.type.ndim
+        for d, v in zip(kept, xs):
+            index[d] = v
+        for d, v in zip(dims, rs):
+            index[d] = v
+        name = self.new_buffer("buf", t)
+        self.kernels.append(Kernel(
+            f"kernel{len(self.kernels)}", t.shape, tuple(x.type.shape[d] for d in dims),
+            (Store(name, flat(xs, t.shape), Reduce(node.prim, x.at(tuple(index)), t.dtype)),)))
+        self.values[out] = self.in_memory(name)
+
+
+def _as_tuple(prim):
+    """The primitive's eager implementation, always returning a tuple."""
+    def run(*tensors, **params):
+        out = prim.impl(*tensors, **params)
+        return tuple(out) if prim.multiple_results else (out,)
+
+    run.__name__ = prim.name
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# Lazy values, one rule per primitive: (node, operand lazies, out type) -> index -> expr
+# ---------------------------------------------------------------------------------------
+def _elementwise(node, args, t):
+    params = node.params
+    return lambda idx: Apply(node.prim, tuple(a.at(idx) for a in args), params, t.dtype)
+
+
+def _broadcast(node, args, t):
+    (x,), dims = args, node.kwargs["broadcast_dimensions"]
+    return lambda idx: x.at(tuple(sympy.Integer(0) if x.type.shape[i] == 1 else idx[d]
+                                  for i, d in enumerate(dims)))
+
+
+def _reshape(node, args, t):
+    (x,) = args
+    return lambda idx: x.at(unflat(flat(idx, t.shape), x.type.shape))
+
+
+def _transpose(node, args, t):
+    (x,), perm = args, node.kwargs["permutation"]
+    return lambda idx: x.at(tuple(idx[perm.index(d)] for d in range(len(perm))))
+
+
+def _slice(node, args, t):
+    (x,), k = args, node.kwargs
+    return lambda idx: x.at(tuple(s + i * st for i, s, st in zip(idx, k["start"], k["step"])))
+
+
+def _rev(node, args, t):
+    (x,), dims = args, node.kwargs["dims"]
+    return lambda idx: x.at(tuple(n - 1 - i if d in dims else i
+                                  for d, (i, n) in enumerate(zip(idx, x.type.shape))))
+
+
+def _inside(idx, offsets, shape):
+    return sympy.And(*[sympy.And(i - o >= 0, i - o < n) for i, o, n in zip(idx, offsets, shape)])
+
+
+def _pad(node, args, t):
+    (x,), low, value = args, node.kwargs["low"], node.kwargs["value"]
+    if not x.type.numel:  # all padding: nothing to load
+        return lambda idx: Constant(value, t.dtype)
+
+    def at(idx):
+        inner = x.at(tuple(_clamp(i - lo, n) for i, lo, n in zip(idx, low, x.type.shape)))
+        return Apply("where", (IndexValue(_inside(idx, low, x.type.shape), torch.bool), inner,
+                               Constant(value, t.dtype)), (), t.dtype)
+
+    return at
+
+
+def _concatenate(node, args, t):
+    dim = node.kwargs["dim"]
+    args = [a for a in args if a.type.shape[dim]]  # empty parts hold nothing to load
+    starts = [sum(a.type.shape[dim] for a in args[:k]) for k in range(len(args))]
+
+    def at(idx):
+        def part(k):
+            shifted = list(idx)
+            shifted[dim] = _clamp(idx[dim] - starts[k], args[k].type.shape[dim])
+            return args[k].at(tuple(shifted))
+
+        expr = part(len(args) - 1)
+        for k in reversed(range(len(args) - 1)):
+            expr = Apply("where", (IndexValue(idx[dim] < starts[k + 1], torch.bool), part(k),
+                                   expr), (), t.dtype)
+        return expr
+
+    return at
+
+
+_LAZY = {name: _elementwise for name in ELEMENTWISE} | {
+    "broadcast_in_dim": _broadcast, "reshape": _reshape, "transpose": _transpose,
+    "slice": _slice, "rev": _rev, "pad": _pad, "concatenate": _concatenate,
+    "stop_gradient": lambda node, args, t: args[0].at,
+    "full": lambda node, args, t: lambda idx: Constant(node.kwargs["value"], t.dtype),
+    "iota": lambda node, args, t: lambda idx: IndexValue(
+        node.kwargs["start"] + idx[0] * node.kwargs["step"], t.dtype),
+}
+
+
+def lower(graph: Graph, supported_ops: Iterable[str] = ELEMENTWISE,
+          supported_dtypes: Iterable[torch.dtype] = (
+              torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
+              torch.uint8, torch.bool)) -> LoopProgram:
+    return _Lowering(graph, supported_ops, supported_dtypes).lower()
+
+

@@ -1,0 +1,94 @@
+"""Lowering (primitive graph -> LoopProgram), checked through the loop-IR interpreter."""
+import pytest
+import torch
+
+import plait
+from plait.backends.loopeval import run_program
+from plait.graph.loops import Extern, Kernel, Load, Reduce, loop_vars, walk
+from plait.passes.lowering import lower
+
+
+def _lowered(fn, *args):
+    program = lower(plait.make_graph(fn)(*args))
+    expected = fn(*args)
+    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    for actual, want in zip(run_program(program, list(args)), expected):
+        torch.testing.assert_close(actual, want)
+    return program
+
+
+def _kinds(program):
+    return [type(k).__name__ for k in program.kernels]
+
+
+def test_pointwise_chain_with_views_is_one_kernel():
+    x = torch.randn(4, 5)
+    program = _lowered(lambda x: (x.t() * 2 + 1).exp()[1:, ::2].flip(0), x)
+    assert _kinds(program) == ["Kernel"]
+    (kernel,) = program.kernels
+    assert kernel.reads == program.inputs  # views are index rewrites: x is read directly
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.nn.functional.pad(x, (1, 2, 0, 3), value=-1.0),
+    lambda x: torch.cat([x, x * 2, x[:0]], 0).reshape(2, 20),
+    lambda x: x.reshape(20)[3:17].reshape(2, 7),
+    lambda x: x.unsqueeze(0).expand(3, 4, 5) + torch.arange(5.0),
+])
+def test_views_and_padding_need_no_copies(fn):
+    assert _kinds(_lowered(fn, torch.randn(4, 5))) == ["Kernel"]
+
+
+def test_reductions_inline_their_operand():
+    x = torch.randn(6, 7)
+    program = _lowered(lambda x: (x * x).sum(1), x)
+    (kernel,) = program.kernels
+    assert kernel.reduction_sizes == (7,) and isinstance(kernel.stores[0].value, Reduce)
+    _lowered(lambda x: (x.argmax(0), x.amin(1), x.prod()), x)
+
+
+def test_a_value_used_twice_is_stored_once():
+    x = torch.randn(3, 8)
+    program = _lowered(lambda x: torch.softmax(x, -1), x)
+    exp_stores = [k for k in program.kernels if isinstance(k, Kernel) and not k.reduction_sizes
+                  and any(getattr(e, "op", None) == "exp" for e in walk(k.stores[0].value))]
+    assert len(exp_stores) == 1  # exp(x - max) feeds the sum and the division from a buffer
+
+
+def test_cheap_values_are_recomputed_not_stored():
+    x = torch.randn(3, 4)
+    program = _lowered(lambda x: (x.t() + 1, x.t() * 2), x)  # x.t() is only an index rewrite
+    assert all(isinstance(k, Kernel) for k in program.kernels) and len(program.kernels) == 2
+
+
+def test_library_calls_and_unlowerable_primitives_are_externs():
+    x = torch.randn(4, 4)
+    program = _lowered(lambda x: torch.relu(x @ x.t()).sort(-1).values, x)
+    assert [k.label for k in program.kernels if isinstance(k, Extern)] == ["dot_general",
+                                                                          "sort"]
+    graph = plait.make_graph(lambda x: torch.special.digamma(x.abs() + 1))(x)
+    assert not any(isinstance(k, Extern) for k in lower(graph).kernels)
+    # a code generator without digamma gets it as an extern
+    program = lower(graph, supported_ops={"abs", "add"})
+    assert [k.label for k in program.kernels if isinstance(k, Extern)] == ["digamma"]
+    torch.testing.assert_close(run_program(program, [x])[0],
+                               torch.special.digamma(x.abs() + 1))
+
+
+def test_empty_values_need_no_kernels():
+    x = torch.randn(0, 3)
+    program = _lowered(lambda x: (x * 2, x.sum(0), torch.cat([x, x], 0)), x)
+    assert all(not isinstance(k, Kernel) or k.reduction_sizes for k in program.kernels)
+
+
+def test_loads_are_in_bounds_for_padding_and_concatenation():
+    x = torch.randn(2, 3)
+    program = _lowered(lambda x: torch.nn.functional.pad(torch.cat([x, -x], 1), (2, 2)), x)
+    for kernel in program.kernels:
+        for store in kernel.stores:
+            for node in walk(store.value):
+                if isinstance(node, Load):  # every load's index stays inside its buffer
+                    size = program.buffers[node.buffer].type.numel
+                    x0, x1 = loop_vars("x", 2)
+                    grid = [{x0: i, x1: j} for i in range(4) for j in range(10)]
+                    assert all(0 <= int(node.index.subs(p)) < size for p in grid)
