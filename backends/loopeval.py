@@ -1,8 +1,8 @@
-"""The ``loops`` backend: lower a graph (passes/lowering.py) and evaluate the LoopProgram with
-torch, one whole kernel at a time over a grid of its loop variables.
+"""The ``loops`` backend: lower and fuse a graph (passes/lowering.py, passes/fusion.py) and
+evaluate the LoopProgram with torch, one whole kernel at a time over a grid of its loops.
 
-It is the reference for lowering, independent of any code generator: a lowering bug shows
-up here as a wrong answer, a code generator bug only in that generator.
+It is the reference for lowering and fusion, independent of any code generator: a bug in
+them shows up here as a wrong answer, a code generator bug only in that generator.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import sympy
 import torch
 
 from ..graph import Graph
-from ..graph.loops import Apply, Constant, Extern, IndexValue, Load, LoopProgram, Reduce
+from ..graph.loops import (Apply, Constant, Extern, IndexValue, Load, LoopProgram, Reduce,
+                           is_inner)
 from ..tracer.primitives import get_primitive
 
 
@@ -37,33 +38,51 @@ def _index(expr, env: dict, shape):
     return result
 
 
-def _value(expr, env, shape, buffers, memo):
-    if expr in memo:
-        return memo[expr]
-    if isinstance(expr, Load):
-        out = buffers[expr.buffer].reshape(-1)[_index(expr.index, env, shape)]
-    elif isinstance(expr, Constant):
-        out = torch.full(shape, expr.value, dtype=expr.dtype)
-    elif isinstance(expr, IndexValue):
-        out = _index(expr.expr, env, shape).to(expr.dtype)
-    elif isinstance(expr, Apply):
-        args = [_value(a, env, shape, buffers, memo) for a in expr.args]
-        out = get_primitive(expr.op).impl(*args, **expr.kwargs)
-    else:
+class _KernelEval:
+    """Values of one kernel's expressions, on the grid of its outer loops ("point") or of its
+    outer and reduction loops ("full"); a reduction is computed on the full grid and, used
+    inside the reduction loops (an inner store or a later reduction), broadcast over them."""
+
+    def __init__(self, kernel, buffers):
+        self.outer, self.red = tuple(kernel.sizes), tuple(kernel.reduction_sizes)
+        self.grids = {"point": _grid(self.outer, ()), "full": _grid(self.outer, self.red)}
+        self.shapes = {"point": self.outer, "full": self.outer + self.red}
+        self.buffers, self.memo = buffers, {}
+
+    def index(self, expr, ctx):
+        return _index(expr, self.grids[ctx], self.shapes[ctx])
+
+    def value(self, expr, ctx):
+        key = (expr, ctx)
+        if key not in self.memo:
+            self.memo[key] = self._value(expr, ctx)
+        return self.memo[key]
+
+    def _value(self, expr, ctx):
+        shape = self.shapes[ctx]
+        if isinstance(expr, Load):
+            return self.buffers[expr.buffer].reshape(-1)[self.index(expr.index, ctx)]
+        if isinstance(expr, Constant):
+            return torch.full(shape, expr.value, dtype=expr.dtype)
+        if isinstance(expr, IndexValue):
+            return self.index(expr.expr, ctx).to(expr.dtype)
+        if isinstance(expr, Apply):
+            args = [self.value(a, ctx) for a in expr.args]
+            return get_primitive(expr.op).impl(*args, **expr.kwargs)
+        if isinstance(expr, Reduce):
+            out = self._reduce(expr)
+            return out if ctx == "point" else out.reshape(
+                self.outer + (1,) * len(self.red)).expand(shape)
         raise TypeError(f"not an expression: {expr!r}")
-    memo[expr] = out
-    return out
 
-
-def _reduce(r: Reduce, outer, env, shape, buffers):
-    body = _value(r.body, env, shape, buffers, {})
-    rows = body.reshape(*outer, math.prod(shape[len(outer):]))
-    if r.op in ("argmax", "argmin"):
-        return getattr(torch, r.op)(rows, -1)
-    if not rows.shape[-1] and r.op in ("sum", "prod"):
-        return torch.full(tuple(outer), 0 if r.op == "sum" else 1, dtype=r.dtype)
-    return {"sum": torch.sum, "prod": torch.prod, "amax": torch.amax,
-            "amin": torch.amin}[r.op](rows, -1).to(r.dtype)
+    def _reduce(self, r: Reduce):
+        rows = self.value(r.body, "full").reshape(*self.outer, math.prod(self.red))
+        if r.op in ("argmax", "argmin"):
+            return getattr(torch, r.op)(rows, -1)
+        if not rows.shape[-1] and r.op in ("sum", "prod"):
+            return torch.full(self.outer, 0 if r.op == "sum" else 1, dtype=r.dtype)
+        return {"sum": torch.sum, "prod": torch.prod, "amax": torch.amax,
+                "amin": torch.amin}[r.op](rows, -1).to(r.dtype)
 
 
 def _grid(outer, red) -> dict:
@@ -75,19 +94,14 @@ def _grid(outer, red) -> dict:
 
 
 def _run_kernel(kernel, buffers, program):
-    outer, red = tuple(kernel.sizes), tuple(kernel.reduction_sizes)
-    if not math.prod(outer):
+    if not math.prod(kernel.sizes):
         return
-    shape = outer + red
-    env, point = _grid(outer, red), _grid(outer, ())
+    evaluate = _KernelEval(kernel, buffers)
     for store in kernel.stores:
-        value = store.value
-        if isinstance(value, Reduce):
-            value = _reduce(value, outer, env, shape, buffers)
-        else:
-            value = _value(value, point, outer, buffers, {})
+        ctx = "full" if is_inner(store) else "point"
         out = buffers.setdefault(store.buffer, _empty(program.buffers[store.buffer]))
-        out.reshape(-1)[_index(store.index, point, outer)] = value.to(out.dtype)
+        out.reshape(-1)[evaluate.index(store.index, ctx)] = evaluate.value(
+            store.value, ctx).to(out.dtype)
 
 
 def run_program(program: LoopProgram, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -108,9 +122,10 @@ def _empty(buffer):
 
 
 def compile_graph(graph: Graph) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+    from ..passes.fusion import fuse
     from ..passes.lowering import lower
 
-    program = lower(graph)
+    program = fuse(lower(graph))
     return lambda inputs: run_program(program, inputs)
 
 

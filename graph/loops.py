@@ -14,7 +14,13 @@ expression DAGs:
   ``Apply(op, args)``        an elementwise primitive (``add``, ``exp``, ``where``, ...) or
                              ``convert``, with the primitive's params
   ``Reduce(op, body)``       ``body`` (over outer and reduction variables) combined over the
-                             reduction loops; ``op`` is sum, prod, amax, amin, argmax, argmin
+                             reduction loops; ``op`` is sum, prod, amax, amin, argmax, argmin.
+                             A body may use other reductions of the kernel (each is computed
+                             in its own pass over the reduction loops, in dependency order).
+
+A store whose index uses the reduction variables is an *inner* store: it runs once per point
+of the reduction loops, after every reduction it uses (a row kernel: softmax's max, sum and
+normalized output in one kernel). Other stores run once per outer point.
 
 Every node knows its dtype. Nodes are frozen and compare by value, so a DAG shares equal
 subexpressions and code generators can emit each once. Loads are always in bounds: lowering
@@ -88,8 +94,13 @@ Expr = Load | Constant | IndexValue | Apply | Reduce
 @attrs.frozen
 class Store:
     buffer: str
-    index: sympy.Expr  # over the outer loop variables
+    index: sympy.Expr  # over the outer loop variables (and, for an inner store, ``r..``)
     value: Any
+
+
+def is_inner(store: Store) -> bool:
+    """Does the store write once per point of the reduction loops too (an inner store)?"""
+    return any(s.name.startswith("r") for s in store.index.free_symbols)
 
 
 @attrs.frozen

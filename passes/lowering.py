@@ -63,6 +63,14 @@ def unflat(offset, shape) -> tuple:
                  for d, (n, s) in enumerate(zip(shape, strides(shape))))
 
 
+def _loops(shape, prefix: str):
+    """One loop variable per dimension of size other than 1 (a size-1 dimension is index 0),
+    and the loops' sizes: kernels over shapes equal but for size-1 dims line up."""
+    names = iter(loop_vars(prefix, sum(1 for n in shape if n != 1)))
+    index = tuple(sympy.Integer(0) if n == 1 else next(names) for n in shape)
+    return index, tuple(n for n in shape if n != 1)
+
+
 def _clamp(e, n):
     return sympy.Max(0, sympy.Min(n - 1, e))
 
@@ -104,8 +112,8 @@ class _Lowering:
         if lazy.buffer is not None and self.buffers[lazy.buffer].type.shape == lazy.type.shape:
             return lazy.buffer
         name = self.new_buffer("buf", lazy.type)
-        xs = loop_vars("x", lazy.type.ndim)
-        self.kernels.append(Kernel(f"kernel{len(self.kernels)}", lazy.type.shape, (),
+        xs, sizes = _loops(lazy.type.shape, "x")
+        self.kernels.append(Kernel(f"kernel{len(self.kernels)}", sizes, (),
                                    (Store(name, flat(xs, lazy.type.shape), lazy.at(xs)),)))
         self.values[v] = self.in_memory(name)
         return name
@@ -165,15 +173,19 @@ class _Lowering:
             self.values[v] = self.in_memory(name)
 
     def reduction(self, node, x: Lazy, out: Value):
-        dims = node.kwargs["dims"] if x.type.ndim else ()
         t = node.out_types[0]
-        if not dims:  # reducing over nothing: the value itself (argmax of a scalar: 0)
+        # over no elements but one (no dims, a scalar, dims of size 1): the value itself,
+        # reshaped to the result (argmax/argmin: 0); every Reduce loops over its kernel's
+        # reduction loops
+        dims = node.kwargs["dims"] if x.type.ndim else ()
+        if all(x.type.shape[d] == 1 for d in dims):
             self.values[out] = (Lazy(t, lambda idx: Constant(0, t.dtype))
                                 if node.prim in ("argmax", "argmin") else
-                                Lazy(t, x.at, x.buffer))
+                                x if x.type.shape == t.shape else Lazy(t, _reshape(None, [x], t)))
             return
         kept = [d for d in range(x.type.ndim) if d not in dims]
-        xs, rs = loop_vars("x", len(kept)), loop_vars("r", len(dims))
+        xs, sizes = _loops([x.type.shape[d] for d in kept], "x")
+        rs, reduction_sizes = _loops([x.type.shape[d] for d in dims], "r")
         index = [None] * x.type.ndim
         for d, v in zip(kept, xs):
             index[d] = v
@@ -181,7 +193,7 @@ class _Lowering:
             index[d] = v
         name = self.new_buffer("buf", t)
         self.kernels.append(Kernel(
-            f"kernel{len(self.kernels)}", t.shape, tuple(x.type.shape[d] for d in dims),
+            f"kernel{len(self.kernels)}", sizes, reduction_sizes,
             (Store(name, flat(xs, t.shape), Reduce(node.prim, x.at(tuple(index)), t.dtype)),)))
         self.values[out] = self.in_memory(name)
 
