@@ -173,3 +173,26 @@ def children(expr) -> tuple:
     if isinstance(expr, Reduce):
         return (expr.body,)
     return ()
+
+
+def program_stats(program: LoopProgram) -> dict[str, int]:
+    """The compiler's estimate of a program's memory traffic and footprint: each kernel reads
+    each buffer it reads once and writes each buffer once; a buffer lives from the kernel
+    that writes it to the last that reads it (inputs and constants all along, outputs to
+    the end), and the peak is the largest sum of live bytes."""
+    size = {n: b.type.nbytes for n, b in program.buffers.items()}
+    kernels = program.kernels
+    last = {n: len(kernels) for n in (*program.inputs, *program.constants, *program.outputs)}
+    first = {n: -1 for n in (*program.inputs, *program.constants)}
+    for i, k in enumerate(kernels):
+        for n in k.writes:
+            first.setdefault(n, i)
+        for n in k.reads:
+            last[n] = max(last.get(n, i), i)
+    live = [sum(size[n] for n in first if first[n] <= i <= last.get(n, first[n]))
+            for i in range(len(kernels))]
+    return {"kernels": sum(isinstance(k, Kernel) for k in kernels),
+            "externs": sum(isinstance(k, Extern) for k in kernels),
+            "bytes_read": sum(size[n] for k in kernels for n in k.reads),
+            "bytes_written": sum(size[n] for k in kernels for n in k.writes),
+            "peak_bytes": max(live, default=sum(size[n] for n in first))}
