@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 from typing import Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
+from . import debug
 from .backends import get_backend
 from .config import config
 from .errors import TraceError
-from .graph import Graph
+from .graph import Graph, TensorType
 from .passes import simplify
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.trace import is_dense
+
+_cache_log = logging.getLogger("plait.cache")
 
 
 def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
@@ -49,10 +53,12 @@ def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
 class Lowered:
     """One compilation of a jitted function for one signature, for inspection."""
 
-    def __init__(self, traced: TracedFunction, graph: Graph, backend: str):
+    def __init__(self, traced: TracedFunction, graph: Graph, backend: str,
+                 passes: Sequence[tuple[str, Graph]] = ()):
         self.traced = traced
         self.graph = graph
         self.backend = backend
+        self.passes = tuple(passes)  # (pass name, graph after it), in the order they ran
 
     @property
     def traced_graph(self) -> Graph:
@@ -61,6 +67,10 @@ class Lowered:
 
     def as_text(self) -> str:
         return self.graph.as_text()
+
+    def draw(self, path, stage: str = "simplified", engine: str = "auto"):
+        """Draw one stage as SVG: ``traced``, a pass name (``debug.stages``), ``simplified``."""
+        return debug.stage(self, stage).draw(path, engine)
 
     def __repr__(self) -> str:
         return f"<plait.Lowered backend={self.backend!r}\n{self.as_text()}>"
@@ -127,8 +137,12 @@ class Jitted:
     def _lower(self, leaves, tree) -> Lowered:
         self.trace_count += 1
         traced = trace_function(self.fn, leaves, tree)
-        graph = simplify(traced.graph) if config.simplify else traced.graph
-        return Lowered(traced, graph, self._backend_name())
+        passes: list = []
+        graph = simplify(traced.graph, lambda *p: passes.append(p)) if config.simplify \
+            else traced.graph
+        lowered = Lowered(traced, graph, self._backend_name(), passes)
+        debug.on_compile(self.fn, lowered)  # logs; writes the report when debug_dir is set
+        return lowered
 
     def __call__(self, *args, **kwargs):
         leaves, tree, key = self._key(args, kwargs)
@@ -141,10 +155,15 @@ class Jitted:
                 "tensors).")
         compiled = self._cache.get(key)
         if compiled is None:
+            name = debug.function_name(self.fn)
+            _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
+                             name, [str(TensorType.of(t)) for t in tensors])
             compiled = self._cache[key] = _Compiled(self._lower(leaves, tree))
             if len(self._cache) > config.cache_size:
                 self._cache.popitem(last=False)
+                _cache_log.debug("%s: evicted the oldest signature", name)
         else:
+            _cache_log.debug("hit %s", debug.function_name(self.fn))
             self._cache.move_to_end(key)
         return compiled(tensors)
 

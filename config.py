@@ -7,6 +7,7 @@ decorator. Knobs that change generated code join the compilation cache key (`cac
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import attrs
@@ -19,6 +20,34 @@ def _env(name: str, default, convert):
 
 def _to_bool(raw: str) -> bool:
     return raw.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+LOG_CHANNELS = ("graph", "fusion", "cache", "kernels")
+_log_handler = logging.StreamHandler()
+_log_handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+# Like logging.lastResort, but at every level: print only where the application configured
+# no handler of its own, so a record never shows twice.
+_log_handler.addFilter(lambda record: not logging.root.handlers)
+
+
+def _set_log(config, attribute, value: str) -> str:
+    """Apply the ``log`` knob: the named channels log at debug level, to the application's
+    handlers, or to stderr where it has none."""
+    channels = {c.strip() for c in value.split(",")} - {""}
+    if channels - set(LOG_CHANNELS):
+        from .errors import PlaitError
+
+        raise PlaitError(f"unknown log channel(s) {sorted(channels - set(LOG_CHANNELS))} in "
+                         f"PLAIT_LOG / config.log; known: {', '.join(LOG_CHANNELS)}")
+    for channel in LOG_CHANNELS:
+        level = logging.DEBUG if channel in channels else logging.NOTSET
+        logging.getLogger(f"plait.{channel}").setLevel(level)
+    root = logging.getLogger("plait")
+    if channels:
+        root.addHandler(_log_handler)  # a no-op when already there
+    else:
+        root.removeHandler(_log_handler)
+    return value
 
 
 @attrs.define
@@ -35,10 +64,28 @@ class Config:
     provenance: bool = attrs.field(factory=lambda: _env("provenance", True, _to_bool))
     # Compiled signatures kept per jitted function before the oldest is evicted.
     cache_size: int = attrs.field(factory=lambda: _env("cache_size", 64, int))
+    # Each compilation writes a report folder here (graphs after every pass, index.html).
+    # Not in the cache key: it changes no result, so a cache hit writes nothing.
+    debug_dir: str | None = attrs.field(factory=lambda: _env("debug_dir", None, str))
+    # Comma-separated LOG_CHANNELS that log at debug level (loggers plait.<channel>).
+    log: str = attrs.field(factory=lambda: _env("log", "", str), on_setattr=_set_log)
+    # Where compiled code is kept across processes (PLAIT_CACHE_DIR).
+    cache_dir: str = attrs.field(factory=lambda: _env("cache_dir", os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "plait"), str))
+    # The C++ compiler of the cpp backend, and its flags (-shared -fPIC are always added).
+    # -fwrapv: signed integer overflow wraps, as in torch; -fno-math-errno and -lmvec (glibc's
+    # vector math) let loops calling exp, sin, ... vectorize.
+    cpp_compiler: str = attrs.field(factory=lambda: _env("cpp_compiler", "g++", str))
+    cpp_flags: str = attrs.field(factory=lambda: _env(
+        "cpp_flags", "-O3 -march=native -fopenmp -fwrapv -fno-math-errno -std=c++17 -lmvec", str))
+
+    def __attrs_post_init__(self):
+        _set_log(self, None, self.log)
 
     def cache_key(self) -> tuple:
         """The knobs that change what a compiled function computes or how."""
-        return (self.simplify, self.fold_max_numel, self.allow_opaque)
+        return (self.simplify, self.fold_max_numel, self.allow_opaque, self.cpp_compiler,
+                self.cpp_flags)
 
     @contextlib.contextmanager
     def _patched(self, changes: dict):

@@ -43,5 +43,10 @@ class LinAlgError(CheckError, torch.linalg.LinAlgError):
     """A singular or non-positive-definite matrix, where eager raises torch's LinAlgError."""
 
 
+class DebugError(PlaitError, ValueError):
+    """A drawing or debug request failed: an unknown stage or engine, an unwritable debug
+    folder, Graphviz's dot failing."""
+
+
 class BackendError(PlaitError):
     """A backend is unknown, unavailable, or failed to run a graph."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -123,6 +123,19 @@ class Graph:
 
     def __str__(self) -> str:
         return self.as_text()
+
+    def draw(self, path, groups: Mapping[int, str] | None = None, engine: str = "auto"):
+        """Write an SVG drawing to ``path``; ``groups`` (node -> name) draws clusters.
+        See NOTE [drawing] in ``graph/draw.py``."""
+        from .draw import draw
+
+        return draw(self, path, groups, engine)
+
+    def to_dot(self, groups: Mapping[int, str] | None = None) -> str:
+        """The graph as Graphviz DOT text."""
+        from .draw import to_dot
+
+        return to_dot(self, groups)
 
     def __repr__(self) -> str:
         return f"<plait.Graph: {len(self)} nodes, {len(self._inputs)} inputs, " \

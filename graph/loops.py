@@ -100,7 +100,7 @@ class Store:
 
 def is_inner(store: Store) -> bool:
     """Does the store write once per point of the reduction loops too (an inner store)?"""
-    return any(s.name.startswith("r") for s in store.index.free_symbols)
+    return any(s.name.startswith("r") for s in sympy.sympify(store.index).free_symbols)
 
 
 @attrs.frozen

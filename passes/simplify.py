@@ -111,8 +111,15 @@ PASSES: dict[str, Callable[[Graph], Graph]] = {
 }
 
 
-def simplify(graph: Graph) -> Graph:
-    """The default pipeline: DCE first (less to look at), then fold, CSE, and DCE again."""
-    for name in ("dce", "fold_constants", "cse", "dce"):
+PIPELINE = ("dce", "fold_constants", "cse", "dce")
+
+
+def simplify(graph: Graph, on_pass: Callable[[str, Graph], None] | None = None) -> Graph:
+    """The default pipeline: DCE first (less to look at), then fold, CSE, and DCE again.
+
+    ``on_pass(name, graph)`` sees the graph after each pass (the debug report draws them)."""
+    for name in PIPELINE:
         graph = PASSES[name](graph)
+        if on_pass is not None:
+            on_pass(name, graph)
     return graph

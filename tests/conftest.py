@@ -1,6 +1,7 @@
 """Shared fixtures and helpers of plait's unit tests."""
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -11,8 +12,7 @@ import plait
 def _seed_and_clean_config():
     """Every test starts from a fixed RNG seed and leaves plait.config as it found it."""
     torch.manual_seed(0)
-    saved = {name: getattr(plait.config, name) for name in (
-        "backend", "simplify", "fold_max_numel", "allow_opaque", "provenance", "cache_size")}
+    saved = {f.name: getattr(plait.config, f.name) for f in attrs.fields(type(plait.config))}
     yield
     for name, value in saved.items():
         setattr(plait.config, name, value)

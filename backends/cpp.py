@@ -1,0 +1,768 @@
+"""The C++ backend: a LoopProgram becomes one C++/OpenMP source, built into a shared library
+(cached on disk) and driven from Python through ctypes.
+
+NOTE [C++ code generation]
+Each ``Kernel`` is one ``extern "C"`` function whose parameters are its buffers (``const``
+where only read). Its outer loops (``x0..``) run under ``#pragma omp parallel for`` (collapsed
+over all but the innermost loop of a pointwise kernel, over all outer loops of a reduction)
+unless the domain is too small to pay for a thread team; innermost loops are plain counted
+loops over contiguous loads, which ``-O3 -march=native`` vectorizes. Every distinct expression
+node is one ``const T tN = ...;`` local of its exact C type, so narrow integer math (which C++
+promotes to ``int``) is narrowed back at every step, as torch does. Signed overflow wraps
+(``-fwrapv`` in the default flags), as torch's does in practice.
+
+A reduction kernel, per outer point, initialises one accumulator per ``Reduce`` node, runs the
+reduction loops (``r0..``) evaluating every Reduce body and combining, then evaluates the
+stores, whose values may combine several reductions with pointwise math (epilogues). float32
+sums and products accumulate in double. Where every reduction is a sum or product, the
+innermost reduction loop is ``omp simd`` (and, for a kernel with no outer loops, the outermost
+reduction loop is the parallel one).
+
+Elementwise semantics are torch's, through small templated helpers in ``_PRELUDE``: they cover
+what C++ operators get wrong (Python-signed ``remainder``, NaN-propagating ``maximum``,
+integer ``pow`` with negative exponents, out-of-range shifts, rounding functions on integers,
+float-to-narrow-int conversion through int32 as torch's scalar cast compiles, so a vectorized
+saturating pack never changes an out-of-range value). Integer division (``div``, ``fmod``,
+``remainder``) by zero raises in eager; a kernel records it in a flag that the wrapper turns
+into ``CheckError`` after the kernel (the flag is per library, so concurrent calls of one
+program share it).
+
+Dtypes: float32/64, int8/16/32/64, uint8 and bool have C types. Lowering is told so
+(``supported_dtypes``) and makes anything else (float16, bfloat16, complex) an ``Extern``,
+which runs torch on whole buffers; a Kernel that still names another dtype is a lowering bug
+and raises ``BackendError``.
+
+NOTE [C++ build cache]
+The library's file name is a hash of the source, the compiler command and the compiler
+binary's identity (path, size, mtime), under ``<config.cache_dir>/cpp``. A hit is loaded
+without running anything; one that fails to load or lacks a kernel symbol (corrupt, truncated)
+is rebuilt. Builds happen in a private temporary folder and are moved in with ``os.replace``,
+so concurrent builds of one program both succeed and readers never see a partial file. An
+unwritable cache folder warns once and builds in a temporary folder instead. ``-march=native``
+code is keyed by the flags, not the CPU: a cache folder shared by different machines needs
+flags without it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import warnings
+from typing import Any, Sequence
+
+import attrs
+import sympy
+import torch
+
+from ..config import config
+from ..errors import BackendError, CheckError
+from ..graph.loops import (Apply, Constant, Extern, IndexValue, Kernel, Load, LoopProgram,
+                           Reduce, children, is_inner)
+
+_CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
+           torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
+           torch.uint8: "uint8_t", torch.bool: "bool"}
+CPP_DTYPES = frozenset(_CTYPES)
+
+# op -> C++ expression: {0}, {1}, {2} are the operands' locals, {T} the result's C type.
+_STD_MATH = ("acos acosh asin asinh atan atanh cbrt cos cosh erf erfc exp exp2 expm1 lgamma "
+             "log log10 log1p log2 sin sinh sqrt tan tanh").split()
+_UNARY_HELPERS = "abs bitwise_not ceil floor trunc round sign".split()
+_BINARY_HELPERS = ("div fmax fmin gcd maximum minimum fmod remainder pow shift_left "
+                   "shift_right_arithmetic").split()
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "bitwise_and": "&", "bitwise_or": "|",
+          "bitwise_xor": "^", "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">",
+          "ge": ">="}
+CPP_OPS: dict[str, str] = {
+    **{op: f"std::{op}({{0}})" for op in _STD_MATH + ["isfinite", "signbit"]},
+    **{op: f"std::{op}({{0}}, {{1}})" for op in ("atan2", "hypot", "nextafter")},
+    **{op: f"plait_{op}({{0}})" for op in _UNARY_HELPERS},
+    **{op: f"plait_{op}({{0}}, {{1}})" for op in _BINARY_HELPERS},
+    **{op: f"({{0}} {sym} {{1}})" for op, sym in _INFIX.items()},
+    "neg": "(-{0})",
+    "reciprocal": "({T}(1) / {0})",
+    "rsqrt": "({T}(1) / std::sqrt({0}))",
+    "where": "({0} ? {1} : {2})",
+    "convert": "plait_convert<{T}>({0})",
+}
+# Left out (lowering makes them externs): functions the C++ standard library lacks or
+# computes differently (digamma, polygamma, erf_inv, erfcx, ndtri, the Bessel and other
+# special functions, igamma/igammac, zeta).
+
+_INT_DIVISIONS = ("div", "fmod", "remainder")
+
+_PRELUDE = r"""// plait C++ kernels: elementwise semantics follow eager PyTorch (see backends/cpp.py).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+
+// glibc's vector math (libmvec, <= 4 ulp): declared SIMD so that loops calling these vectorize
+// (glibc's own headers declare them only under -ffast-math; -fno-math-errno lets them apply).
+#if defined(__x86_64__) && defined(__GLIBC__) && __GLIBC_PREREQ(2, 35)
+#define PLAIT_SIMD_MATH(fn) __attribute__((simd("notinbranch"))) float fn##f(float) noexcept; \
+  __attribute__((simd("notinbranch"))) double fn(double) noexcept;
+#define PLAIT_SIMD_MATH2(fn) __attribute__((simd("notinbranch"))) float fn##f(float, float) noexcept; \
+  __attribute__((simd("notinbranch"))) double fn(double, double) noexcept;
+extern "C" {
+PLAIT_SIMD_MATH(acos) PLAIT_SIMD_MATH(acosh) PLAIT_SIMD_MATH(asin) PLAIT_SIMD_MATH(asinh)
+PLAIT_SIMD_MATH(atan) PLAIT_SIMD_MATH(atanh) PLAIT_SIMD_MATH(cbrt) PLAIT_SIMD_MATH(cos)
+PLAIT_SIMD_MATH(cosh) PLAIT_SIMD_MATH(erf) PLAIT_SIMD_MATH(erfc) PLAIT_SIMD_MATH(exp)
+PLAIT_SIMD_MATH(exp2) PLAIT_SIMD_MATH(expm1) PLAIT_SIMD_MATH(log) PLAIT_SIMD_MATH(log10)
+PLAIT_SIMD_MATH(log1p) PLAIT_SIMD_MATH(log2) PLAIT_SIMD_MATH(sin) PLAIT_SIMD_MATH(sinh)
+PLAIT_SIMD_MATH(tan) PLAIT_SIMD_MATH(tanh)
+PLAIT_SIMD_MATH2(atan2) PLAIT_SIMD_MATH2(hypot) PLAIT_SIMD_MATH2(pow)
+}
+#endif
+
+template <class T> constexpr bool plait_is_float = std::is_floating_point_v<T>;
+template <class T> inline bool plait_isnan(T a) {
+  if constexpr (plait_is_float<T>) return std::isnan(a); else return false;
+}
+template <class T> inline T plait_lowest() {
+  if constexpr (plait_is_float<T>) return -std::numeric_limits<T>::infinity();
+  else return std::numeric_limits<T>::lowest();
+}
+template <class T> inline T plait_highest() {
+  if constexpr (plait_is_float<T>) return std::numeric_limits<T>::infinity();
+  else return std::numeric_limits<T>::max();
+}
+
+template <class T> inline T plait_abs(T a) {
+  if constexpr (plait_is_float<T>) return std::fabs(a); else return a < 0 ? T(-a) : a;
+}
+template <class T> inline T plait_bitwise_not(T a) {
+  if constexpr (std::is_same_v<T, bool>) return !a; else return T(~a);
+}
+// Rounding an integer is the identity (std::ceil would go through double).
+#define PLAIT_ROUNDING(name, fn) \
+  template <class T> inline T name(T a) { if constexpr (plait_is_float<T>) return fn(a); else return a; }
+PLAIT_ROUNDING(plait_ceil, std::ceil)
+PLAIT_ROUNDING(plait_floor, std::floor)
+PLAIT_ROUNDING(plait_trunc, std::trunc)
+PLAIT_ROUNDING(plait_round, std::nearbyint)  // half to even, as torch.round
+template <class T> inline T plait_sign(T a) { return T((T(0) < a) - (a < T(0))); }  // NaN -> 0
+
+// maximum/minimum propagate NaN; fmax/fmin ignore it.
+template <class T> inline T plait_maximum(T a, T b) { return (a > b || plait_isnan(a)) ? a : b; }
+template <class T> inline T plait_minimum(T a, T b) { return (a < b || plait_isnan(a)) ? a : b; }
+template <class T> inline T plait_fmax(T a, T b) {
+  if constexpr (plait_is_float<T>) return std::fmax(a, b); else return std::max(a, b);
+}
+template <class T> inline T plait_fmin(T a, T b) {
+  if constexpr (plait_is_float<T>) return std::fmin(a, b); else return std::min(a, b);
+}
+
+// Integer division by zero raises in eager: record it for the wrapper. x / -1 is a negation
+// (INT_MIN / -1 traps on x86).
+static int plait_error = 0;
+extern "C" int plait_take_error() { return __atomic_exchange_n(&plait_error, 0, __ATOMIC_RELAXED); }
+template <class T> inline bool plait_divisor_ok(T b) {
+  if (b != 0) return true;
+  __atomic_store_n(&plait_error, 1, __ATOMIC_RELAXED);
+  return false;
+}
+template <class T> inline T plait_div(T a, T b) {  // true division of floats, truncating of integers
+  if constexpr (plait_is_float<T>) return a / b;
+  else {
+    if (!plait_divisor_ok(b)) return 0;
+    if constexpr (std::is_signed_v<T>) if (b == T(-1)) return T(-a);
+    return T(a / b);
+  }
+}
+template <class T> inline T plait_fmod(T a, T b) {  // the sign of a
+  if constexpr (plait_is_float<T>) return std::fmod(a, b);
+  else {
+    if (!plait_divisor_ok(b)) return 0;
+    if constexpr (std::is_signed_v<T>) if (b == T(-1)) return 0;
+    return T(a % b);
+  }
+}
+template <class T> inline T plait_remainder(T a, T b) {  // the sign of b, as Python's %
+  T r = plait_fmod(a, b);
+  return (r != 0 && ((r < 0) != (b < 0))) ? T(r + b) : r;
+}
+template <class T> inline T plait_gcd(T a, T b) {  // torch's Euclid: gcd(INT_MIN, x) may be < 0
+  a = plait_abs(a), b = plait_abs(b);
+  while (a != 0) { T c = a; a = T(b % a); b = c; }
+  return b;
+}
+template <class T> inline T plait_pow(T a, T b) {
+  if constexpr (plait_is_float<T>) return std::pow(a, b);
+  else {
+    if constexpr (std::is_signed_v<T>)
+      if (b < 0) return a == 1 ? T(1) : a == T(-1) ? T((b & 1) ? -1 : 1) : T(0);
+    T r = 1;
+    for (; b; b >>= 1, a = T(a * a)) if (b & 1) r = T(r * a);
+    return r;
+  }
+}
+// Shifts by a negative amount or by the width or more: 0 to the left, the sign to the right.
+template <class T> inline T plait_shift_left(T a, T b) {
+  constexpr int bits = sizeof(T) * 8;
+  if ((std::is_signed_v<T> && b < 0) || b >= bits) return 0;
+  return T(std::make_unsigned_t<T>(a) << b);
+}
+template <class T> inline T plait_shift_right_arithmetic(T a, T b) {
+  constexpr int bits = sizeof(T) * 8;
+  if ((std::is_signed_v<T> && b < 0) || b >= bits) return std::is_signed_v<T> ? T(a >> (bits - 1)) : T(0);
+  return T(a >> b);
+}
+template <class To, class From> inline To plait_convert(From a) {
+  if constexpr (std::is_same_v<To, bool>) return a != From(0);
+  else if constexpr (plait_is_float<From> && std::is_integral_v<To> && sizeof(To) < 4) return To(int32_t(a));
+  else return To(a);
+}
+"""
+
+# reduction op -> (accumulator's initial value, update statement); {T}: the accumulator's type
+_REDUCTIONS = {
+    "sum": ("0", "{acc} += {v};"),
+    "prod": ("1", "{acc} *= {v};"),
+    "amax": ("plait_lowest<{T}>()", "{acc} = plait_maximum({acc}, {v});"),
+    "amin": ("plait_highest<{T}>()", "{acc} = plait_minimum({acc}, {v});"),
+    # the first extreme index; NaN beats every number, as in torch
+    "argmax": ("plait_lowest<{T}>()", "if ({v} > {acc} || (plait_isnan({v}) && !plait_isnan("
+               "{acc}))) {{ {acc} = {v}; {acc}_index = {r}; }}"),
+    "argmin": ("plait_highest<{T}>()", "if ({v} < {acc} || (plait_isnan({v}) && !plait_isnan("
+               "{acc}))) {{ {acc} = {v}; {acc}_index = {r}; }}"),
+}
+_SIMD_REDUCTIONS = {"sum": "+", "prod": "*"}
+_PARALLEL_MIN_WORK = 1 << 15  # loop iterations below which a thread team costs more than it saves
+
+
+def _ctype(dtype: torch.dtype) -> str:
+    try:
+        return _CTYPES[dtype]
+    except KeyError:
+        raise BackendError(f"the cpp backend has no C type for {dtype}; lowering should have "
+                           f"made this an extern. Use backend='eager' for this "
+                           f"function.") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Printing expressions
+# ---------------------------------------------------------------------------------------
+def _int(n: int) -> str:
+    if n == -(1 << 63):
+        return "(-9223372036854775807LL - 1)"
+    return str(n) if -(1 << 31) < n < (1 << 31) else f"{n}LL"
+
+
+def _index(e) -> str:
+    """An integer sympy index expression (or a Python int) as C++ over int64 loop variables."""
+    e = sympy.sympify(e)
+    if e.is_Integer:
+        return _int(int(e))
+    if e.is_Float:
+        return repr(float(e))
+    if e.is_Symbol:
+        return e.name
+    if isinstance(e, sympy.Add):
+        return "(" + " + ".join(_index(a) for a in e.args) + ")"
+    if isinstance(e, sympy.Mul):
+        return "(" + " * ".join(_index(a) for a in e.args) + ")"
+    if isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
+        return "(" + " * ".join([_index(e.base)] * int(e.exp)) + ")"
+    if isinstance(e, (sympy.floor, sympy.ceiling)):
+        num, den = e.args[0].as_numer_denom()
+        if not den.is_Integer:
+            raise BackendError(f"cannot print index {e}: the divisor is not an integer")
+        if isinstance(e, sympy.ceiling):  # ceil(n / d) = -floor(-n / d)
+            return f"(-{_floordiv(-num, den)})"
+        return _floordiv(num, den)
+    if isinstance(e, sympy.Mod):
+        a, b = e.args
+        if a.is_nonnegative and b.is_positive:
+            return f"({_index(a)} % {_index(b)})"
+        return f"plait_mod({_index(a)}, {_index(b)})"
+    if isinstance(e, (sympy.Min, sympy.Max)):
+        fn = "std::min" if isinstance(e, sympy.Min) else "std::max"
+        out = _index(e.args[0])
+        for a in e.args[1:]:
+            out = f"{fn}<int64_t>({out}, {_index(a)})"
+        return out
+    if isinstance(e, (sympy.And, sympy.Or)):  # conditions on indices (padding, concat)
+        return "(" + (" && " if isinstance(e, sympy.And) else " || ").join(
+            _index(a) for a in e.args) + ")"
+    if e is sympy.true or e is sympy.false:
+        return "true" if e is sympy.true else "false"
+    if isinstance(e, sympy.core.relational.Relational):
+        return f"({_index(e.lhs)} {e.rel_op} {_index(e.rhs)})"
+    raise BackendError(f"cannot print index expression {e} ({type(e).__name__}) as C++")
+
+
+def _floordiv(num, den) -> str:
+    if num.is_nonnegative and den.is_positive:  # C++ division truncates: the floor here
+        return f"({_index(num)} / {_index(den)})"
+    return f"plait_floordiv({_index(num)}, {_index(den)})"
+
+
+_INDEX_HELPERS = r"""
+// Index arithmetic on possibly negative values: floor division and a modulo with the
+// divisor's sign, as sympy's floor and Mod.
+inline int64_t plait_floordiv(int64_t a, int64_t b) {
+  int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+inline int64_t plait_mod(int64_t a, int64_t b) {
+  int64_t r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+"""
+
+
+def _literal(value, dtype: torch.dtype) -> str:
+    t = _ctype(dtype)
+    if dtype == torch.bool:
+        return "true" if value else "false"
+    if dtype.is_floating_point:
+        value = float(value)
+        if math.isnan(value):
+            return f"std::numeric_limits<{t}>::quiet_NaN()"
+        if math.isinf(value):
+            return f"{'-' if value < 0 else ''}std::numeric_limits<{t}>::infinity()"
+        return f"{t}({value.hex()})"  # exact; rounded to float32 as torch rounds constants
+    return f"{t}({_int(int(value))})"
+
+
+class _Scope:
+    """Emits expression nodes as C++ locals, each distinct node once, operands first."""
+
+    def __init__(self, kernel: "_KernelWriter", lines: list[str], indent: str, bound: dict):
+        self.kernel, self.lines, self.indent, self.names = kernel, lines, indent, dict(bound)
+
+    def value(self, e) -> str:
+        if e in self.names:
+            return self.names[e]
+        if isinstance(e, Reduce):
+            raise BackendError(f"kernel {self.kernel.kernel.name}: a {e.op} reduction inside "
+                               "another reduction or in a kernel without reduction loops")
+        args = [self.value(c) for c in children(e)]
+        t = _ctype(e.dtype)
+        if isinstance(e, Load):
+            code = f"{self.kernel.param(e.buffer)}[{_index(e.index)}]"
+        elif isinstance(e, Constant):
+            code = _literal(e.value, e.dtype)
+        elif isinstance(e, IndexValue):
+            code = f"static_cast<{t}>({_index(e.expr)})"
+        elif isinstance(e, Apply):
+            if e.op not in CPP_OPS:
+                raise BackendError(f"the cpp backend has no C++ form of {e.op!r}; lowering "
+                                   "should have made it an extern")
+            code = CPP_OPS[e.op].format(*args, T=t)
+            if e.op in _INT_DIVISIONS and not e.dtype.is_floating_point:
+                self.kernel.checks_error = True
+        else:
+            raise BackendError(f"unknown loop IR node {e!r}")
+        name = self.names[e] = f"t{self.kernel.count}"
+        self.kernel.count += 1
+        self.lines.append(f"{self.indent}const {t} {name} = {code};")
+        return name
+
+
+def _identifier(name: str, taken: set) -> str:
+    """``name`` as a C identifier distinct from those ``taken`` (which it joins)."""
+    base = re.sub(r"\W", "_", name)
+    if not base or base[0].isdigit():
+        base = "_" + base
+    out, k = base, 1
+    while out in taken:
+        out, k = f"{base}_{k}", k + 1
+    taken.add(out)
+    return out
+
+
+class _KernelWriter:
+    def __init__(self, kernel: Kernel, cname: str):
+        self.kernel, self.cname = kernel, cname
+        self.count, self.checks_error = 0, False
+        self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
+        taken: set = set()
+        self.params = {b: _identifier(b, taken) for b in self.buffers}
+
+    def param(self, buffer: str) -> str:
+        return self.params[buffer]
+
+    def source(self, buffer_types: dict) -> str:
+        k = self.kernel
+        decls = []
+        for b in self.buffers:
+            written, read = b in k.writes, b in k.reads
+            const = "" if written else "const "
+            restrict = "" if written and read else " __restrict__"  # in place: not distinct
+            decls.append(f"{const}{_ctype(buffer_types[b].dtype)}*{restrict} {self.params[b]}")
+        lines = [f'extern "C" void {self.cname}({", ".join(decls)}) {{']
+        work = math.prod(k.sizes) * max(1, math.prod(k.reduction_sizes))
+        parallel = work >= _PARALLEL_MIN_WORK
+        xs = [f"x{i}" for i in range(len(k.sizes))]
+        # a pointwise kernel keeps its innermost loop out of the collapse, for vectorization
+        n_parallel = len(xs) if k.reduction_sizes or len(xs) < 2 else len(xs) - 1
+        indent = "  "
+        for i, (x, n) in enumerate(zip(xs, k.sizes)):
+            if i == 0 and parallel and n_parallel:
+                collapse = f" collapse({n_parallel})" if n_parallel > 1 else ""
+                lines.append(f"{indent}#pragma omp parallel for{collapse}")
+            lines.append(f"{indent}for (int64_t {x} = 0; {x} < {_int(n)}; ++{x}) {{")
+            indent += "  "
+        for s in k.stores:
+            if s.value.dtype != buffer_types[s.buffer].dtype:
+                raise BackendError(f"kernel {k.name} stores a {s.value.dtype} value into "
+                                   f"{s.buffer} of {buffer_types[s.buffer].dtype}")
+        bound: dict = {}
+        for level in _levels(*(s.value for s in k.stores)):  # each a pass over the rows
+            bound |= self._reduction(level, bound, lines, indent, parallel and not xs)
+        inner = [s for s in k.stores if is_inner(s)]
+        if inner:  # one more pass over the rows, storing per point
+            self._row_loop(lines, indent, bound, inner, parallel and not xs)
+        scope = _Scope(self, lines, indent, bound)
+        for s in k.stores:
+            if not is_inner(s):
+                lines.append(f"{indent}{self.params[s.buffer]}[{_index(s.index)}] = "
+                             f"{scope.value(s.value)};")
+        for _ in xs:
+            indent = indent[:-2]
+            lines.append(f"{indent}}}")
+        lines.append("}")
+        return "\n".join(lines)
+
+    def _row_loop(self, lines, indent, bound, stores, parallel: bool) -> None:
+        k = self.kernel
+        inner = indent
+        for i, (r, n) in enumerate(zip(_row_vars(k), k.reduction_sizes)):
+            if i == 0 and parallel:
+                lines.append(f"{inner}#pragma omp parallel for")
+            lines.append(f"{inner}for (int64_t {r} = 0; {r} < {_int(n)}; ++{r}) {{")
+            inner += "  "
+        scope = _Scope(self, lines, inner, bound)
+        for s in stores:
+            lines.append(f"{inner}{self.params[s.buffer]}[{_index(s.index)}] = "
+                         f"{scope.value(s.value)};")
+        for _ in k.reduction_sizes:
+            inner = inner[:-2]
+            lines.append(f"{inner}}}")
+
+    def _reduction(self, reduces: list, bound: dict, lines: list, indent: str,
+                   parallel: bool) -> dict:
+        """Emit the accumulators and one pass of the reduction loops for ``reduces`` (whose
+        bodies may use the ``bound`` results of earlier passes); return each one's result."""
+        k = self.kernel
+        updates, results = [], {}
+        clauses: dict[str, list[str]] = {}
+        rs = _row_vars(k)
+        flat = " + ".join(f"{r} * {_int(math.prod(k.reduction_sizes[i + 1:]))}"
+                          for i, r in enumerate(rs))
+        for i, red in enumerate(reduces):
+            if red.op not in _REDUCTIONS:
+                raise BackendError(f"kernel {k.name}: unknown reduction {red.op!r}")
+            acc, body_t = f"acc{self.count}", _ctype(red.body.dtype)
+            self.count += 1
+            acc_t = "double" if red.body.dtype == torch.float32 and red.op in (
+                "sum", "prod") else body_t
+            init, update = _REDUCTIONS[red.op]
+            lines.append(f"{indent}{acc_t} {acc} = {init.format(T=acc_t)};")
+            if red.op.startswith("arg"):
+                lines.append(f"{indent}int64_t {acc}_index = 0;")
+                results[red] = f"{acc}_index"
+            else:
+                results[red] = f"static_cast<{_ctype(red.dtype)}>({acc})"
+            updates.append((red, acc, update))
+            if red.op in _SIMD_REDUCTIONS and acc_t != "bool":
+                clauses.setdefault(_SIMD_REDUCTIONS[red.op], []).append(acc)
+        # simd/parallel reduction clauses only if every accumulator has one
+        clause = " ".join(f"reduction({op}:{', '.join(a)})" for op, a in clauses.items()) \
+            if sum(map(len, clauses.values())) == len(reduces) else ""
+        inner = indent
+        for i, (r, n) in enumerate(zip(rs, k.reduction_sizes)):
+            last = i == len(rs) - 1
+            if clause and i == 0 and parallel:
+                lines.append(f"{inner}#pragma omp parallel for{' simd' if last else ''} {clause}")
+            elif clause and last:
+                lines.append(f"{inner}#pragma omp simd {clause}")
+            lines.append(f"{inner}for (int64_t {r} = 0; {r} < {_int(n)}; ++{r}) {{")
+            inner += "  "
+        body = _Scope(self, lines, inner, bound)
+        for red, acc, update in updates:
+            lines.append(inner + update.format(acc=acc, v=body.value(red.body), r=flat))
+        for _ in rs:
+            inner = inner[:-2]
+            lines.append(f"{inner}}}")
+        return results
+
+
+def _row_vars(kernel) -> list[str]:
+    return [f"r{i}" for i in range(len(kernel.reduction_sizes))]
+
+
+def _levels(*exprs) -> list[list]:
+    """The kernel's reductions, grouped into passes: a reduction whose body uses others
+    comes in a later pass than all of them."""
+    depth: dict = {}
+
+    def visit(red):
+        if red not in depth:
+            inside = _reduces(red.body)
+            depth[red] = 1 + max((visit(r) for r in inside), default=-1)
+        return depth[red]
+
+    for red in _reduces(*exprs):
+        visit(red)
+    return [[r for r, d in depth.items() if d == level]
+            for level in range(max(depth.values(), default=-1) + 1)]
+
+
+def _reduces(*exprs) -> list:
+    """The Reduce nodes of expression DAGs, not looking inside them."""
+    out, seen = [], set()
+
+    def visit(e):
+        if e in seen:
+            return
+        seen.add(e)
+        if isinstance(e, Reduce):
+            out.append(e)
+            return
+        for c in children(e):
+            visit(c)
+
+    for e in exprs:
+        visit(e)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Building and caching the library
+# ---------------------------------------------------------------------------------------
+_warned_dirs: set[str] = set()
+
+
+def _compiler() -> str:
+    path = shutil.which(config.cpp_compiler)
+    if path is None:
+        raise BackendError(
+            f"the cpp backend needs a C++ compiler and {config.cpp_compiler!r} was not found "
+            "on PATH. Install one (e.g. `apt-get install g++`), point "
+            "plait.config.cpp_compiler (PLAIT_CPP_COMPILER) at one, or use backend='eager'.")
+    return path
+
+
+def _writable_cache() -> str | None:
+    """The cache folder of built libraries, or None (with one warning) if it is unwritable."""
+    directory = os.path.join(os.path.expanduser(config.cache_dir), "cpp")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+        raise PermissionError(f"{directory} is not writable")
+    except OSError as e:
+        if directory not in _warned_dirs:
+            _warned_dirs.add(directory)
+            warnings.warn(f"plait cannot write its compilation cache ({e}); compiling into a "
+                          "temporary folder instead. Set plait.config.cache_dir "
+                          "(PLAIT_CACHE_DIR) to a writable folder to reuse builds.")
+        return None
+
+
+def _load(path: str, symbols: Sequence[str]) -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(path)
+        for s in symbols:
+            getattr(lib, s)
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+def build(source: str, symbols: Sequence[str]) -> ctypes.CDLL:
+    """The shared library of ``source`` (which defines ``symbols``), from the disk cache or
+    built with the configured compiler (NOTE [C++ build cache])."""
+    compiler = _compiler()
+    command = [compiler, *shlex.split(config.cpp_flags), "-shared", "-fPIC"]
+    st = os.stat(compiler)
+    key = hashlib.sha256("\0".join([source, *command, str(st.st_size),
+                                    str(st.st_mtime_ns)]).encode()).hexdigest()[:40]
+    cache = _writable_cache()
+    if cache is not None:
+        target = os.path.join(cache, key + ".so")
+        if os.path.exists(target) and (lib := _load(target, symbols)) is not None:
+            return lib
+    work = tempfile.mkdtemp(prefix="plait-", dir=cache)
+    try:
+        src, out = os.path.join(work, key + ".cpp"), os.path.join(work, key + ".so")
+        with open(src, "w") as f:
+            f.write(source)
+        # the source before the flags: libraries named in them (-lmvec) resolve its symbols
+        proc = subprocess.run([command[0], src, *command[1:], "-o", out], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise BackendError(f"the C++ compiler failed ({shlex.join(command)}):\n"
+                               f"{proc.stderr[-4000:]}")
+        if cache is None:
+            target = out  # loaded before the folder goes: the mapping outlives the file
+        else:
+            os.replace(src, os.path.join(cache, key + ".cpp"))  # kept for reading
+            os.replace(out, target)
+        lib = _load(target, symbols)
+        if lib is None:
+            raise BackendError(f"the library built from {key}.cpp does not load")
+        return lib
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled program
+# ---------------------------------------------------------------------------------------
+@attrs.frozen
+class CompiledKernel:
+    """One step of a compiled program, for inspection: a C++ function or an extern call."""
+
+    name: str
+    source: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+@attrs.frozen
+class _Step:
+    call: Any                     # a kernel's ctypes function, or an Extern
+    args: tuple[int, ...]         # slots: a kernel's parameters; an Extern's inputs
+    outs: tuple[int, ...]         # an Extern's output slots
+    allocate: tuple[tuple, ...]   # (slot, shape, dtype) to allocate before the step
+    free: tuple[int, ...]         # slots dead after the step
+    checks_error: bool = False
+
+
+class CompiledProgram:
+    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``."""
+
+    def __init__(self, program: LoopProgram):
+        self.program = program
+        names = list(program.buffers)
+        slot = {b: i for i, b in enumerate(names)}
+        kernels = program.kernels
+        # Every buffer is bound before its first use: inputs and constants on entry, extern
+        # results when returned, the rest allocated right before the first kernel that uses
+        # it (a buffer no kernel writes has no elements).
+        bound = set(program.inputs) | set(program.constants)
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for i, k in enumerate(kernels):
+            for b in (*k.reads, *k.writes):
+                first.setdefault(b, i)
+                last[b] = i
+        taken: set = set()
+        writers, c_parts, self.kernels = {}, [_PRELUDE + _INDEX_HELPERS], []
+        for i, k in enumerate(kernels):
+            if isinstance(k, Kernel):
+                writers[i] = w = _KernelWriter(k, _identifier(k.name, taken))
+                text = w.source({b: program.buffers[b].type for b in w.buffers})
+                c_parts.append(text)
+            else:
+                text = _extern_text(k)
+            self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
+        self.cpp_source = "\n\n".join(c_parts) + "\n"
+        lib = build(self.cpp_source, [w.cname for w in writers.values()])
+        self._take_error = lib.plait_take_error
+
+        keep = set(program.outputs)
+        self._steps, listing = [], []
+        for i, k in enumerate(kernels):
+            fresh = [b for b in (*k.reads, *k.writes) if first[b] == i and b not in bound
+                     and not (isinstance(k, Extern) and b in k.outputs)]
+            allocate = tuple((slot[b], tuple(program.buffers[b].type.shape),
+                              program.buffers[b].type.dtype) for b in dict.fromkeys(fresh))
+            free = tuple(slot[b] for b in dict.fromkeys((*k.reads, *k.writes))
+                         if last[b] == i and b not in keep)
+            listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype})"
+                        for s, shape, dtype in allocate]
+            if isinstance(k, Kernel):
+                w = writers[i]
+                fn = getattr(lib, w.cname)
+                fn.argtypes, fn.restype = [ctypes.c_void_p] * len(w.buffers), None
+                step = _Step(fn, tuple(slot[b] for b in w.buffers), (), allocate, free,
+                             w.checks_error)
+                listing.append(f"{w.cname}({', '.join(w.buffers)})")
+            else:
+                step = _Step(k, tuple(slot[b] for b in k.inputs),
+                             tuple(slot[b] for b in k.outputs), allocate, free)
+                listing.append(_extern_text(k))
+            if free:
+                listing.append("del " + ", ".join(names[s] for s in free))
+            self._steps.append(step)
+        self._size = len(names)
+        self._inputs = tuple(slot[b] for b in program.inputs)
+        self._constants = tuple((slot[b], t) for b, t in program.constants.items())
+        self._unbound_outputs = tuple(  # outputs nothing produces: empty buffers
+            (slot[b], tuple(program.buffers[b].type.shape), program.buffers[b].type.dtype)
+            for b in dict.fromkeys(program.outputs) if b not in bound and b not in first)
+        self._outputs = tuple(slot[b] for b in program.outputs)
+        listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype})"
+                    for s, shape, dtype in self._unbound_outputs]
+        listing.append(f"return ({', '.join(program.outputs)}{',' if program.outputs else ''})")
+        self.wrapper_source = "\n".join(
+            ["def run(" + ", ".join(program.inputs) + "):"] + ["    " + s for s in listing])
+        self.source = self.cpp_source + "\n/* Python wrapper:\n" + self.wrapper_source + "\n*/\n"
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        env: list = [None] * self._size
+        for s, t in zip(self._inputs, inputs):
+            env[s] = t.contiguous()
+        for s, t in self._constants:
+            env[s] = t
+        for step in self._steps:
+            for s, shape, dtype in step.allocate:
+                env[s] = torch.empty(shape, dtype=dtype)
+            if isinstance(step.call, Extern):
+                self._call_extern(step, env)
+            else:
+                step.call(*[env[s].data_ptr() for s in step.args])
+                if step.checks_error and self._take_error():
+                    raise CheckError("ZeroDivisionError: integer division or remainder by zero")
+            for s in step.free:
+                env[s] = None
+        for s, shape, dtype in self._unbound_outputs:
+            env[s] = torch.empty(shape, dtype=dtype)
+        return [env[s] for s in self._outputs]
+
+    def _call_extern(self, step: _Step, env: list) -> None:
+        k = step.call
+        result = k.fn(*[env[s] for s in step.args], **dict(k.params))
+        result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+        if len(result) != len(step.outs):
+            raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
+                               f"expected {len(step.outs)}")
+        for b, s, t in zip(k.outputs, step.outs, result):
+            want = self.program.buffers[b].type
+            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+                raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
+                                   f"for {b}, which is {want.dtype}{list(want.shape)}")
+            env[s] = t.contiguous()  # adopted as the buffer
+
+
+def _extern_text(k: Extern) -> str:
+    params = "".join(f", {n}={v!r}" for n, v in k.params)
+    return f"{', '.join(k.outputs)}{',' if len(k.outputs) == 1 else ''} = " \
+           f"{k.label}({', '.join(k.inputs)}{params})"
+
+
+def compile_program(program: LoopProgram) -> CompiledProgram:
+    return CompiledProgram(program)
+
+
+def compile_graph(graph):
+    """The ``cpp`` backend's factory: lower the graph for this code generator, fuse the
+    kernels, compile them."""
+    from ..passes.fusion import fuse
+    from ..passes.lowering import lower
+
+    return compile_program(fuse(lower(graph, supported_ops=CPP_OPS,
+                                      supported_dtypes=CPP_DTYPES)))
