@@ -17,6 +17,7 @@ from .backends import get_backend
 from .config import config
 from .errors import TraceError
 from .graph import Graph, TensorType
+from .graph.loops import program_stats
 from .passes import simplify
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.trace import is_dense
@@ -72,6 +73,30 @@ class Lowered:
         """Draw one stage as SVG: ``traced``, a pass name (``debug.stages``), ``simplified``."""
         return debug.stage(self, stage).draw(path, engine)
 
+    @functools.cached_property
+    def compiled(self):
+        """The backend's callable for this graph (compiled on first use)."""
+        return get_backend(self.backend).factory(self.graph)
+
+    @property
+    def kernels(self) -> tuple:
+        """The generated kernels (``.name``, ``.source``, ``.reads``, ``.writes``); none for
+        a backend that interprets the graph."""
+        return tuple(getattr(self.compiled, "kernels", ()))
+
+    @property
+    def source(self) -> str:
+        """The generated code (kernels and wrapper), or the graph's text for a backend that
+        generates none."""
+        return getattr(self.compiled, "source", None) or self.as_text()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """kernels, externs, bytes_read, bytes_written (the compiler's estimate of memory
+        traffic) and peak_bytes, for a backend that lowers to loops; empty otherwise."""
+        program = getattr(self.compiled, "program", None)
+        return program_stats(program) if program is not None else {}
+
     def __repr__(self) -> str:
         return f"<plait.Lowered backend={self.backend!r}\n{self.as_text()}>"
 
@@ -82,7 +107,7 @@ class _Compiled:
     def __init__(self, lowered: Lowered):
         self.lowered = lowered
         traced = lowered.traced
-        self._run = get_backend(lowered.backend).factory(lowered.graph)
+        self._run = lowered.compiled
         self._out_tree, self._out_leaves = traced.out_tree, traced.out_leaves
         self._mutated = traced.mutated_inputs
 

@@ -125,7 +125,14 @@ def compile_graph(graph: Graph) -> Callable[[Sequence[torch.Tensor]], list[torch
     from ..passes.fusion import fuse
     from ..passes.lowering import lower
 
-    program = fuse(lower(graph))
-    return lambda inputs: run_program(program, inputs)
+    return _Interpreted(fuse(lower(graph)))
+
+
+class _Interpreted:
+    def __init__(self, program: LoopProgram):
+        self.program = program
+
+    def __call__(self, inputs):
+        return run_program(self.program, inputs)
 
 

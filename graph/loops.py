@@ -109,6 +109,8 @@ class Kernel:
     sizes: tuple[int, ...]
     reduction_sizes: tuple[int, ...]
     stores: tuple[Store, ...]
+    # computes a node that a control edge orders: fusion never merges it with another
+    fenced: bool = False
 
     @property
     def reads(self) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ Loads must be element-aligned: the index C reads at is the index P stores at. P'
 in the merged kernel only if a later kernel or the program's outputs still need its buffer.
 The merged kernel takes C's place, which is safe because buffers are written once. A merge
 never crosses an extern (an extern reading P's buffer is its first reader) and never reorders
-kernels, so no cycle can appear.
+kernels, so no cycle can appear; a fenced kernel (one a control edge orders) is never merged.
 """
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def _plans(p: Kernel, c: Kernel):
 
 
 def _merge(p: Kernel, c: Kernel, keep: set[str]) -> Kernel | None:
+    if p.fenced or c.fenced:
+        return None
     for plan in _plans(p, c):
         merged = _merged(p, c, keep, *plan)
         if merged is not None:
@@ -134,6 +136,8 @@ def _sibling(a: Kernel, b: Kernel, shared: set[str]) -> Kernel | None:
     """B joins A (they read a buffer in common, neither needs the other): B's loops,
     possibly reordered (loop ordering after fusion), must cover A's rows' points the way A's
     do, with B's reads of the shared buffers at the indices A reads them at."""
+    if a.fenced or b.fenced:
+        return None
     ax, ar = _variables(a)
     bx, _ = _variables(b)
     if b.reduction_sizes and b.reduction_sizes != a.reduction_sizes:

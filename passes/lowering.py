@@ -11,7 +11,8 @@ work (recomputing it per use would cost more than one store and a load per use).
 is a kernel with its operand's expression inlined. Every other primitive (dot_general,
 gather, scatter, sort, scans, linalg, FFTs, opaque ops, ...) is an Extern over buffers, as is
 any op or dtype the code generator cannot express (``supported_ops``, ``supported_dtypes``).
-A buffer that no kernel writes has no elements: the runtime allocates it empty.
+A buffer that no kernel writes has no elements: the runtime allocates it empty. A node that a
+control edge orders gets a kernel of its own, fenced: fusion leaves it alone.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class _Lowering:
                 self.uses[v] = self.uses.get(v, 0) + 1
         for v in graph.outputs:
             self.uses[v] = self.uses.get(v, 0) + 1
+        self.ordered = {n for edge in graph.control_edges() for n in edge}
 
     # -- buffers ---------------------------------------------------------------------------
     def new_buffer(self, prefix: str, type: TensorType) -> str:
@@ -106,15 +108,17 @@ class _Lowering:
         t = self.buffers[name].type
         return Lazy(t, lambda idx: Load(name, flat(idx, t.shape), t.dtype), name)
 
-    def realize(self, v: Value) -> str:
+    def realize(self, v: Value, fenced: bool = False) -> str:
         """The buffer holding ``v`` (a pointwise kernel stores it first if it is lazy)."""
         lazy = self.values[v]
-        if lazy.buffer is not None and self.buffers[lazy.buffer].type.shape == lazy.type.shape:
+        if lazy.buffer is not None and self.buffers[lazy.buffer].type.shape == lazy.type.shape \
+                and not fenced:
             return lazy.buffer
         name = self.new_buffer("buf", lazy.type)
         xs, sizes = _loops(lazy.type.shape, "x")
         self.kernels.append(Kernel(f"kernel{len(self.kernels)}", sizes, (),
-                                   (Store(name, flat(xs, lazy.type.shape), lazy.at(xs)),)))
+                                   (Store(name, flat(xs, lazy.type.shape), lazy.at(xs)),),
+                                   fenced))
         self.values[v] = self.in_memory(name)
         return name
 
@@ -151,11 +155,13 @@ class _Lowering:
                 continue
             args = [self.values[v] for v in operands]
             if node.prim in REDUCTIONS:
-                self.reduction(node, args[0], outs[0])
+                self.reduction(node, args[0], outs[0], n in self.ordered)
                 continue
             self.values[outs[0]] = lazy = Lazy(node.out_types[0], _LAZY[node.prim](
                 node, args, node.out_types[0]))
-            if self.uses.get(outs[0], 0) > 1 and _works(lazy.at(loop_vars(
+            if n in self.ordered:  # a control edge orders it: a kernel of its own
+                self.realize(outs[0], fenced=True)
+            elif self.uses.get(outs[0], 0) > 1 and _works(lazy.at(loop_vars(
                     "x", lazy.type.ndim))):
                 self.realize(outs[0])
         outputs = tuple(self.realize(v) for v in g.outputs)
@@ -172,7 +178,7 @@ class _Lowering:
         for v, name in zip(outs, results):
             self.values[v] = self.in_memory(name)
 
-    def reduction(self, node, x: Lazy, out: Value):
+    def reduction(self, node, x: Lazy, out: Value, fenced: bool):
         t = node.out_types[0]
         # over no elements but one (no dims, a scalar, dims of size 1): the value itself,
         # reshaped to the result (argmax/argmin: 0); every Reduce loops over its kernel's
@@ -194,7 +200,8 @@ class _Lowering:
         name = self.new_buffer("buf", t)
         self.kernels.append(Kernel(
             f"kernel{len(self.kernels)}", sizes, reduction_sizes,
-            (Store(name, flat(xs, t.shape), Reduce(node.prim, x.at(tuple(index)), t.dtype)),)))
+            (Store(name, flat(xs, t.shape), Reduce(node.prim, x.at(tuple(index)), t.dtype)),),
+            fenced))
         self.values[out] = self.in_memory(name)
 
 

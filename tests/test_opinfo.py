@@ -59,3 +59,20 @@ def test_transform_no_wrong_answers(transform_result):
 def test_transform_match_rate(transform_result):
     mode, r = transform_result
     assert r.count("match") / r.total >= TRANSFORM_FLOORS[mode], r.summary()
+
+
+# The CPU compiler (issue 4): the same jit sweep through lowering, fusion and generated C++.
+@pytest.fixture(scope="module")
+def cpp_result():
+    r = sweep("jit", backend="cpp")
+    print("\ncpp: " + r.summary())
+    return r
+
+
+def test_cpp_backend_no_wrong_answers(cpp_result):
+    assert set(cpp_result.outcomes.values()) <= {"match", "plait_error"}, cpp_result.summary()
+    assert cpp_result.total > 1000
+
+
+def test_cpp_backend_match_rate(cpp_result):
+    assert cpp_result.count("match") / cpp_result.total >= MATCH_FLOOR, cpp_result.summary()
