@@ -67,7 +67,10 @@ def stages(lowered) -> list[Stage]:
     for name, graph in lowered.passes:
         runs[name] += 1
         out.append(Stage(name if runs[name] == 1 else f"{name}.{runs[name]}", graph))
-    # EXTENSION POINT [kernel stage]: append Stage("kernels", graph, groups=node -> kernel).
+    program = getattr(lowered.compiled, "program", None) if lowered.backend != "eager" else None
+    if program is not None:  # the kernel graph: each kernel a cluster of what it computes
+        out.append(Stage("kernels", lowered.graph, groups={
+            n: k.name for k in program.kernels for n in k.origins}))
     return out
 
 
@@ -171,6 +174,23 @@ def on_compile(fn, lowered) -> Path | None:
         return None
     folder = Path(config.debug_dir) / (re.sub(r"[^\w.-]+", "_", name) + "-"
                                        + lowered.traced_graph.digest[:12])
-    write_report(lowered, folder, name)
+    write_report(lowered, folder, name, extra=_kernel_sections(lowered))
     _graph_log.debug("debug report of %s: %s", name, folder / "index.html")
     return folder
+
+
+def _kernel_sections(lowered) -> list[Section]:
+    """The generated source, and per kernel what it computes and where that came from."""
+    kernels = lowered.kernels if lowered.backend != "eager" else ()
+    if not kernels:
+        return []
+    program = lowered.compiled.program
+    rows = "".join(
+        f"<tr><td>{html.escape(k.name)}</td><td>{html.escape(', '.join(k.reads))}</td>"
+        f"<td>{html.escape(', '.join(k.writes))}</td><td><pre>"
+        f"{html.escape(chr(10).join(program.describe(original)))}</pre></td></tr>"
+        for k, original in zip(kernels, program.kernels))
+    table = ("<table><tr><th>kernel</th><th>reads</th><th>writes</th><th>computes (primitive, "
+             f"ATen op, source)</th></tr>{rows}</table>"
+             '<p><a href="source.txt">generated source</a></p>')
+    return [Section("Kernels", table, {"source.txt": lowered.source})]

@@ -684,6 +684,7 @@ class CompiledProgram:
                          if last[b] == i and b not in keep)
             listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype})"
                         for s, shape, dtype in allocate]
+            listing += ["# " + line for line in program.describe(k)]  # provenance of the call
             if isinstance(k, Kernel):
                 w = writers[i]
                 fn = getattr(lib, w.cname)

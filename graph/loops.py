@@ -111,6 +111,7 @@ class Kernel:
     stores: tuple[Store, ...]
     # computes a node that a control edge orders: fusion never merges it with another
     fenced: bool = False
+    origins: frozenset = frozenset()  # the graph nodes it computes (provenance)
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -134,6 +135,7 @@ class Extern:
     outputs: tuple[str, ...]
     params: tuple  # sorted (name, value) pairs passed as keyword arguments
     label: str     # what it calls, for printing
+    origins: frozenset = frozenset()
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -151,6 +153,12 @@ class LoopProgram:
     constants: dict             # buffer name -> torch.Tensor (contiguous)
     kernels: tuple              # Kernel | Extern, in execution order
     outputs: tuple[str, ...]    # graph outputs, in order (may repeat or name inputs)
+    # graph node -> "primitive  aten op  file:line", for the kernels' origins
+    provenance: dict = attrs.field(factory=dict)
+
+    def describe(self, kernel) -> list[str]:
+        """One line per graph node a kernel computes: what it is and where it came from."""
+        return [self.provenance[n] for n in sorted(kernel.origins) if n in self.provenance]
 
 
 def walk(*exprs) -> list:

@@ -124,7 +124,8 @@ def _merged(p, c, keep, p_vars, c_vars, sizes, reduction_sizes) -> Kernel | None
     if not aligned:
         return None
     kept = [s for s in stores.values() if s.buffer in keep]
-    return Kernel(c.name, sizes, reduction_sizes, tuple(kept + c_stores))
+    return Kernel(c.name, sizes, reduction_sizes, tuple(kept + c_stores),
+                  origins=p.origins | c.origins)
 
 
 def _loads(kernel, buffer) -> set:
@@ -157,7 +158,8 @@ def _sibling(a: Kernel, b: Kernel, shared: set[str]) -> Kernel | None:
                         rename(st.value, mapping)) for st in b.stores]
         renamed = attrs.evolve(b, stores=tuple(stores))
         if all(_loads(renamed, n) == _loads(a, n) for n in shared):
-            return Kernel(a.name, a.sizes, a.reduction_sizes, a.stores + renamed.stores)
+            return Kernel(a.name, a.sizes, a.reduction_sizes, a.stores + renamed.stores,
+                          origins=a.origins | b.origins)
     return None
 
 

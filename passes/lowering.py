@@ -43,6 +43,7 @@ class Lazy:
     type: TensorType
     at: Callable[[tuple], object]
     buffer: str | None = None
+    origins: frozenset = frozenset()  # the graph nodes its expression computes
 
 
 def strides(shape) -> tuple[int, ...]:
@@ -118,7 +119,7 @@ class _Lowering:
         xs, sizes = _loops(lazy.type.shape, "x")
         self.kernels.append(Kernel(f"kernel{len(self.kernels)}", sizes, (),
                                    (Store(name, flat(xs, lazy.type.shape), lazy.at(xs)),),
-                                   fenced))
+                                   fenced, lazy.origins))
         self.values[v] = self.in_memory(name)
         return name
 
@@ -148,46 +149,50 @@ class _Lowering:
             operands = g.operands(n)
             types = [g.type_of(v) for v in operands]
             if not self.loopable(node, types):
-                self.extern(node, operands, outs)
+                self.extern(n, node, operands, outs)
                 continue
             if not node.out_types[0].numel:  # nothing to compute: an empty buffer
                 self.values[outs[0]] = self.in_memory(self.new_buffer("buf", node.out_types[0]))
                 continue
             args = [self.values[v] for v in operands]
             if node.prim in REDUCTIONS:
-                self.reduction(node, args[0], outs[0], n in self.ordered)
+                self.reduction(n, node, args[0], outs[0], n in self.ordered)
                 continue
             self.values[outs[0]] = lazy = Lazy(node.out_types[0], _LAZY[node.prim](
-                node, args, node.out_types[0]))
+                node, args, node.out_types[0]), origins=_origins(n, args))
             if n in self.ordered:  # a control edge orders it: a kernel of its own
                 self.realize(outs[0], fenced=True)
             elif self.uses.get(outs[0], 0) > 1 and _works(lazy.at(loop_vars(
                     "x", lazy.type.ndim))):
                 self.realize(outs[0])
         outputs = tuple(self.realize(v) for v in g.outputs)
+        provenance = {n: "  ".join(filter(None, (g.node(n).prim, g.node(n).provenance.aten,
+                                                 g.node(n).provenance.source)))
+                      for n in g.order}
         return LoopProgram(dict(self.buffers), tuple(inputs), dict(self.constants),
-                           tuple(self.kernels), outputs)
+                           tuple(self.kernels), outputs, provenance)
 
-    def extern(self, node, operands, outs):
+    def extern(self, n, node, operands, outs):
         names = tuple(self.realize(v) for v in operands)
         results = tuple(self.new_buffer("buf", t) for t in node.out_types)
         prim = get_primitive(node.prim)
         label = str(node.kwargs["op"]) if node.prim == "opaque" else node.prim
         self.kernels.append(Extern(f"extern{len(self.kernels)}", _as_tuple(prim), names,
-                                   results, node.params, label))
+                                   results, node.params, label, frozenset({n})))
         for v, name in zip(outs, results):
             self.values[v] = self.in_memory(name)
 
-    def reduction(self, node, x: Lazy, out: Value, fenced: bool):
+    def reduction(self, n, node, x: Lazy, out: Value, fenced: bool):
         t = node.out_types[0]
         # over no elements but one (no dims, a scalar, dims of size 1): the value itself,
         # reshaped to the result (argmax/argmin: 0); every Reduce loops over its kernel's
         # reduction loops
         dims = node.kwargs["dims"] if x.type.ndim else ()
         if all(x.type.shape[d] == 1 for d in dims):
-            self.values[out] = (Lazy(t, lambda idx: Constant(0, t.dtype))
+            self.values[out] = (Lazy(t, lambda idx: Constant(0, t.dtype), origins={n})
                                 if node.prim in ("argmax", "argmin") else
-                                x if x.type.shape == t.shape else Lazy(t, _reshape(None, [x], t)))
+                                x if x.type.shape == t.shape else
+                                Lazy(t, _reshape(None, [x], t), origins=_origins(n, [x])))
             return
         kept = [d for d in range(x.type.ndim) if d not in dims]
         xs, sizes = _loops([x.type.shape[d] for d in kept], "x")
@@ -201,8 +206,12 @@ class _Lowering:
         self.kernels.append(Kernel(
             f"kernel{len(self.kernels)}", sizes, reduction_sizes,
             (Store(name, flat(xs, t.shape), Reduce(node.prim, x.at(tuple(index)), t.dtype)),),
-            fenced))
+            fenced, x.origins | {n}))
         self.values[out] = self.in_memory(name)
+
+
+def _origins(n: int, args) -> frozenset:
+    return frozenset({n}).union(*(a.origins for a in args))
 
 
 def _as_tuple(prim):

@@ -366,3 +366,20 @@ def test_report_in_chromium(tmp_path):
           "--window-size=1280,1600")
     assert shot.stat().st_size > 10_000
     print(f"screenshot of the debug report: {shot}")
+
+
+def test_kernel_stage_and_report_for_the_cpu_compiler(tmp_path):
+    fn = plait.jit(lambda x: torch.softmax(x.exp(), -1) @ x.t(), backend="cpp")
+    x = torch.randn(4, 5)
+    lowered = fn.lower(x)
+    (kernels,) = [s for s in stages(lowered) if s.name == "kernels"]
+    assert set(kernels.groups.values()) == {k.name for k in lowered.compiled.program.kernels}
+    svg = ET.parse(lowered.draw(tmp_path / "k.svg", stage="kernels", engine="python"))
+    clusters = {g.get("data-cluster") for g in svg.iter(f"{SVG}g") if g.get("data-cluster")}
+    assert clusters == set(kernels.groups.values())
+    assert "# exp  aten.exp.default" in lowered.source  # provenance above each call
+    with plait.config.patch(debug_dir=str(tmp_path / "dump")):
+        plait.jit(lambda x: torch.softmax(x.exp(), -1) @ x.t(), backend="cpp")(x)
+    (folder,) = (tmp_path / "dump").iterdir()
+    assert lowered.compiled.cpp_source in (folder / "source.txt").read_text()
+    assert "aten._softmax.default" in (folder / "index.html").read_text()
