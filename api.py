@@ -118,8 +118,25 @@ class _Compiled:
         for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
             with torch.no_grad():
                 tensors[i].copy_(outs[k])
-        leaves = [outs[x] if isinstance(x, int) else x.value for x in self._out_leaves]
+        results = _distinct(outs[:len(outs) - len(self._mutated)], tensors)
+        leaves = [results[x] if isinstance(x, int) else x.value for x in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_tree)
+
+
+def _distinct(outs: list, inputs: list) -> list:
+    """Outputs that share memory with an earlier output or with an argument (a backend's view,
+    or one value returned twice) become copies: the graph's outputs are values, and a later
+    in-place write to one must not show through another. An argument returned as is stays."""
+    taken = {t.untyped_storage().data_ptr(): t for t in inputs if t.numel()}
+    result = []
+    for out in outs:
+        ptr = out.untyped_storage().data_ptr() if out.numel() else None
+        if ptr is not None and ptr in taken and taken[ptr] is not out:
+            out = out.clone()
+        elif ptr is not None:
+            taken[ptr] = out
+        result.append(out)
+    return result
 
 
 def _check_no_aliased_mutation(tensors, mutated) -> None:

@@ -618,3 +618,18 @@ def test_random_factory_draws_anew_each_call():
     x = torch.zeros(3)
     a, b = jf(x), jf(x)
     assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpp"])
+def test_outputs_never_alias_where_eager_s_do_not(backend):
+    def f(x):
+        z = x / 10.0
+        return z, z.t().contiguous().t(), x.reshape(-1)
+
+    x = torch.randn(4, 5)
+    z, z_t, flat = plait.jit(f, backend=backend)(x)
+    z.add_(1.0)  # a write into one result shows through no other
+    torch.testing.assert_close(z_t, x / 10.0)
+    assert flat.data_ptr() != x.data_ptr()
+    a = torch.randn(3)
+    assert plait.jit(lambda v: v, backend=backend)(a) is a  # an argument returned as is
