@@ -30,6 +30,15 @@ def normalize_device(device) -> str:
     return str(d)
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Row-major element strides of ``shape`` (the layout of every graph value)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 @attrs.frozen
 class TensorType:
     """Static type of a traced tensor: shape, dtype and device (always dense and contiguous)."""

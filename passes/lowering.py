@@ -23,6 +23,7 @@ import sympy
 import torch
 
 from ..graph import Graph, TensorType, Value
+from ..graph.types import contiguous_strides
 from ..graph.loops import (Apply, Buffer, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, loop_vars, walk)
 from ..tracer.primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
@@ -46,23 +47,15 @@ class Lazy:
     origins: frozenset = frozenset()  # the graph nodes its expression computes
 
 
-def strides(shape) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
-
-
 def flat(index, shape) -> sympy.Expr:
-    return sum((i * s for i, s, n in zip(index, strides(shape), shape) if n != 1),
+    return sum((i * s for i, s, n in zip(index, contiguous_strides(shape), shape) if n != 1),
                sympy.Integer(0))
 
 
 def unflat(offset, shape) -> tuple:
     return tuple(sympy.Integer(0) if n == 1 else sympy.Mod(sympy.floor(offset / s), n)
                  if d else sympy.floor(offset / s)
-                 for d, (n, s) in enumerate(zip(shape, strides(shape))))
+                 for d, (n, s) in enumerate(zip(shape, contiguous_strides(shape))))
 
 
 def _loops(shape, prefix: str):

@@ -17,6 +17,7 @@ import torch._refs.nn.functional
 
 from ..errors import OpError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
+from ..graph.types import contiguous_strides
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
 from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback, bind,
@@ -492,14 +493,6 @@ def _slice(x, dim=0, start=None, end=None, step=1):
 # Strided views. A tracer's value is logically contiguous, so a view given by strides over
 # it (diagonal, unfold, as_strided) is a gather from the flattened value at index
 # offset + sum(i_d * stride_d), built from iotas (fusible, no index tensor in memory).
-def contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 def _strided_index(x, shape, strides, offset):
     """Flat indices of the view into ``x``, checked against ``x``'s extent."""
     t = type_of(x)
