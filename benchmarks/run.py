@@ -1,18 +1,26 @@
-"""plait micro-benchmarks: tracing time of a transformer block, and jit's per-call overhead.
+"""plait benchmarks: tracing time, jit's per-call overhead, and the CPU compiler against torch.compile.
 
-    .venv/bin/python benchmarks/run.py [--device cpu|cuda] [--repeat N]
+    .venv/bin/python benchmarks/run.py [--device cpu|cuda] [--repeat N] [--quick] [--cases a,b]
 
 See benchmarks/README.md for what each number means.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import unittest.mock
+import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,10 +113,10 @@ def bench_tracing(device: str, repeat: int) -> dict:
             "inputs": len(lowered.graph.inputs)}
 
 
-def _per_call_us(fn, arg, device: str, calls: int, repeat: int) -> float:
+def _per_call_us(fn, args: tuple, device: str, calls: int, repeat: int) -> float:
     def loop():
         for _ in range(calls):
-            fn(arg)
+            fn(*args)
 
     loop()                                                        # warm-up
     return statistics.median(1e6 * _timed(loop, device) / calls for _ in range(repeat))
@@ -118,10 +126,226 @@ def bench_overhead(device: str, repeat: int, calls: int) -> dict:
     x = torch.randn(4, device=device)
     jitted = plait.jit(tiny)
     torch.testing.assert_close(jitted(x), tiny(x))                # compiles (the one trace)
-    eager_us = _per_call_us(tiny, x, device, calls, repeat)
-    jit_us = _per_call_us(jitted, x, device, calls, repeat)
+    eager_us = _per_call_us(tiny, (x,), device, calls, repeat)
+    jit_us = _per_call_us(jitted, (x,), device, calls, repeat)
     assert jitted.trace_count == 1, "the timed calls should all hit the cache"
     return {"eager_us": eager_us, "jit_us": jit_us, "calls": calls}
+
+
+# -- (c) the CPU compiler: plait (cpp backend) against eager and torch.compile ----------------
+def loop_order(x):
+    """issue 4's loop-ordering case: both reductions, z and z_t fuse into one read of x."""
+    y = torch.sum(torch.sum(x, dim=-1))
+    z = x / 10.0
+    z_t = z.t().contiguous().t()
+    return y, z, z_t
+
+
+def softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, x.shape[-1:], w, b)
+
+
+def gelu_chain(x):
+    return F.gelu(x * 2.0 + 1.0) * torch.tanh(x) + x
+
+
+def mlp(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+
+def mlp_loss(w1, b1, w2, b2, x, y):
+    return F.mse_loss(mlp(x, w1, b1, w2, b2), y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    torch_fn: Callable      # run eagerly (the reference) and by torch.compile
+    plait_fn: Callable      # handed to plait.jit: torch_fn, or its plait-transformed twin
+    shapes: dict            # {quick: the input shapes}
+
+    def inputs(self, quick: bool) -> tuple:
+        g = torch.Generator().manual_seed(0)
+        return tuple(torch.randn(*s, generator=g) / math.sqrt(s[-1]) for s in self.shapes[quick])
+
+
+def _mlp_shapes(batch, d, hidden):
+    return [(batch, d), (hidden, d), (hidden,), (d, hidden), (d,)]
+
+
+# Training step: parameters first, so argnums (0..3) picks them as in torch.func.
+_PARAMS = (0, 1, 2, 3)
+CASES = {c.name: c for c in [
+    Case("loop_order", loop_order, loop_order, {False: [(2048, 2048)], True: [(64, 48)]}),
+    Case("softmax", softmax, softmax, {False: [(4096, 1024)], True: [(64, 32)]}),
+    Case("layer_norm", layer_norm, layer_norm,
+         {False: [(4096, 1024), (1024,), (1024,)], True: [(64, 32), (32,), (32,)]}),
+    Case("gelu_chain", gelu_chain, gelu_chain, {False: [(4096, 1024)], True: [(64, 32)]}),
+    Case("mlp", mlp, mlp, {False: _mlp_shapes(256, 512, 2048), True: _mlp_shapes(16, 32, 64)}),
+    Case("train_step", torch.func.grad_and_value(mlp_loss, argnums=_PARAMS),
+         plait.grad_and_value(mlp_loss, argnums=_PARAMS),
+         {False: _mlp_shapes(256, 512, 2048)[1:] + [(256, 512), (256, 512)],
+          True: _mlp_shapes(16, 32, 64)[1:] + [(16, 32), (16, 32)]}),
+]}
+
+
+def _check(got, expected, what: str) -> None:
+    """A fast wrong answer must not pass: every compiled result is checked against eager."""
+    try:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    except AssertionError as e:
+        raise AssertionError(f"{what} differs from eager: {e}") from None
+
+
+def _cold_s(fn, args: tuple, expected, what: str) -> float:
+    """Seconds of the first call of a fresh compiled fn (compile, then run); the result is
+    checked after the clock stops."""
+    out = []
+    seconds = _timed(lambda: out.append(fn(*args)), "cpu")
+    _check(out[0], expected, what)
+    return seconds
+
+
+def _warm_ms(fn, args: tuple, repeat: int, budget_s: float) -> float:
+    """Median per-call ms of warm calls, as many per repetition as fill about budget_s."""
+    once = min(_timed(lambda: fn(*args), "cpu") for _ in range(2))   # also the warm-up
+    return _per_call_us(fn, args, "cpu", max(1, int(budget_s / once)), repeat) / 1e3
+
+
+def warm_start(case: Case, quick: bool) -> None:
+    """Run in a new process by bench_compilers: one call of plait.jit(fn) with the disk cache
+    (PLAIT_CACHE_DIR) already populated. Prints JSON: its ms; the ms of a second, fresh
+    plait.jit(fn) call (the same work without the process's one-time costs, such as modules
+    that torch imports lazily on the first trace); and how many libraries the first call built
+    (a warm start should build none)."""
+    args = case.inputs(quick)
+    cpp_dir = os.path.join(os.path.expanduser(plait.config.cache_dir), "cpp")
+
+    def libraries() -> int:
+        return len(os.listdir(cpp_dir)) if os.path.isdir(cpp_dir) else 0
+
+    def first_call_ms() -> float:
+        t0 = time.perf_counter()
+        plait.jit(case.plait_fn, backend="cpp")(*args)
+        return 1e3 * (time.perf_counter() - t0)
+
+    before = libraries()
+    ms = first_call_ms()
+    built = libraries() - before
+    print(json.dumps({"ms": ms, "again_ms": first_call_ms(), "built": built}))
+
+
+def _warm_start_in_new_process(case: Case, quick: bool, cache_dir: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--warm-start", case.name] + \
+        (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, env={**os.environ, "PLAIT_CACHE_DIR": cache_dir},
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _reason(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:120]
+
+
+def bench_case(case: Case, quick: bool, repeat: int, budget_s: float) -> dict:
+    args = case.inputs(quick)
+    expected = case.torch_fn(*args)
+    row = {"eager_ms": _warm_ms(case.torch_fn, args, repeat, budget_s)}
+
+    # plait: cold compile (trace, lower, fuse, generate, g++) into an empty disk cache, then
+    # warm calls, then a warm start of a new process from that cache.
+    with tempfile.TemporaryDirectory(prefix="plait-bench-") as cache_dir, \
+            plait.config.patch(cache_dir=cache_dir):
+        jitted = plait.jit(case.plait_fn, backend="cpp")
+        row["plait_cold_s"] = _cold_s(jitted, args, expected, "plait")
+        row["plait_ms"] = _warm_ms(jitted, args, repeat, budget_s)
+        row["stats"] = jitted.lower(*args).stats
+        row["warm_start"] = _warm_start_in_new_process(case, quick, cache_dir)
+
+    # torch.compile: dynamo forgets what it compiled; the section runs with inductor's caches
+    # off (bench_compilers), so every case compiles from scratch.
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(case.torch_fn)
+        row["tc_cold_s"] = _cold_s(compiled, args, expected, "torch.compile")
+        row["tc_ms"] = _warm_ms(compiled, args, repeat, budget_s)
+    except Exception as e:  # a torch.compile failure on this machine is reported, not fatal
+        row["tc_error"] = _reason(e)
+    return row
+
+
+def bench_compilers(cases: list[Case], quick: bool, repeat: int) -> dict:
+    # Imported here: sections (a), (b) and the warm-start process do not need inductor.
+    import torch._dynamo
+    import torch._inductor.config
+
+    # With caches off, dynamo warns on every compile that profile-guided recompilation is off.
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
+
+    # Inductor's caches off: a new cache folder alone is not enough, since inductor also keeps
+    # generated code in memory. It still writes its build products to a folder: a fresh one,
+    # so the user's cache is neither read nor filled.
+    budget_s = 0.01 if quick else 0.1
+    with tempfile.TemporaryDirectory(prefix="inductor-bench-") as inductor_dir, \
+            unittest.mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir), \
+            torch._inductor.config.patch(force_disable_caches=True), \
+            tempfile.TemporaryDirectory(prefix="plait-bench-") as warmup_dir, \
+            plait.config.patch(cache_dir=warmup_dir):
+        # "Both compilers already imported": one untimed compile each of an unrelated function
+        # pays their one-time start-up (imports, compiler probing) outside the cold timings.
+        x = torch.randn(4)
+        torch.compile(tiny)(x)
+        plait.jit(tiny, backend="cpp")(x)
+        return {c.name: bench_case(c, quick, repeat, budget_s) for c in cases}
+
+
+def _geomean(xs) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def print_compilers(results: dict, quick: bool, repeat: int) -> None:
+    header = ("case", "eager ms", "torch.compile ms", "plait ms", "speedup vs tc",
+              "tc cold s", "plait cold s", "cold ratio", "warm start ms", "(again) ms",
+              "kernels+externs")
+    rows, notes = [], []
+    for name, r in results.items():
+        tc = "tc_ms" in r
+        if not tc:
+            notes.append(f"{name}: torch.compile n/a ({r['tc_error']})")
+        if r["warm_start"]["built"]:
+            notes.append(f"{name}: the warm start built {r['warm_start']['built']} "
+                         "libraries: the disk cache missed")
+        rows.append((name, f"{r['eager_ms']:.3f}", f"{r['tc_ms']:.3f}" if tc else "n/a",
+                     f"{r['plait_ms']:.3f}",
+                     f"{r['tc_ms'] / r['plait_ms']:.2f}x" if tc else "n/a",
+                     f"{r['tc_cold_s']:.2f}" if tc else "n/a", f"{r['plait_cold_s']:.2f}",
+                     f"{r['plait_cold_s'] / r['tc_cold_s']:.3f}" if tc else "n/a",
+                     f"{r['warm_start']['ms']:.1f}", f"{r['warm_start']['again_ms']:.1f}",
+                     f"{r['stats']['kernels']}+{r['stats']['externs']}"))
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    print(f"(c) CPU compiler: plait.jit(backend='cpp') vs torch.compile "
+          f"({'quick shapes' if quick else 'full shapes'}; warm times: median of {repeat} "
+          f"repetitions, per call)")
+    for row in (header, tuple("-" * w for w in widths), *rows):
+        print("  | " + " | ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}"
+                                  for i, (v, w) in enumerate(zip(row, widths))) + " |")
+    both = [r for r in results.values() if "tc_ms" in r]
+    if both:
+        print(f"\n  geometric mean, speedup of plait over torch.compile (warm): "
+              f"{_geomean(r['tc_ms'] / r['plait_ms'] for r in both):.2f}x   (target >= 1)")
+        print(f"  geometric mean, cold compile plait / torch.compile:         "
+              f"{_geomean(r['plait_cold_s'] / r['tc_cold_s'] for r in both):.3f}    "
+              f"(target <= 0.333)")
+    print(f"  slowest warm start: {max(r['warm_start']['ms'] for r in results.values()):.1f} ms"
+          f"   (target < 50 ms per function; '(again)': a second fresh jit in that process)")
+    for note in notes:
+        print(f"  note: {note}")
+    print()
 
 
 def print_table(title: str, rows: list[tuple[str, str, str]]) -> None:
@@ -138,22 +362,38 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu",
                         help="cpu (default) or cuda (when available)")
-    parser.add_argument("--repeat", type=int, default=7,
+    parser.add_argument("--repeat", type=int,
                         help="timed repetitions per measurement; medians are reported "
-                             "(default 7)")
-    parser.add_argument("--calls", type=int, default=2000,
+                             "(default 7, 2 with --quick)")
+    parser.add_argument("--calls", type=int,
                         help="calls per timed repetition in the overhead benchmark "
-                             "(default 2000)")
+                             "(default 2000, 200 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes in (c), and fewer repetitions: a smoke test")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated cases of (c), of {', '.join(CASES)} "
+                             "(default all; empty for none)")
+    # Internal: the new process whose first call bench_compilers times as the warm start.
+    parser.add_argument("--warm-start", choices=list(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.warm_start:
+        warm_start(CASES[args.warm_start], args.quick)
+        return 0
+    args.repeat = args.repeat or (2 if args.quick else 7)
+    args.calls = args.calls or (200 if args.quick else 2000)
+    cases = [c for c in args.cases.split(",") if c]
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda was asked for, but torch.cuda.is_available() is False")
     if args.repeat < 1 or args.calls < 1:
         parser.error("--repeat and --calls must be at least 1")
+    if set(cases) - set(CASES):
+        parser.error(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: "
+                     f"{', '.join(CASES)}")
 
     print(f"plait {plait.__version__}, torch {torch.__version__}, python "
           f"{platform.python_version()}, device {args.device}, backend "
           f"{plait.config.backend}, repeat {args.repeat}, threads "
-          f"{torch.get_num_threads()}\n")
+          f"{torch.get_num_threads()}, cpus {os.cpu_count()}\n")
 
     t = bench_tracing(args.device, args.repeat)
     print_table(f"(a) tracing a transformer block: jit(f).lower(*args), batch {BATCH}, "
@@ -173,6 +413,12 @@ def main(argv=None) -> int:
                     ("jit overhead per call", f"{o['jit_us'] - o['eager_us']:+.1f}", "us"),
                     ("jit / eager", f"{o['jit_us'] / o['eager_us']:.1f}", "x"),
                 ])
+
+    if args.device != "cpu":
+        print("(c) CPU compiler: skipped, it compares CPU compilers (run with --device cpu)")
+    elif cases:
+        print_compilers(bench_compilers([CASES[c] for c in cases], args.quick, args.repeat),
+                        args.quick, args.repeat)
     return 0
 
 
