@@ -437,9 +437,12 @@ class _KernelWriter:
     def _row_loop(self, lines, indent, bound, stores, parallel: bool) -> None:
         k = self.kernel
         inner = indent
-        for i, (r, n) in enumerate(zip(_row_vars(k), k.reduction_sizes)):
+        rows = _row_vars(k)
+        for i, (r, n) in enumerate(zip(rows, k.reduction_sizes)):
             if i == 0 and parallel:
                 lines.append(f"{inner}#pragma omp parallel for")
+            elif i == len(rows) - 1:  # each point is stored independently: vectorize
+                lines.append(f"{inner}#pragma omp simd")
             lines.append(f"{inner}for (int64_t {r} = 0; {r} < {_int(n)}; ++{r}) {{")
             inner += "  "
         scope = _Scope(self, lines, inner, bound)
@@ -474,12 +477,25 @@ class _KernelWriter:
                 results[red] = f"{acc}_index"
             else:
                 results[red] = f"static_cast<{_ctype(red.dtype)}>({acc})"
+            if red.op in ("amax", "amin") and acc_t != "bool":
+                # NOTE [vectorized extrema]: a plain max/min (which the compiler vectorizes)
+                # and a separate "saw a NaN" flag, instead of a NaN-propagating combine
+                update = f"{{acc}} = ({{v}} {'>' if red.op == 'amax' else '<'} {{acc}}) " \
+                         "? {v} : {acc};"
+                clauses.setdefault("max" if red.op == "amax" else "min", []).append(acc)
+                if red.body.dtype.is_floating_point:
+                    lines.append(f"{indent}bool {acc}_nan = false;")
+                    update += " {acc}_nan |= ({v} != {v});"
+                    clauses.setdefault("||", []).append(f"{acc}_nan")
+                    results[red] = (f"static_cast<{_ctype(red.dtype)}>({acc}_nan ? "
+                                    f"std::numeric_limits<{acc_t}>::quiet_NaN() : {acc})")
             updates.append((red, acc, update))
             if red.op in _SIMD_REDUCTIONS and acc_t != "bool":
                 clauses.setdefault(_SIMD_REDUCTIONS[red.op], []).append(acc)
         # simd/parallel reduction clauses only if every accumulator has one
+        covered = {a.removesuffix("_nan") for accs in clauses.values() for a in accs}
         clause = " ".join(f"reduction({op}:{', '.join(a)})" for op, a in clauses.items()) \
-            if sum(map(len, clauses.values())) == len(reduces) else ""
+            if len(covered) == len(reduces) else ""
         inner = indent
         for i, (r, n) in enumerate(zip(rs, k.reduction_sizes)):
             last = i == len(rs) - 1
@@ -495,6 +511,9 @@ class _KernelWriter:
         for _ in rs:
             inner = inner[:-2]
             lines.append(f"{inner}}}")
+        for red, acc, _ in updates:  # each result once, as a local of its own
+            lines.append(f"{indent}const {_ctype(red.dtype)} {acc}_out = {results[red]};")
+            results[red] = f"{acc}_out"
         return results
 
 
