@@ -18,7 +18,7 @@ from .config import config
 from .errors import TraceError
 from .graph import Graph, TensorType
 from .graph.loops import program_stats
-from .passes import simplify
+from .passes import memory, simplify
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.trace import is_dense
 
@@ -96,6 +96,14 @@ class Lowered:
         traffic) and peak_bytes, for a backend that lowers to loops; empty otherwise."""
         program = getattr(self.compiled, "program", None)
         return program_stats(program) if program is not None else {}
+
+    @property
+    def memory(self) -> dict:
+        """The memory plan, for a backend that lowers to loops (empty otherwise): each buffer's
+        bytes, lifetime and storage, the in-place pairs, the pool slots and the estimated peak
+        (``stats["peak_bytes"]``); see NOTE [memory passes]."""
+        plan = getattr(self.compiled, "plan", None)
+        return memory.report(self.compiled.program, plan) if plan is not None else {}
 
     def __repr__(self) -> str:
         return f"<plait.Lowered backend={self.backend!r}\n{self.as_text()}>"

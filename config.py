@@ -79,13 +79,24 @@ class Config:
     cpp_flags: str = attrs.field(factory=lambda: _env(
         "cpp_flags", "-O3 -march=native -fopenmp -fwrapv -fno-math-errno -std=c++17 -lmvec", str))
 
+    # The memory passes of the compiling backends (passes/memory.py): kernels write into a
+    # buffer they read where that is safe; kernels run in the order of least estimated peak;
+    # intermediates share the slots of a per-call pool.
+    inplace: bool = attrs.field(factory=lambda: _env("inplace", True, _to_bool))
+    reorder: bool = attrs.field(factory=lambda: _env("reorder", True, _to_bool))
+    plan_memory: bool = attrs.field(factory=lambda: _env("plan_memory", True, _to_bool))
+    # Test-only: compiled programs check their real allocations and frees against the memory
+    # plan on every call (BackendError where they differ). Not in the cache key: checked per call.
+    check_memory_plan: bool = attrs.field(factory=lambda: _env("check_memory_plan", False,
+                                                               _to_bool))
+
     def __attrs_post_init__(self):
         _set_log(self, None, self.log)
 
     def cache_key(self) -> tuple:
         """The knobs that change what a compiled function computes or how."""
         return (self.simplify, self.fold_max_numel, self.allow_opaque, self.cpp_compiler,
-                self.cpp_flags)
+                self.cpp_flags, self.inplace, self.reorder, self.plan_memory)
 
     @contextlib.contextmanager
     def _patched(self, changes: dict):

@@ -45,6 +45,7 @@ flags without it.
 from __future__ import annotations
 
 import ctypes
+import gc
 import hashlib
 import math
 import os
@@ -54,6 +55,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+import weakref
 from typing import Any, Sequence
 
 import attrs
@@ -382,8 +384,12 @@ def _identifier(name: str, taken: set) -> str:
 
 
 class _KernelWriter:
-    def __init__(self, kernel: Kernel, cname: str):
+    def __init__(self, kernel: Kernel, cname: str, aliases: dict | None = None):
         self.kernel, self.cname = kernel, cname
+        # buffers of this kernel that share storage (in-place reuse) are not __restrict__
+        shared = {(b, t) for b, t in (aliases or {}).items()}
+        self.shared = {b for pair in shared for b in pair if set(pair) <= set(
+            kernel.reads + kernel.writes)}
         self.count, self.checks_error = 0, False
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
         taken: set = set()
@@ -398,7 +404,7 @@ class _KernelWriter:
         for b in self.buffers:
             written, read = b in k.writes, b in k.reads
             const = "" if written else "const "
-            restrict = "" if written and read else " __restrict__"  # in place: not distinct
+            restrict = "" if (written and read) or b in self.shared else " __restrict__"
             decls.append(f"{const}{_ctype(buffer_types[b].dtype)}*{restrict} {self.params[b]}")
         lines = [f'extern "C" void {self.cname}({", ".join(decls)}) {{']
         work = math.prod(k.sizes) * max(1, math.prod(k.reduction_sizes))
@@ -651,38 +657,85 @@ class CompiledKernel:
 
 
 @attrs.frozen
+class _Empty:
+    """``env[dest] = torch.empty(shape, dtype)``: a buffer's own storage, or a pool slot."""
+
+    dest: int
+    shape: tuple
+    dtype: torch.dtype
+
+    def __call__(self, env):
+        return torch.empty(self.shape, dtype=self.dtype)
+
+    def text(self, names) -> str:
+        return f"{names[self.dest]} = torch.empty({self.shape}, dtype={self.dtype})"
+
+
+@attrs.frozen
+class _View:
+    """``env[dest]`` as a view of ``env[src]``: a pool slot's first ``nbytes``, or (``nbytes``
+    None) the buffer whose memory it takes over in place."""
+
+    dest: int
+    src: int
+    shape: tuple
+    dtype: torch.dtype
+    nbytes: int | None
+
+    def __call__(self, env):
+        t = env[self.src]
+        return (t if self.nbytes is None else t[:self.nbytes].view(self.dtype)).view(self.shape)
+
+    def text(self, names) -> str:
+        if self.nbytes is None:
+            return f"{names[self.dest]} = {names[self.src]}.view({self.shape})  # in place"
+        return f"{names[self.dest]} = {names[self.src]}[:{self.nbytes}].view({self.dtype})" \
+               f".view({self.shape})"
+
+
+@attrs.frozen
 class _Step:
     call: Any                     # a kernel's ctypes function, or an Extern
     args: tuple[int, ...]         # slots: a kernel's parameters; an Extern's inputs
     outs: tuple[int, ...]         # an Extern's output slots
-    allocate: tuple[tuple, ...]   # (slot, shape, dtype) to allocate before the step
-    free: tuple[int, ...]         # slots dead after the step
+    bind: tuple                   # _Empty | _View, run before the step
+    free: tuple[int, ...]         # slots dead after the step (buffers and pool slots)
     checks_error: bool = False
 
 
 class CompiledProgram:
-    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``."""
+    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``.
 
-    def __init__(self, program: LoopProgram):
+    NOTE [wrapper memory]: the wrapper follows a ``MemoryPlan`` (passes/memory.py; by
+    default one without a pool): inputs and constants are bound on entry, extern results when
+    returned (copied where torch returned a view of an input: a later kernel may write that
+    memory in place, or a pool slot hand it on), pool slots before their first user, and
+    every other buffer right before the first kernel using it: as a view of the buffer it
+    takes over in place (``program.aliases``), as a view of its pool slot, or by an
+    allocation of its own (a buffer no kernel writes has no elements). Each name is dropped after its last use, so a storage
+    is freed once all its aliases and its slot are dead. With ``config.check_memory_plan`` a
+    call records each allocation's storage by weak reference and raises ``BackendError`` where
+    the allocations alive around a step are not the plan's; ``measured_peak_bytes`` is then
+    the largest sum of live storages (inputs and constants included) during one step.
+    """
+
+    def __init__(self, program: LoopProgram, plan=None):
+        from ..passes import memory
+
         self.program = program
-        names = list(program.buffers)
-        slot = {b: i for i, b in enumerate(names)}
+        self.plan = plan = plan or memory.plan(program, pool=False)
+        lv = plan.liveness
+        pool = len(program.buffers)  # pool slots follow the buffers in the environment
+        names = list(program.buffers) + [f"pool{j}" for j in range(len(plan.slots))]
+        slot = {b: i for i, b in enumerate(program.buffers)}
         kernels = program.kernels
-        # Every buffer is bound before its first use: inputs and constants on entry, extern
-        # results when returned, the rest allocated right before the first kernel that uses
-        # it (a buffer no kernel writes has no elements).
-        bound = set(program.inputs) | set(program.constants)
-        first: dict[str, int] = {}
-        last: dict[str, int] = {}
-        for i, k in enumerate(kernels):
-            for b in (*k.reads, *k.writes):
-                first.setdefault(b, i)
-                last[b] = i
+        bound = {*program.inputs, *program.constants,
+                 *(b for k in kernels if isinstance(k, Extern) for b in k.outputs)}
         taken: set = set()
         writers, c_parts, self.kernels = {}, [_PRELUDE + _INDEX_HELPERS], []
         for i, k in enumerate(kernels):
             if isinstance(k, Kernel):
-                writers[i] = w = _KernelWriter(k, _identifier(k.name, taken))
+                writers[i] = w = _KernelWriter(k, _identifier(k.name, taken), program.aliases)
                 text = w.source({b: program.buffers[b].type for b in w.buffers})
                 c_parts.append(text)
             else:
@@ -694,37 +747,52 @@ class CompiledProgram:
 
         keep = set(program.outputs)
         self._steps, listing = [], []
+        if any(isinstance(k, Extern) for k in kernels):
+            listing.append("# an extern's result that shares memory with its inputs is copied")
         for i, k in enumerate(kernels):
-            fresh = [b for b in (*k.reads, *k.writes) if first[b] == i and b not in bound
-                     and not (isinstance(k, Extern) and b in k.outputs)]
-            allocate = tuple((slot[b], tuple(program.buffers[b].type.shape),
-                              program.buffers[b].type.dtype) for b in dict.fromkeys(fresh))
-            free = tuple(slot[b] for b in dict.fromkeys((*k.reads, *k.writes))
-                         if last[b] == i and b not in keep)
-            listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype})"
-                        for s, shape, dtype in allocate]
+            used = tuple(dict.fromkeys((*k.reads, *k.writes)))
+            bind: list = [_Empty(pool + j, (s.nbytes,), torch.uint8)
+                          for j, s in enumerate(plan.slots) if s.first == i]
+            for b in used:
+                if lv.uses[b][0] != i or b in bound:
+                    continue
+                t = program.buffers[b].type
+                shape = tuple(t.shape)
+                if b in program.aliases:
+                    bind.append(_View(slot[b], slot[program.aliases[b]], shape, t.dtype, None))
+                elif lv.storage[b] in plan.slot_of:
+                    bind.append(_View(slot[b], pool + plan.slot_of[lv.storage[b]], shape,
+                                      t.dtype, t.nbytes))
+                else:
+                    bind.append(_Empty(slot[b], shape, t.dtype))
+            free = tuple(slot[b] for b in used if lv.uses[b][1] == i and b not in keep) + \
+                tuple(pool + j for j, s in enumerate(plan.slots) if s.last == i)
+            listing += [b.text(names) for b in bind]
             listing += ["# " + line for line in program.describe(k)]  # provenance of the call
             if isinstance(k, Kernel):
                 w = writers[i]
                 fn = getattr(lib, w.cname)
                 fn.argtypes, fn.restype = [ctypes.c_void_p] * len(w.buffers), None
-                step = _Step(fn, tuple(slot[b] for b in w.buffers), (), allocate, free,
+                step = _Step(fn, tuple(slot[b] for b in w.buffers), (), tuple(bind), free,
                              w.checks_error)
                 listing.append(f"{w.cname}({', '.join(w.buffers)})")
             else:
                 step = _Step(k, tuple(slot[b] for b in k.inputs),
-                             tuple(slot[b] for b in k.outputs), allocate, free)
+                             tuple(slot[b] for b in k.outputs), tuple(bind), free)
                 listing.append(_extern_text(k))
             if free:
                 listing.append("del " + ", ".join(names[s] for s in free))
             self._steps.append(step)
-        self._size = len(names)
+        self._names = names
+        self._blocks = {(pool + n if isinstance(n, int) else slot[n]): span
+                        for n, span in plan.blocks().items()}
         self._inputs = tuple(slot[b] for b in program.inputs)
         self._constants = tuple((slot[b], t) for b, t in program.constants.items())
         self._unbound_outputs = tuple(  # outputs nothing produces: empty buffers
             (slot[b], tuple(program.buffers[b].type.shape), program.buffers[b].type.dtype)
-            for b in dict.fromkeys(program.outputs) if b not in bound and b not in first)
+            for b in dict.fromkeys(program.outputs) if b not in bound and b not in lv.uses)
         self._outputs = tuple(slot[b] for b in program.outputs)
+        self.measured_peak_bytes = None
         listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype})"
                     for s, shape, dtype in self._unbound_outputs]
         listing.append(f"return ({', '.join(program.outputs)}{',' if program.outputs else ''})")
@@ -733,29 +801,41 @@ class CompiledProgram:
         self.source = self.cpp_source + "\n/* Python wrapper:\n" + self.wrapper_source + "\n*/\n"
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        env: list = [None] * self._size
+        env: list = [None] * len(self._names)
         for s, t in zip(self._inputs, inputs):
             env[s] = t.contiguous()
         for s, t in self._constants:
             env[s] = t
-        for step in self._steps:
-            for s, shape, dtype in step.allocate:
-                env[s] = torch.empty(shape, dtype=dtype)
+        tracker = _Tracker(self, env) if config.check_memory_plan else None
+        for i, step in enumerate(self._steps):
+            for b in step.bind:
+                env[b.dest] = b(env)
+                if tracker and isinstance(b, _Empty):
+                    tracker.allocated(b.dest, env[b.dest])
             if isinstance(step.call, Extern):
                 self._call_extern(step, env)
+                for s in step.outs if tracker else ():
+                    tracker.allocated(s, env[s])
             else:
                 step.call(*[env[s].data_ptr() for s in step.args])
                 if step.checks_error and self._take_error():
                     raise CheckError("ZeroDivisionError: integer division or remainder by zero")
+            if tracker:
+                tracker.verify(i, during=True)
             for s in step.free:
                 env[s] = None
+            if tracker:
+                tracker.verify(i, during=False)
         for s, shape, dtype in self._unbound_outputs:
             env[s] = torch.empty(shape, dtype=dtype)
+        if tracker:
+            tracker.finish()
         return [env[s] for s in self._outputs]
 
     def _call_extern(self, step: _Step, env: list) -> None:
         k = step.call
-        result = k.fn(*[env[s] for s in step.args], **dict(k.params))
+        args = [env[s] for s in step.args]
+        result = k.fn(*args, **dict(k.params))
         result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
         if len(result) != len(step.outs):
             raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
@@ -765,7 +845,59 @@ class CompiledProgram:
             if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
                 raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
                                    f"for {b}, which is {want.dtype}{list(want.shape)}")
-            env[s] = t.contiguous()  # adopted as the buffer
+            env[s] = _own(t.contiguous(), args)  # adopted as the buffer
+
+
+def _own(t: torch.Tensor, inputs: list) -> torch.Tensor:
+    """An extern's result as a buffer of its own: a copy where torch returned (a view of) an
+    input, whose memory a later kernel may write in place or a pool slot may hand on."""
+    ptr = t.untyped_storage().data_ptr()
+    shared = t.numel() and any(x.untyped_storage().data_ptr() == ptr for x in inputs)
+    return t.clone() if shared else t
+
+
+class _Tracker:
+    """``config.check_memory_plan``: one call's real allocations, against the plan's blocks
+    (NOTE [wrapper memory])."""
+
+    def __init__(self, compiled: CompiledProgram, env: list):
+        self.compiled, self.refs = compiled, {}
+        self.entry = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for t in env if t is not None}  # inputs and constants
+        compiled.measured_peak_bytes = sum(self.entry.values())
+
+    def allocated(self, slot: int, t: torch.Tensor) -> None:
+        self.refs[slot] = weakref.ref(t.untyped_storage())
+
+    def alive(self) -> dict:
+        return {s: r() for s, r in self.refs.items() if r() is not None}
+
+    def verify(self, i: int, during: bool) -> None:
+        alive = self.alive()
+        want = {s for s, (f, l) in self.compiled._blocks.items() if f <= i and (
+            i <= l if during else i < l)}
+        if set(alive) != want:  # what only a reference cycle holds (some torch calls make
+            gc.collect()        # them) is garbage, not an allocation the plan missed
+            alive = self.alive()
+        if set(alive) != want:
+            names = self.compiled._names
+            raise BackendError(
+                f"memory plan check: {'during' if during else 'after'} step {i} "
+                f"({self.compiled.program.kernels[i].name}) the live allocations are "
+                f"{sorted(names[s] for s in alive)}, the plan's {sorted(names[s] for s in want)}")
+        if during:
+            live = self.entry | {s.data_ptr(): s.nbytes() for s in alive.values()}
+            self.compiled.measured_peak_bytes = max(self.compiled.measured_peak_bytes,
+                                                    sum(live.values()))
+
+    def finish(self) -> None:
+        end = len(self.compiled._steps)
+        want = {s for s, (f, _) in self.compiled._blocks.items() if f < end}
+        if set(self.refs) != want:
+            names = self.compiled._names
+            raise BackendError(f"memory plan check: the call allocated "
+                               f"{sorted(names[s] for s in self.refs)}, the plan "
+                               f"{sorted(names[s] for s in want)}")
 
 
 def _extern_text(k: Extern) -> str:
@@ -774,15 +906,19 @@ def _extern_text(k: Extern) -> str:
            f"{k.label}({', '.join(k.inputs)}{params})"
 
 
-def compile_program(program: LoopProgram) -> CompiledProgram:
-    return CompiledProgram(program)
+def compile_program(program: LoopProgram, plan=None) -> CompiledProgram:
+    return CompiledProgram(program, plan)
 
 
 def compile_graph(graph):
     """The ``cpp`` backend's factory: lower the graph for this code generator, fuse the
-    kernels, compile them."""
+    kernels, run the memory passes (NOTE [memory passes]: in-place reuse, memory-aware
+    order, pool plan; each behind its config switch), compile them."""
+    from ..passes import memory
     from ..passes.fusion import fuse
     from ..passes.lowering import lower
 
-    return compile_program(fuse(lower(graph, supported_ops=CPP_OPS,
-                                      supported_dtypes=CPP_DTYPES)))
+    program = fuse(lower(graph, supported_ops=CPP_OPS, supported_dtypes=CPP_DTYPES))
+    program = memory.reuse(program) if config.inplace else program
+    program = memory.reorder(program) if config.reorder else program
+    return CompiledProgram(program, memory.plan(program, pool=config.plan_memory))

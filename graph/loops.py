@@ -155,6 +155,9 @@ class LoopProgram:
     outputs: tuple[str, ...]    # graph outputs, in order (may repeat or name inputs)
     # graph node -> "primitive  aten op  file:line", for the kernels' origins
     provenance: dict = attrs.field(factory=dict)
+    # in-place reuse (passes/memory.py): buffer -> the buffer whose storage it takes over, at
+    # the kernel that writes it; a backend that ignores it stays correct (a fresh buffer)
+    aliases: dict = attrs.field(factory=dict)
 
     def describe(self, kernel) -> list[str]:
         """One line per graph node a kernel computes: what it is and where it came from."""
@@ -187,22 +190,16 @@ def children(expr) -> tuple:
 
 def program_stats(program: LoopProgram) -> dict[str, int]:
     """The compiler's estimate of a program's memory traffic and footprint: each kernel reads
-    each buffer it reads once and writes each buffer once; a buffer lives from the kernel
-    that writes it to the last that reads it (inputs and constants all along, outputs to
-    the end), and the peak is the largest sum of live bytes."""
+    each buffer it reads once and writes each buffer once; the peak is the largest sum of
+    live bytes (``passes.memory.liveness``: a storage lives from the kernel that writes it to
+    the last that uses it or an in-place alias of it; inputs and constants all along, outputs
+    to the end)."""
+    from ..passes.memory import liveness  # the analysis is a pass; the stats are reported here
+
     size = {n: b.type.nbytes for n, b in program.buffers.items()}
     kernels = program.kernels
-    last = {n: len(kernels) for n in (*program.inputs, *program.constants, *program.outputs)}
-    first = {n: -1 for n in (*program.inputs, *program.constants)}
-    for i, k in enumerate(kernels):
-        for n in k.writes:
-            first.setdefault(n, i)
-        for n in k.reads:
-            last[n] = max(last.get(n, i), i)
-    live = [sum(size[n] for n in first if first[n] <= i <= last.get(n, first[n]))
-            for i in range(len(kernels))]
     return {"kernels": sum(isinstance(k, Kernel) for k in kernels),
             "externs": sum(isinstance(k, Extern) for k in kernels),
             "bytes_read": sum(size[n] for k in kernels for n in k.reads),
             "bytes_written": sum(size[n] for k in kernels for n in k.writes),
-            "peak_bytes": max(live, default=sum(size[n] for n in first))}
+            "peak_bytes": liveness(program).peak}
