@@ -11,7 +11,7 @@ from typing import Any, Callable
 import attrs
 
 from ..errors import BackendError
-from . import cpp, eager, loopeval
+from . import cpp, eager, loopeval, triton
 
 
 @attrs.frozen
@@ -48,5 +48,6 @@ def available_backends() -> list[str]:
 register_backend("eager", eager.compile_graph)
 register_backend("cpp", cpp.compile_graph)
 register_backend("loops", loopeval.compile_graph)  # the reference for lowering and fusion
+register_backend("triton", triton.compile_graph)
 
 __all__ = ["Backend", "available_backends", "get_backend", "register_backend"]

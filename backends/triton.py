@@ -1,0 +1,912 @@
+"""The Triton backend: a LoopProgram becomes one Python module of ``@triton.jit`` kernels,
+written to the disk cache and imported, driven by a Python wrapper that allocates buffers on
+the inputs' device, launches the kernels and calls the externs.
+
+NOTE [Triton code generation]
+Tiling. A pointwise kernel flattens its outer loops (``x0..``) into one program-id axis: each
+program handles ``XBLOCK`` consecutive flat points (``xindex = pid * XBLOCK + arange``), the
+loop variables are recovered with ``//`` and ``%``, and ``xmask`` guards the ragged last
+block. Consecutive points are consecutive along the innermost loop, so the stores (and loads
+that follow the loop order) are coalesced; a transposed load is strided (a 2-D tiling that
+makes both sides coalesced is not built).
+
+Reductions. A kernel with reduction loops works on ``[XBLOCK, RBLOCK]`` tiles: ``XBLOCK``
+outer points per program (``x..`` have shape ``[XBLOCK, 1]``) by ``RBLOCK`` points of the
+flattened reduction loops (``r..`` have shape ``[1, RBLOCK]``, recovered like the outer ones).
+Its reductions run in dependency-ordered passes (``cpp._levels``: softmax's max, then its sum)
+and its inner stores in a final pass. When the rows fit in one tile (``R <= PERSISTENT_MAX``)
+the kernel is *persistent*: no loop, every pass shares the loaded tile and each Reduce is one
+``tl.reduce`` over axis 1. Otherwise each pass loops over the rows in ``RBLOCK`` chunks,
+combining into a per-lane accumulator tile that is reduced across lanes after the loop, and
+values that do not depend on ``r..`` are computed once outside the loops. Masked lanes
+contribute the reduction's identity (sum 0, prod 1, amax -inf / the lowest integer, ...), so
+an empty reduction gives it too. amax/amin propagate NaN; argmax/argmin keep the first
+extreme index per lane (chunks arrive in order) and across lanes by a combine that prefers
+NaN, then the larger (smaller) value, then the smaller index, as torch. float32 sums
+accumulate in float32 (tree-shaped across lanes, which is close to torch's pairwise sums).
+
+Expressions. Every distinct expression node is one local (``tN``), as in cpp. Constants are
+typed 0-d tensors (``tl.full([], v, dtype)``) so that Triton's promotion never widens narrow
+integer math: operands of an Apply already have their result dtype. Ops whose Triton operator
+differs from torch go through small ``@triton.jit`` helpers in ``_PRELUDE`` (NaN-propagating
+maximum, Python-signed remainder, truncating integer division, out-of-range shifts, rounding
+half to even, negation that keeps the sign of zero, float fmod through libdevice on the GPU,
+float-to-narrow-int conversion through int32). Integer division by zero raises
+in eager: such kernels get an error-flag buffer that the wrapper checks after the launch.
+Index arithmetic is int32 unless the kernel's domain, a buffer it touches or a constant of its
+index expressions reaches 2**31; then the program id, and so every index, is int64.
+
+Math functions. ``tl.exp``, ``tl.log``, ``tl.sqrt``, ... (``tl.math``) run everywhere;
+libdevice functions (tanh, expm1, atan2, pow, ...) exist only when compiling for a GPU: the
+interpreter (``TRITON_INTERPRET=1``) has no libdevice, so there lowering is told to leave
+those ops out (they become externs). ``triton.language.extra.libdevice`` is the path in
+triton 3.6 and in the newest release.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import attrs
+import sympy
+import torch
+
+from ..config import config
+from ..errors import BackendError, CheckError
+from ..graph.loops import (
+    Apply,
+    Constant,
+    Extern,
+    IndexValue,
+    Kernel,
+    Load,
+    LoopProgram,
+    Reduce,
+    children,
+    is_inner,
+    walk,
+)
+from .cpp import CompiledKernel, _extern_text, _identifier, _levels
+
+_TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64",
+              torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
+              torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int1"}
+TRITON_DTYPES = frozenset(_TL_DTYPES)
+
+# op -> Triton expression: {0}, {1}, {2} are the operands' locals, {T} the result's tl dtype.
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "bitwise_and": "&", "bitwise_or": "|",
+          "bitwise_xor": "^", "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">",
+          "ge": ">="}
+_CORE_OPS: dict[str, str] = {
+    **{op: f"tl.{op}({{0}})" for op in "exp exp2 log log2 sin cos sqrt rsqrt erf abs".split()},
+    **{op: f"({{0}} {sym} {{1}})" for op, sym in _INFIX.items()},
+    **{op: f"_{op}({{0}})" for op in "ceil floor trunc round sign isfinite signbit".split()},
+    **{op: f"_{op}({{0}}, {{1}})" for op in ("div fmod remainder maximum minimum fmax fmin "
+                                             "shift_left shift_right_arithmetic").split()},
+    "neg": "_neg({0})",
+    "bitwise_not": "(~{0})",
+    "reciprocal": "(1.0 / {0})",
+    "where": "tl.where({0}, {1}, {2})",
+    "convert": "_convert({0}, {T})",
+}
+# GPU only: the interpreter has no libdevice.
+_LIBDEVICE_OPS: dict[str, str] = {
+    **{op: f"libdevice.{op}({{0}})" for op in ("acos acosh asin asinh atan atanh cbrt cosh "
+                                               "erfc expm1 lgamma log10 log1p sinh tan "
+                                               "tanh").split()},
+    **{op: f"libdevice.{op}({{0}}, {{1}})" for op in ("atan2", "hypot", "nextafter")},
+    "pow": "_pow({0}, {1})",
+}
+TRITON_OPS: dict[str, str] = {**_CORE_OPS, **_LIBDEVICE_OPS}
+# Left out (lowering makes them externs): gcd, digamma, erf_inv, erfcx, ndtri, the Bessel
+# and other special functions, igamma/igammac, zeta.
+
+# Triton's 1-bit integers wrap; torch's bool arithmetic saturates.
+_BOOL_OPS = {"add": "({0} | {1})", "mul": "({0} & {1})"}
+_INT_DIVISIONS = ("div", "fmod", "remainder")
+PERSISTENT_MAX = 4096   # rows up to this many points are reduced in one tile
+LOOPED_RBLOCK = 1024    # the chunk of longer rows
+TILE_MAX = 4096         # XBLOCK * RBLOCK of a reduction tile
+POINTWISE_XBLOCK = 1024
+
+_PRELUDE = '''"""plait Triton kernels: elementwise semantics follow eager PyTorch (see
+backends/triton.py)."""
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_NAN = tl.constexpr(float("nan"))
+_INF = tl.constexpr(float("inf"))
+_NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _maximum(a, b):  # NaN-propagating, as torch.maximum
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+
+
+@triton.jit
+def _fmax(a, b):  # NaN-ignoring
+    return tl.where((a > b) | (b != b), a, b)
+
+
+@triton.jit
+def _fmin(a, b):
+    return tl.where((a < b) | (b != b), a, b)
+
+
+@triton.jit
+def _sum(a, b):
+    return a + b
+
+
+@triton.jit
+def _prod(a, b):
+    return a * b
+
+
+@triton.jit
+def _argmax(a, ai, b, bi):  # NaN beats every number; ties go to the first index
+    take = (b > a) | ((b != b) & (a == a)) | (((a == b) | ((a != a) & (b != b))) & (bi < ai))
+    return tl.where(take, b, a), tl.where(take, bi, ai)
+
+
+@triton.jit
+def _argmin(a, ai, b, bi):
+    take = (b < a) | ((b != b) & (a == a)) | (((a == b) | ((a != a) & (b != b))) & (bi < ai))
+    return tl.where(take, b, a), tl.where(take, bi, ai)
+
+
+@triton.jit
+def _safe_divisor(b):  # integer division by zero is reported, never executed
+    if b.dtype.is_floating():
+        r = b
+    else:
+        r = b + (b == 0).to(b.dtype)
+    return r
+
+
+@triton.jit
+def _check_divisor(err, b, mask):
+    bad = ((b + tl.zeros(mask.shape, b.dtype)) == 0) & mask  # b may be 0-d (see load)
+    tl.store(err + tl.zeros_like(bad.to(tl.int32)), 1, mask=bad)
+
+
+@triton.jit
+def _div(a, b):  # true division of floats, truncating division of integers
+    if a.dtype.is_floating():
+        r = a / b
+    else:
+        r = a // _safe_divisor(b)
+    return r
+
+
+@triton.jit
+def _fmod(a, b):  # the sign of a
+    if a.dtype.is_floating():
+        r = FLOAT_FMOD
+    else:
+        r = a % _safe_divisor(b)  # Triton's integer % is C's
+    return r
+
+
+@triton.jit
+def _remainder(a, b):  # the sign of b, as Python's %
+    r = _fmod(a, b)
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _neg(a):  # 0 - x on the GPU would lose the sign of a negated zero
+    if a.dtype.is_floating():
+        r = a * -1.0
+    else:
+        r = -a
+    return r
+
+
+@triton.jit
+def _shift_left(a, b):  # by a negative amount or the width or more: 0
+    bits: tl.constexpr = a.dtype.primitive_bitwidth
+    return tl.where((b < 0) | (b >= bits), tl.zeros_like(a), a << b)
+
+
+@triton.jit
+def _shift_right_arithmetic(a, b):  # out of range: the sign
+    bits: tl.constexpr = a.dtype.primitive_bitwidth
+    out = (b < 0) | (b >= bits)
+    if a.dtype.is_int_signed():
+        r = a >> tl.where(out, bits - 1, b)
+    else:
+        r = tl.where(out, tl.zeros_like(a), a >> b)
+    return r
+
+
+@triton.jit
+def _floor(a):  # rounding an integer is the identity
+    if a.dtype.is_floating():
+        r = tl.floor(a)
+    else:
+        r = a
+    return r
+
+
+@triton.jit
+def _ceil(a):
+    if a.dtype.is_floating():
+        r = tl.ceil(a)
+    else:
+        r = a
+    return r
+
+
+@triton.jit
+def _trunc(a):
+    if a.dtype.is_floating():
+        r = tl.where(a < 0, tl.ceil(a), tl.floor(a))
+    else:
+        r = a
+    return r
+
+
+@triton.jit
+def _round(a):  # half to even, as torch.round; the sign of a zero result is a's
+    if a.dtype.is_floating():
+        f = tl.floor(a)
+        d = a - f
+        odd = f - 2.0 * tl.floor(f * 0.5) != 0
+        r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+        r = tl.where(r == 0, a * 0.0, r)
+    else:
+        r = a
+    return r
+
+
+@triton.jit
+def _sign(a):  # NaN -> 0
+    if a.dtype == tl.int1:
+        r = a
+    else:
+        r = (a > 0).to(a.dtype) - (a < 0).to(a.dtype)
+    return r
+
+
+@triton.jit
+def _isfinite(a):
+    if a.dtype.is_floating():
+        r = (a == a) & (tl.abs(a) != _INF)
+    else:
+        r = a == a
+    return r
+
+
+@triton.jit
+def _signbit(a):
+    if a.dtype == tl.float64:
+        r = a.to(tl.int64, bitcast=True) < 0
+    elif a.dtype == tl.float32:
+        r = a.to(tl.int32, bitcast=True) < 0
+    else:
+        r = a < 0
+    return r
+
+
+@triton.jit
+def _pow(a, b):  # GPU only (libdevice); integers by repeated squaring
+    if a.dtype.is_floating():
+        r = libdevice.pow(a, b)
+    else:
+        bits: tl.constexpr = a.dtype.primitive_bitwidth
+        one = tl.zeros_like(a) + 1
+        r = one
+        base = a
+        e = b
+        for i in tl.static_range(bits):
+            r = tl.where((e & 1) != 0, r * base, r)
+            base = base * base
+            e = e >> 1
+        if a.dtype.is_int_signed():  # negative exponents: 1 for 1, +-1 for -1, else 0
+            neg = tl.where(a == 1, one, tl.where(a == -1, one - 2 * (b & 1), one - 1))
+            r = tl.where(b < 0, neg, r)
+    return r
+
+
+@triton.jit
+def _convert(a, dtype: tl.constexpr):
+    if dtype == tl.int1:
+        r = a != 0
+    elif a.dtype.is_floating() and dtype.is_int() and dtype.primitive_bitwidth < 32:
+        r = a.to(tl.int32).to(dtype)  # through int32, as torch's scalar cast
+    else:
+        r = a.to(dtype)
+    return r
+
+
+@triton.jit
+def _floordiv(a, b):  # index arithmetic on possibly negative values, as sympy's floor
+    q = a // b
+    return tl.where(((a % b) != 0) & ((a < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def _mod(a, b):  # the divisor's sign, as sympy's Mod
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+'''
+
+
+def interpreting() -> bool:
+    """Does Triton run kernels in its CPU interpreter (``TRITON_INTERPRET=1``)?"""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def prelude() -> str:
+    """The helpers: a float ``%`` compiled for the GPU is not C's fmod on every value (inf,
+    large quotients), libdevice's is; the interpreter has only ``%`` (numpy's fmod)."""
+    return _PRELUDE.replace("FLOAT_FMOD", "a % b" if interpreting() else "libdevice.fmod(a, b)")
+
+
+def supported_ops() -> frozenset:
+    """The ops lowering may leave in kernels: libdevice ones only when compiling for a GPU."""
+    return frozenset(_CORE_OPS if interpreting() else TRITON_OPS)
+
+
+def _tl(dtype: torch.dtype) -> str:
+    try:
+        return _TL_DTYPES[dtype]
+    except KeyError:
+        raise BackendError(f"the triton backend has no Triton type for {dtype}; lowering "
+                           "should have made this an extern. Use backend='eager' for this "
+                           "function.") from None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------
+# Printing expressions
+# ---------------------------------------------------------------------------------------
+def _index(e, names: dict | None = None) -> str:
+    """An integer sympy index expression (or condition) as Triton over the loop variables
+    (``names`` maps a variable to another spelling)."""
+    e = sympy.sympify(e)
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Float:
+        return repr(float(e))
+    if e.is_Symbol:
+        return (names or {}).get(e.name, e.name)
+    sub = lambda a: _index(a, names)
+    if isinstance(e, (sympy.Add, sympy.Mul)):
+        return "(" + (" + " if isinstance(e, sympy.Add) else " * ").join(map(sub, e.args)) + ")"
+    if isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
+        return "(" + " * ".join([sub(e.base)] * int(e.exp)) + ")"
+    if isinstance(e, (sympy.floor, sympy.ceiling)):
+        num, den = e.args[0].as_numer_denom()
+        if not den.is_Integer:
+            raise BackendError(f"cannot print index {e}: the divisor is not an integer")
+        if isinstance(e, sympy.ceiling):  # ceil(n / d) = -floor(-n / d)
+            num = -num
+        direct = num.is_nonnegative and den.is_positive  # // truncates: the floor here
+        q = f"({sub(num)} // {sub(den)})" if direct else f"_floordiv({sub(num)}, {sub(den)})"
+        return f"(-{q})" if isinstance(e, sympy.ceiling) else q
+    if isinstance(e, sympy.Mod):
+        a, b = e.args
+        direct = a.is_nonnegative and b.is_positive
+        return f"({sub(a)} % {sub(b)})" if direct else f"_mod({sub(a)}, {sub(b)})"
+    if isinstance(e, (sympy.Min, sympy.Max)):
+        fn = "tl.minimum" if isinstance(e, sympy.Min) else "tl.maximum"
+        out = sub(e.args[0])
+        for a in e.args[1:]:
+            out = f"{fn}({out}, {sub(a)})"
+        return out
+    if isinstance(e, (sympy.And, sympy.Or)):  # conditions on indices (padding, concat)
+        return "(" + (" & " if isinstance(e, sympy.And) else " | ").join(map(sub, e.args)) + ")"
+    if isinstance(e, sympy.core.relational.Relational):
+        return f"({sub(e.lhs)} {e.rel_op} {sub(e.rhs)})"
+    raise BackendError(f"cannot print index expression {e} ({type(e).__name__}) as Triton")
+
+
+def _literal(value, dtype: torch.dtype) -> str:
+    """A typed 0-d constant (a bare Python number would be promoted by Triton's rules)."""
+    if dtype.is_floating_point:
+        value = float(value)
+        v = "_NAN" if math.isnan(value) else ("_INF" if value > 0 else "_NEG_INF") \
+            if math.isinf(value) else repr(value)
+    else:
+        v = repr(bool(value)) if dtype == torch.bool else str(int(value))
+    return f"tl.full([], {v}, {_tl(dtype)})"
+
+
+def _symbols(e) -> set[str]:
+    return {s.name for s in sympy.sympify(e).free_symbols}
+
+
+def _identity(op: str, dtype: torch.dtype) -> str:
+    """The value a masked lane contributes to a reduction."""
+    if op in ("sum", "prod"):
+        return "0" if op == "sum" else "1"
+    low = op in ("amax", "argmax")
+    if dtype.is_floating_point:
+        return "_NEG_INF" if low else "_INF"
+    info = torch.iinfo(dtype)
+    return str(info.min if low else info.max)
+
+
+def _acc_dtype(red: Reduce) -> torch.dtype:
+    """The accumulator's dtype: the body's, but a bool body is counted in the result's dtype
+    (sum, prod) or compared as int8."""
+    if red.body.dtype != torch.bool:
+        return red.body.dtype
+    return red.dtype if red.op in ("sum", "prod") else torch.int8
+
+
+class _Scope:
+    """Emits expression nodes as locals, each distinct node once, operands first. A scope
+    inside the reduction loops defers what does not depend on ``r..`` to its ``parent``
+    (computed once, before the loops)."""
+
+    def __init__(self, writer: _KernelWriter, lines: list[str], indent: str, mask: str,
+                 parent: _Scope | None = None):
+        self.writer, self.lines, self.indent, self.mask = writer, lines, indent, mask
+        self.parent, self.names = parent, {}
+
+    def lookup(self, e):
+        scope = self
+        while scope is not None:
+            if e in scope.names:
+                return scope.names[e]
+            scope = scope.parent
+        return None
+
+    def value(self, e) -> str:
+        if (name := self.lookup(e)) is not None:
+            return name
+        if self.parent is not None and not self.writer.uses_rows(e):
+            return self.parent.value(e)
+        if isinstance(e, Reduce):
+            raise BackendError(f"kernel {self.writer.kernel.name}: a {e.op} reduction inside "
+                               "another reduction or in a kernel without reduction loops")
+        args = [self.value(c) for c in children(e)]
+        if isinstance(e, Load):
+            code = self.writer.load(e)
+        elif isinstance(e, Constant):
+            code = _literal(e.value, e.dtype)
+        elif isinstance(e, IndexValue):
+            code = self.writer.index_value(e)
+        elif isinstance(e, Apply):
+            if e.op not in TRITON_OPS:
+                raise BackendError(f"the triton backend has no Triton form of {e.op!r}; "
+                                   "lowering should have made it an extern")
+            form = _BOOL_OPS.get(e.op) if e.dtype == torch.bool else None
+            code = (form or TRITON_OPS[e.op]).format(*args, T=_tl(e.dtype))
+            if e.op in _INT_DIVISIONS and not e.dtype.is_floating_point:
+                self.writer.checks_error = True
+                self.emit(f"_check_divisor(err, {args[1]}, {self.mask})")
+        else:
+            raise BackendError(f"unknown loop IR node {e!r}")
+        name = self.names[e] = self.writer.local("t")
+        self.emit(f"{name} = {code}")
+        return name
+
+    def emit(self, line: str) -> None:
+        self.lines.append(self.indent + line)
+
+
+class _KernelWriter:
+    """One ``@triton.jit`` function for a Kernel, and how to launch it."""
+
+    def __init__(self, kernel: Kernel, fname: str, buffer_types: dict):
+        self.kernel, self.fname, self.types = kernel, fname, buffer_types
+        self.count, self.checks_error = 0, False
+        self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
+        taken: set = set()
+        self.params = {b: "ptr_" + _identifier(b, taken) for b in self.buffers}
+        self._rows: dict = {}
+        k = kernel
+        self.numel = math.prod(k.sizes)
+        self.rnumel = math.prod(k.reduction_sizes)
+        self.row_kernel = bool(k.reduction_sizes)
+        nodes = walk(*(s.value for s in k.stores))
+        indices = [s.index for s in k.stores] + [e.index for e in nodes if isinstance(e, Load)] \
+            + [e.expr for e in nodes if isinstance(e, IndexValue)]
+        biggest = max([self.numel * max(1, self.rnumel)]
+                      + [buffer_types[b].numel for b in self.buffers]
+                      + [abs(int(a)) for ix in indices
+                         for a in sympy.sympify(ix).atoms(sympy.Integer)])
+        self.wide = biggest >= 2 ** 31  # int64 index arithmetic
+        if self.row_kernel:
+            self.persistent = self.rnumel <= PERSISTENT_MAX
+            self.rblock = _pow2(self.rnumel) if self.persistent else LOOPED_RBLOCK
+            self.xblock = min(_pow2(self.numel), max(1, TILE_MAX // self.rblock))
+        else:
+            self.rblock, self.xblock = 1, min(_pow2(self.numel), POINTWISE_XBLOCK)
+
+    def local(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}{self.count - 1}"
+
+    def uses_rows(self, e) -> bool:
+        """Does the node's value vary along the reduction loops (not looking inside
+        reductions, which are bound before anything uses them)?"""
+        if e not in self._rows:
+            if isinstance(e, Load):
+                own = _symbols(e.index)
+            elif isinstance(e, IndexValue):
+                own = _symbols(e.expr)
+            else:
+                own = set()
+            self._rows[e] = any(s.startswith("r") for s in own) or (
+                not isinstance(e, Reduce) and any(self.uses_rows(c) for c in children(e)))
+        return self._rows[e]
+
+    # -- pieces of code ----------------------------------------------------------------------
+    def _mask(self, symbols: set) -> str | None:
+        x, r = any(s.startswith("x") for s in symbols), any(s.startswith("r") for s in symbols)
+        return "xrmask" if x and r else "xmask" if x else "rmask" if r else None
+
+    def _shape(self, inner: bool) -> str:
+        if not self.row_kernel:
+            return "[XBLOCK]"
+        return "[XBLOCK, RBLOCK]" if inner else "[XBLOCK, 1]"
+
+    def load(self, e: Load) -> str:
+        mask = self._mask(_symbols(e.index))
+        ptr = f"{self.params[e.buffer]} + {_index(e.index)}"
+        if mask is None:  # one element for all lanes, in bounds: no mask. Loaded as a tile
+            # all the same, not 0-d: the interpreter mistypes a 0-d comparison result (its
+            # handle keeps the operands' dtype) once it is broadcast.
+            return f"tl.load({ptr} + tl.zeros({self._shape(False)}, tl.int32))"
+        return f"tl.load({ptr}, mask={mask}, other=0)"
+
+    def index_value(self, e: IndexValue) -> str:
+        if not _symbols(e.expr):
+            value = e.expr
+            return _literal(float(value) if e.dtype.is_floating_point else
+                            bool(value) if e.dtype == torch.bool else int(value), e.dtype)
+        names = ({s: f"{s}.to({_tl(e.dtype)})" for s in _symbols(e.expr)}
+                 if e.dtype.is_floating_point else None)  # iota of floats in their precision
+        return f"({_index(e.expr, names)}).to({_tl(e.dtype)})"
+
+    def store(self, scope: _Scope, s) -> None:
+        inner = is_inner(s)
+        symbols = _symbols(s.index)
+        need = {"x"} | ({"r"} if inner and self.row_kernel else set())
+        ptr = f"{self.params[s.buffer]} + {_index(s.index)}"
+        if {v[0] for v in symbols} != need:  # broadcast the pointer to the tile
+            ptr += f" + tl.zeros({self._shape(inner)}, tl.int32)"
+        mask = "xrmask" if inner else "xmask"
+        scope.emit(f"tl.store({ptr}, {scope.value(s.value)}, mask={mask})")
+
+    def _split(self, flat: str, prefix: str, sizes, lines, indent) -> None:
+        """Loop variables from a flat index (row-major over ``sizes``)."""
+        for i, n in enumerate(sizes):
+            inner = math.prod(sizes[i + 1:])
+            v = f"({flat} // {inner})" if inner > 1 else flat
+            v = f"{v} % {n}" if i else v
+            lines.append(f"{indent}{prefix}{i} = {v}")
+
+    # -- the function ----------------------------------------------------------------------
+    def source(self) -> str:
+        k = self.kernel
+        for s in k.stores:
+            if s.value.dtype != self.types[s.buffer].dtype:
+                raise BackendError(f"kernel {k.name} stores a {s.value.dtype} value into "
+                                   f"{s.buffer} of {self.types[s.buffer].dtype}")
+        lines: list[str] = []
+        ind = "    "
+        pid = "tl.program_id(0).to(tl.int64)" if self.wide else "tl.program_id(0)"
+        arange = "tl.arange(0, XBLOCK)" + ("[:, None]" if self.row_kernel else "")
+        lines += [f"{ind}xindex = {pid} * XBLOCK + {arange}",
+                  f"{ind}xmask = xindex < {max(1, self.numel)}"]
+        self._split("xindex", "x", k.sizes, lines, ind)
+        top = _Scope(self, lines, ind, "xmask")
+        if self.row_kernel:
+            self._rows_body(top, lines, ind)
+        for s in k.stores:
+            if not is_inner(s):
+                self.store(top, s)
+        params = [self.params[b] for b in self.buffers] + ["err"] * self.checks_error
+        head = (f"@triton.jit\ndef {self.fname}({', '.join(params)}, "
+                "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):")
+        return "\n".join([head, *lines])
+
+    def _rindex(self, base: str, lines, indent) -> None:
+        arange = "tl.arange(0, RBLOCK)" + (".to(tl.int64)" if self.wide else "")
+        lines += [f"{indent}rindex = {base}{arange}[None, :]",
+                  f"{indent}rmask = rindex < {self.rnumel}",
+                  f"{indent}xrmask = xmask & rmask"]
+        self._split("rindex", "r", self.kernel.reduction_sizes, lines, indent)
+
+    def _rows_body(self, top: _Scope, lines, ind) -> None:
+        k = self.kernel
+        levels = _levels(*(s.value for s in k.stores))
+        inner = [s for s in k.stores if is_inner(s)]
+        if self.persistent:  # one tile: every pass shares its loads
+            self._rindex("", lines, ind)
+            rows = _Scope(self, lines, ind, "xrmask", parent=top)
+            for level in levels:
+                for red in level:
+                    top.names[red] = self._reduce_tile(rows, red)
+            for s in inner:
+                self.store(rows, s)
+            return
+        for level in levels:
+            accs = [self._accumulate(top, red, lines, ind) for red in level]
+            body: list[str] = []
+            rows = self._loop(top, body, ind)
+            for red, acc in zip(level, accs):
+                self._update(rows, red, acc)
+            lines += body
+            for red, acc in zip(level, accs):
+                top.names[red] = self._finish(top, red, acc)
+        if inner:
+            body = []
+            rows = self._loop(top, body, ind)
+            for s in inner:
+                self.store(rows, s)
+            lines += body
+
+    def _loop(self, top: _Scope, body: list, ind: str) -> _Scope:
+        body.append(f"{ind}for roff in range(0, {self.rnumel}, RBLOCK):")
+        self._rindex("roff + ", body, ind + "    ")
+        return _Scope(self, body, ind + "    ", "xrmask", parent=top)
+
+    def _masked_body(self, rows: _Scope, red: Reduce, fill: str) -> str:
+        v = rows.value(red.body)
+        t = _acc_dtype(red)
+        if t != red.body.dtype:
+            v = f"{v}.to({_tl(t)})"
+        return f"tl.where(xrmask, {v}, {fill})"
+
+    def _reduce_tile(self, rows: _Scope, red: Reduce) -> str:
+        """A persistent reduction: the whole row in one tile."""
+        init = _identity(red.op, _acc_dtype(red))
+        v = self._masked_body(rows, red, init)
+        name = self.local("red")
+        if red.op.startswith("arg"):
+            rows.emit(f"_, {name} = tl.reduce(({v}, rindex + tl.zeros([XBLOCK, RBLOCK], "
+                      f"tl.int32)), 1, _{red.op})")
+        else:
+            rows.emit(f"{name} = tl.reduce({v}, 1, _{self._combine(red)})")
+        rows.emit(f"{name} = {name}[:, None].to({_tl(red.dtype)})")
+        return name
+
+    @staticmethod
+    def _combine(red: Reduce) -> str:
+        return {"sum": "sum", "prod": "prod", "amax": "maximum", "amin": "minimum"}[red.op]
+
+    def _accumulate(self, top: _Scope, red: Reduce, lines, ind) -> str:
+        if red.op not in ("sum", "prod", "amax", "amin", "argmax", "argmin"):
+            raise BackendError(f"kernel {self.kernel.name}: unknown reduction {red.op!r}")
+        acc = self.local("acc")
+        t = _acc_dtype(red)
+        lines.append(f"{ind}{acc} = tl.full([XBLOCK, RBLOCK], {_identity(red.op, t)}, {_tl(t)})")
+        if red.op.startswith("arg"):
+            index_t = "tl.int64" if self.wide else "tl.int32"
+            lines.append(f"{ind}{acc}_index = tl.zeros([XBLOCK, RBLOCK], {index_t})")
+        return acc
+
+    def _update(self, rows: _Scope, red: Reduce, acc: str) -> None:
+        if red.op.startswith("arg"):
+            v = self._masked_body(rows, red, acc)
+            rows.emit(f"{acc}, {acc}_index = _{red.op}({acc}, {acc}_index, {v}, "
+                      f"tl.where(xrmask, rindex, {acc}_index))")
+        else:
+            v = self._masked_body(rows, red, _identity(red.op, _acc_dtype(red)))
+            rows.emit(f"{acc} = _{self._combine(red)}({acc}, {v})")
+
+    def _finish(self, top: _Scope, red: Reduce, acc: str) -> str:
+        name = self.local("red")
+        if red.op.startswith("arg"):
+            top.emit(f"_, {name} = tl.reduce(({acc}, {acc}_index), 1, _{red.op})")
+        else:
+            top.emit(f"{name} = tl.reduce({acc}, 1, _{self._combine(red)})")
+        top.emit(f"{name} = {name}[:, None].to({_tl(red.dtype)})")
+        return name
+
+    # -- launching -------------------------------------------------------------------------
+    def launch_args(self) -> tuple[tuple, dict]:
+        grid = (math.ceil(self.numel / self.xblock),)
+        warps = 8 if self.xblock * self.rblock >= 2048 else 4
+        return grid, {"XBLOCK": self.xblock, "RBLOCK": self.rblock, "num_warps": warps}
+
+
+# ---------------------------------------------------------------------------------------
+# Loading the generated module
+# ---------------------------------------------------------------------------------------
+def _cache_folder() -> str:
+    directory = os.path.join(os.path.expanduser(config.cache_dir), "triton")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+    except OSError:
+        pass
+    return tempfile.mkdtemp(prefix="plait-triton-")  # the source must be a real file
+
+
+def load_module(source: str):
+    """Import ``source`` from ``<cache_dir>/triton/<hash>.py`` (Triton reads kernels' source
+    through ``inspect``, so they must live in real files); equal sources share the file."""
+    key = hashlib.sha256(source.encode()).hexdigest()[:40]
+    name = f"plait_triton_{key}"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(_cache_folder(), key + ".py")
+    if not (os.path.exists(path) and pathlib.Path(path).read_text() == source):
+        fd, tmp = tempfile.mkstemp(suffix=".py", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)  # atomic: a concurrent reader never sees a partial file
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled program
+# ---------------------------------------------------------------------------------------
+@attrs.frozen
+class _Step:
+    call: object                  # a launcher (kernel, grid, options), or an Extern
+    args: tuple[int, ...]         # slots: a kernel's parameters; an Extern's inputs
+    outs: tuple[int, ...]         # an Extern's output slots
+    allocate: tuple[tuple, ...]   # (slot, shape, dtype) to allocate before the step
+    free: tuple[int, ...]         # slots dead after the step
+    checks_error: bool = False
+
+
+class CompiledProgram:
+    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``."""
+
+    def __init__(self, program: LoopProgram):
+        self.program = program
+        names = list(program.buffers)
+        slot = {b: i for i, b in enumerate(names)}
+        types = {b: buf.type for b, buf in program.buffers.items()}
+        bound = set(program.inputs) | set(program.constants)
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for i, k in enumerate(program.kernels):
+            for b in (*k.reads, *k.writes):
+                first.setdefault(b, i)
+                last[b] = i
+        taken = {"triton", "tl", "libdevice"}
+        writers, parts, self.kernels = {}, [prelude()], []
+        for i, k in enumerate(program.kernels):
+            if isinstance(k, Kernel):
+                writers[i] = w = _KernelWriter(k, _identifier(k.name, taken), types)
+                text = w.source()
+                parts.append(text)
+            else:
+                text = _extern_text(k)
+            self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
+        self.triton_source = "\n\n\n".join(parts) + "\n"
+        module = load_module(self.triton_source)
+
+        keep = set(program.outputs)
+        self._steps, listing = [], []
+        for i, k in enumerate(program.kernels):
+            fresh = [b for b in (*k.reads, *k.writes) if first[b] == i and b not in bound
+                     and not (isinstance(k, Extern) and b in k.outputs)]
+            allocate = tuple((slot[b], tuple(types[b].shape), types[b].dtype)
+                             for b in dict.fromkeys(fresh))
+            free = tuple(slot[b] for b in dict.fromkeys((*k.reads, *k.writes))
+                         if last[b] == i and b not in keep)
+            listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype}, device=device)"
+                        for s, shape, dtype in allocate]
+            listing += ["# " + line for line in program.describe(k)]
+            if isinstance(k, Kernel):
+                w = writers[i]
+                grid, options = w.launch_args()
+                launch = (getattr(module, w.fname), grid, options) if w.numel else None
+                step = _Step(launch, tuple(slot[b] for b in w.buffers), (), allocate, free,
+                             w.checks_error)
+                opts = ", ".join(f"{n}={v}" for n, v in options.items())
+                listing.append(f"{w.fname}[{grid}]({', '.join(w.buffers)}"
+                               f"{', err' * w.checks_error}, {opts})")
+            else:
+                step = _Step(k, tuple(slot[b] for b in k.inputs),
+                             tuple(slot[b] for b in k.outputs), allocate, free)
+                listing.append(_extern_text(k))
+            if free:
+                listing.append("del " + ", ".join(names[s] for s in free))
+            self._steps.append(step)
+        self._size = len(names)
+        self._inputs = tuple(slot[b] for b in program.inputs)
+        self._constants = tuple((slot[b], t) for b, t in program.constants.items())
+        self._on_device: dict = {}  # device -> constants there
+        self._unbound_outputs = tuple(  # outputs nothing produces: empty buffers
+            (slot[b], tuple(types[b].shape), types[b].dtype)
+            for b in dict.fromkeys(program.outputs) if b not in bound and b not in first)
+        self._outputs = tuple(slot[b] for b in program.outputs)
+        listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype}, device=device)"
+                    for s, shape, dtype in self._unbound_outputs]
+        listing.append(f"return ({', '.join(program.outputs)}{',' if program.outputs else ''})")
+        self.wrapper_source = "\n".join(
+            ["def run(" + ", ".join(program.inputs) + "):"] + ["    " + s for s in listing])
+        self.source = (self.triton_source + '\n\n"""Python wrapper:\n' + self.wrapper_source
+                       + '\n"""\n')
+
+    def _device(self, inputs) -> torch.device:
+        if inputs:
+            device = inputs[0].device
+        else:
+            device = torch.device("cpu" if interpreting() else "cuda")
+        if device.type == "cpu" and not interpreting():
+            raise BackendError("the triton backend runs on GPU tensors (or on CPU tensors "
+                               "under TRITON_INTERPRET=1); use backend='cpp' on the CPU")
+        return device
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        device = self._device(inputs)
+        env: list = [None] * self._size
+        for s, t in zip(self._inputs, inputs):
+            env[s] = t.contiguous()
+        if device not in self._on_device:
+            self._on_device[device] = [(s, t.to(device)) for s, t in self._constants]
+        for s, t in self._on_device[device]:
+            env[s] = t
+        err = None
+        for step in self._steps:
+            for s, shape, dtype in step.allocate:
+                env[s] = torch.empty(shape, dtype=dtype, device=device)
+            if isinstance(step.call, Extern):
+                self._call_extern(step, env)
+            elif step.call is not None:
+                fn, grid, options = step.call
+                args = [env[s] for s in step.args]
+                if step.checks_error:
+                    err = torch.zeros(1, dtype=torch.int32, device=device)
+                    args.append(err)
+                fn[grid](*args, **options)
+                if step.checks_error and err.item():
+                    raise CheckError("ZeroDivisionError: integer division or remainder by zero")
+            for s in step.free:
+                env[s] = None
+        for s, shape, dtype in self._unbound_outputs:
+            env[s] = torch.empty(shape, dtype=dtype, device=device)
+        return [env[s] for s in self._outputs]
+
+    def _call_extern(self, step: _Step, env: list) -> None:
+        k = step.call
+        result = k.fn(*[env[s] for s in step.args], **dict(k.params))
+        result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+        if len(result) != len(step.outs):
+            raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
+                               f"expected {len(step.outs)}")
+        for b, s, t in zip(k.outputs, step.outs, result):
+            want = self.program.buffers[b].type
+            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+                raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
+                                   f"for {b}, which is {want.dtype}{list(want.shape)}")
+            env[s] = t.contiguous()
+
+
+def compile_program(program: LoopProgram) -> CompiledProgram:
+    return CompiledProgram(program)
+
+
+def compile_graph(graph):
+    """The ``triton`` backend's factory: lower the graph for this code generator (its ops:
+    ``supported_ops()``), fuse the kernels, generate and load them."""
+    from ..passes.fusion import fuse
+    from ..passes.lowering import lower
+
+    return compile_program(fuse(lower(graph, supported_ops=supported_ops(),
+                                      supported_dtypes=TRITON_DTYPES)))

@@ -1,0 +1,396 @@
+"""The Triton backend under Triton's CPU interpreter, against eager torch: hand-built
+LoopPrograms (pointwise, persistent and looped reductions, externs, buffers), every op of
+the interpreter's op set, plait.jit end to end with kernel counts, and an OpInfo sweep."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    if os.environ.get("CI") == "true":  # the test extra installs triton: CI must run this
+        raise ImportError("triton is not installed; the triton backend tests cannot run")
+    pytest.skip("triton is not installed (pip install plait[test])", allow_module_level=True)
+
+import plait
+import sympy
+import torch
+from opinfo_sweep import sweep
+from plait.backends import available_backends
+from plait.backends import triton as triton_backend
+from plait.backends.triton import (
+    TRITON_DTYPES,
+    TRITON_OPS,
+    compile_program,
+    supported_ops,
+)
+from plait.errors import CheckError
+from plait.graph.loops import Extern, IndexValue, Kernel, Reduce, Store, loop_vars
+from test_cpp_backend import (
+    _check,
+    _operands,
+    _reference,
+    _values,
+    ap,
+    const,
+    load,
+    program,
+)
+from test_cpu_compiler import loop_ordering
+
+F32, I64, BOOL = torch.float32, torch.int64, torch.bool
+x0, x1, x2 = loop_vars("x", 3)
+r0, r1 = loop_vars("r", 2)
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory):
+    """Generated modules go to a per-session cache."""
+    with plait.config.patch(cache_dir=str(tmp_path_factory.getbasetemp() / "plait-cache")):
+        yield
+
+
+@pytest.fixture(params=["persistent", "looped"])
+def rows(request, monkeypatch):
+    """Reductions as one tile per row, or looped in chunks of 4 (small rows exercise the
+    chunk loop, its ragged last chunk and the cross-lane combine)."""
+    if request.param == "looped":
+        monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
+        monkeypatch.setattr(triton_backend, "LOOPED_RBLOCK", 4)
+    return request.param
+
+
+def jitted(fn, *args):
+    """fn through plait.jit(backend="triton"), checked against eager; returns the Lowered."""
+    jit = plait.jit(fn, backend="triton")
+    torch.testing.assert_close(jit(*args), fn(*args), equal_nan=True)
+    return jit.lower(*args)
+
+
+# ---------------------------------------------------------------------------------------
+# Hand-built programs
+# ---------------------------------------------------------------------------------------
+def test_pointwise_chain_with_broadcast_and_transposed_loads():
+    x, b = torch.randn(37, 24), torch.randn(37)
+    value = ap("add", ap("mul", ap("exp", load("x", x1 * 24 + x0)), load("b", x1)), const(1.0))
+    k = Kernel("chain", (24, 37), (), (Store("y", 37 * x0 + x1, value),))
+    run = compile_program(program({"x": ((37, 24), F32), "b": ((37,), F32),
+                                   "y": ((24, 37), F32)}, ["x", "b"], [k], ["y"]))
+    torch.testing.assert_close(run([x, b])[0], (torch.exp(x) * b[:, None] + 1).t())
+    assert run.kernels[0].reads == ("x", "b") and run.kernels[0].writes == ("y",)
+    assert "xmask = xindex < 888" in run.kernels[0].source  # 888 points in blocks of 1024
+
+
+def test_where_with_clamped_loads_and_scalar_loads():
+    x, s = torch.randn(6), torch.randn(())
+    inside = ap("bitwise_and", ap("ge", IndexValue(x0, I64), const(2, I64)),
+                ap("lt", IndexValue(x0, I64), const(8, I64)))
+    clamped = load("x", sympy.Max(0, sympy.Min(5, x0 - 2)))
+    k = Kernel("pad", (10,), (), (Store("y", x0, ap("where", inside, clamped, load("s", 0))),))
+    run = compile_program(program({"x": ((6,), F32), "s": ((), F32), "y": ((10,), F32)},
+                                  ["x", "s"], [k], ["y"]))
+    torch.testing.assert_close(run([x, s])[0], torch.nn.functional.pad(x, (2, 2), value=s))
+
+
+@pytest.mark.parametrize("expr", [
+    sympy.floor((x0 - 5) / 3), sympy.Mod(x0 - 5, 3), sympy.floor(x0 / 4), sympy.Mod(x0, 4),
+    sympy.ceiling((x0 - 6) / 4), sympy.Max(x0 - 3, 2 * x0 - 9), (x0 - 4) ** 2,
+    sympy.floor(sympy.floor(x0 / 2) / 3) * 3 - x0 * 5000000000])
+def test_index_printer(expr):
+    k = Kernel("idx", (12,), (), (Store("y", x0, IndexValue(expr, I64)),))
+    run = compile_program(program({"y": ((12,), I64)}, [], [k], ["y"]))
+    assert run([])[0].tolist() == [int(expr.subs(x0, i)) for i in range(12)]
+    assert ("tl.program_id(0).to(tl.int64)" in run.kernels[0].source) == (
+        "5000000000" in str(expr))  # 64-bit indices only where needed
+
+
+def test_iota_of_floats_and_constants():
+    k = Kernel("iota", (5,), (), (
+        Store("f", x0, IndexValue(sympy.Float(0.5) + x0 * sympy.Float(0.1), torch.float64)),
+        Store("i", x0, ap("add", IndexValue(x0, I64), const(-(1 << 63), I64))),
+        Store("c", x0, const(float("-inf")))))
+    run = compile_program(program({"f": ((5,), torch.float64), "i": ((5,), I64),
+                                   "c": ((5,), F32)}, [], [k], ["f", "i", "c"]))
+    f, i, c = run([])
+    torch.testing.assert_close(f, torch.arange(5, dtype=torch.float64) * 0.1 + 0.5)
+    assert i.tolist() == [-(1 << 63) + n for n in range(5)]
+    assert c.tolist() == [float("-inf")] * 5
+
+
+def test_softmax_row_kernel_with_epilogue(rows):
+    """amax, then sum(exp(x - max)) (a later pass using the first), logsumexp stored per
+    row and the normalized output as an inner store: one kernel."""
+    x = torch.randn(5, 3, 7)
+    row = load("x", 21 * x0 + 7 * r0 + r1)
+    m = Reduce("amax", row, F32)
+    e = ap("exp", ap("sub", row, m))
+    s = Reduce("sum", e, F32)
+    k = Kernel("softmax", (5,), (3, 7), (
+        Store("y", 21 * x0 + 7 * r0 + r1, ap("div", e, s)),
+        Store("lse", x0, ap("add", ap("log", s), m))))
+    run = compile_program(program({"x": ((5, 3, 7), F32), "y": ((5, 3, 7), F32),
+                                   "lse": ((5,), F32)}, ["x"], [k], ["y", "lse"]))
+    y, lse = run([x])
+    torch.testing.assert_close(y, torch.softmax(x.reshape(5, 21), 1).reshape(5, 3, 7))
+    torch.testing.assert_close(lse, torch.logsumexp(x.reshape(5, 21), 1))
+    assert ("for roff in range" in run.kernels[0].source) == (rows == "looped")
+
+
+def test_full_reduction_and_moments(rows):
+    x = torch.randn(30, 11, dtype=torch.float64)
+    v = load("x", 11 * r0 + r1, torch.float64)
+    n = const(330.0, torch.float64)
+    mean = ap("div", Reduce("sum", v, torch.float64), n)
+    var = ap("div", Reduce("sum", ap("mul", ap("sub", v, mean), ap("sub", v, mean)),
+                           torch.float64), n)
+    k = Kernel("k", (), (30, 11), (Store("mean", 0, mean), Store("var", 0, var),
+                                   Store("p", 0, Reduce("prod", ap("exp", ap("mul", v, const(
+                                       1e-3, torch.float64))), torch.float64))))
+    bufs = {"x": ((30, 11), torch.float64), **{b: ((), torch.float64) for b in ("mean", "var", "p")}}
+    mean, var, p = compile_program(program(bufs, ["x"], [k], ["mean", "var", "p"]))([x])
+    torch.testing.assert_close(mean, x.mean())
+    torch.testing.assert_close(var, x.var(unbiased=False))
+    torch.testing.assert_close(p, torch.exp(x * 1e-3).prod())
+
+
+@pytest.mark.parametrize("op", ["argmax", "argmin", "amax", "amin"])
+def test_arg_and_extreme_reductions_ties_nan_inf(op, rows):
+    nan, inf = float("nan"), float("inf")
+    data = [[1, 3, 3, 2, 3, 0], [nan, 5, nan, 1, 9, 9], [-inf] * 6, [inf] * 6,
+            [2, 1, 1, 2, -1, -1], [0, -0.0, 0, 7, nan, 7], [0, 1, 2, 3, 9, 9]]
+    x = torch.tensor(data).reshape(7, 2, 3)
+    out_dtype = I64 if op.startswith("arg") else F32
+    k = Kernel("k", (7,), (2, 3), (Store("y", x0, Reduce(
+        op, load("x", 6 * x0 + 3 * r0 + r1), out_dtype)),))
+    run = compile_program(program({"x": ((7, 2, 3), F32), "y": ((7,), out_dtype)},
+                                  ["x"], [k], ["y"]))
+    torch.testing.assert_close(run([x])[0], getattr(torch, op)(x.reshape(7, 6), 1),
+                               equal_nan=True)
+
+
+def test_integer_and_bool_reductions(rows):
+    x = torch.tensor([[5, -3, 5, 120, 9], [100, 100, -128, 7, 100]], dtype=torch.int8)
+    b = x > 6
+    kernel = Kernel("k", (2,), (5,), (
+        Store("i", x0, Reduce("argmax", load("x", 5 * x0 + r0, torch.int8), I64)),
+        Store("s", x0, Reduce("sum", load("x", 5 * x0 + r0, torch.int8), torch.int8)),
+        Store("n", x0, Reduce("sum", ap("convert", load("b", 5 * x0 + r0, BOOL), dtype=I64), I64)),
+        Store("any", x0, Reduce("amax", load("b", 5 * x0 + r0, BOOL), BOOL))))
+    run = compile_program(program({"x": ((2, 5), torch.int8), "b": ((2, 5), BOOL),
+                                   "i": ((2,), I64), "s": ((2,), torch.int8),
+                                   "n": ((2,), I64), "any": ((2,), BOOL)},
+                                  ["x", "b"], [kernel], ["i", "s", "n", "any"]))
+    i, s, n, any_ = run([x, b])
+    assert i.tolist() == x.argmax(1).tolist()
+    assert s.tolist() == x.sum(1, dtype=torch.int8).tolist()
+    assert n.tolist() == b.sum(1).tolist() and any_.tolist() == b.any(1).tolist()
+
+
+@pytest.mark.parametrize("op,identity", [("sum", 0.0), ("prod", 1.0)])
+def test_empty_reduction(op, identity, rows):
+    k = Kernel("k", (3,), (0,), (Store("y", x0, Reduce(op, load("x", x0 * 0 + r0), F32)),))
+    run = compile_program(program({"x": ((3, 0), F32), "y": ((3,), F32)}, ["x"], [k], ["y"]))
+    assert run([torch.empty(3, 0)])[0].tolist() == [identity] * 3
+
+
+def test_extern_in_the_middle_and_buffers_freed():
+    x, w = torch.randn(5, 4), torch.randn(4, 3)
+    kernels = [
+        Kernel("k0", (5, 4), (), (Store("a", 4 * x0 + x1, ap("mul", load("x", 4 * x0 + x1), const(2.0))),)),
+        Extern("mm", lambda a, b: a @ b, ("a", "w"), ("c",), (), "torch.mm"),
+        Kernel("k2", (5, 3), (), (Store("y", 3 * x0 + x1, ap("maximum", load("c", 3 * x0 + x1), const(0.0))),)),
+    ]
+    bufs = {"x": ((5, 4), F32), "w": ((4, 3), F32), "a": ((5, 4), F32), "c": ((5, 3), F32),
+            "y": ((5, 3), F32)}
+    run = compile_program(program(bufs, ["x", "w"], kernels, ["y"]))
+    torch.testing.assert_close(run([x, w])[0], torch.relu((x * 2) @ w))
+    assert run.kernels[1].source == "c, = torch.mm(a, w)"
+    assert "    del a, w\n" in run.wrapper_source
+    assert run.wrapper_source.index("a = torch.empty") < run.wrapper_source.index("k0[(1,)](x, a")
+
+
+def test_outputs_repeat_or_name_inputs_and_unwritten_empty_buffers():
+    x = torch.randn(3)
+    k = Kernel("k", (3,), (), (Store("y", x0, ap("sin", load("x", x0))),))
+    run = compile_program(program({"x": ((3,), F32), "y": ((3,), F32), "e": ((0, 2), F32)},
+                                  ["x"], [k], ["x", "y", "y", "e"]))
+    a, y1, y2, e = run([x])
+    assert a is x and y1 is y2 and e.shape == (0, 2)
+    torch.testing.assert_close(y1, x.sin())
+
+
+def test_integer_division_by_zero_raises_like_eager():
+    k = Kernel("k", (3,), (), (Store("y", x0, ap("div", load("a", x0, I64), load("b", x0, I64))),))
+    run = compile_program(program({"a": ((3,), I64), "b": ((3,), I64), "y": ((3,), I64)},
+                                  ["a", "b"], [k], ["y"]))
+    with pytest.raises(CheckError, match="ZeroDivisionError"):
+        run([torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1])])
+    assert run([torch.tensor([7, -7, 9]), torch.tensor([2, 2, -1])])[0].tolist() == [3, -3, -9]
+
+
+def test_source_is_a_cached_file_and_registered(tmp_path):
+    k = Kernel("k", (4,), (), (Store("y", x0, ap("add", load("x", x0), const(0.125))),))
+    with plait.config.patch(cache_dir=str(tmp_path)):
+        run = compile_program(program({"x": ((4,), F32), "y": ((4,), F32)}, ["x"], [k], ["y"]))
+    (name,) = os.listdir(tmp_path / "triton")
+    assert (tmp_path / "triton" / name).read_text() == run.triton_source
+    assert run.kernels[0].source in run.source and "def run(x):" in run.source
+    assert "triton" in available_backends()
+
+
+# ---------------------------------------------------------------------------------------
+# Every op against torch, on tricky values
+# ---------------------------------------------------------------------------------------
+INTERPRETED_OPS = sorted(supported_ops() - {"where", "convert"})
+DTYPES = sorted(TRITON_DTYPES, key=str)
+
+
+@pytest.fixture(scope="module")
+def all_ops(tmp_path_factory):
+    """One program, one kernel per (op, dtype) that eager defines and per conversion;
+    returns op -> [(kernel name, result, eager's result)]."""
+    bufs, inputs, feeds, kernels, cases = {}, [], [], [], {}
+
+    def operand(t):
+        name = f"in{len(inputs)}"
+        bufs[name] = ((t.numel(),), t.dtype)
+        inputs.append(name)
+        feeds.append(t)
+        return load(name, x0, t.dtype)
+
+    def add(op, name, value, want):
+        kernels.append(Kernel(name, (want.numel(),), (), (Store(name, x0, value),)))
+        bufs[name] = ((want.numel(),), want.dtype)
+        cases.setdefault(op, []).append((name, want))
+
+    for dtype in DTYPES:
+        dt = str(dtype).removeprefix("torch.")
+        for op in INTERPRETED_OPS:
+            want = _reference(op, dtype)
+            if want is not None:
+                args = [operand(t) for t in _operands(op, dtype)]
+                add(op, f"{op}_{dt}", ap(op, *args, dtype=want.dtype), want)
+        v = _values(dtype)
+        pred = torch.arange(len(v)) % 3 == 0
+        add("where", f"where_{dt}", ap("where", operand(pred), operand(v), operand(v.flip(0))),
+            torch.where(pred, v, v.flip(0)))
+        if dtype.is_floating_point:  # fractions and values in range of the narrow integers
+            v = torch.cat([v, torch.tensor([-129.0, 300.0, -3.7, 3.7], dtype=dtype)])
+            v = v[(v.abs() < 1e9) | v.isnan()]
+        for to in DTYPES:
+            if dtype.is_floating_point and not to.is_floating_point and to != BOOL:
+                src = v.nan_to_num(0.0)  # NaN to an integer is undefined behaviour
+            else:
+                src = v
+            add("convert", f"convert_{dt}_{str(to).removeprefix('torch.')}",
+                ap("convert", operand(src), dtype=to), src.to(to))
+    outputs = [k.name for k in kernels]
+    with plait.config.patch(cache_dir=str(tmp_path_factory.mktemp("ops"))):
+        run = compile_program(program(bufs, inputs, kernels, outputs))
+    results = dict(zip(outputs, run(feeds)))
+    return {op: [(name, results[name], want) for name, want in c] for op, c in cases.items()}
+
+
+@pytest.mark.parametrize("op", INTERPRETED_OPS + ["where", "convert"])
+def test_op_against_torch(op, all_ops):
+    assert op in all_ops, f"{op} is never tested"
+    for name, got, want in all_ops[op]:
+        _check(got, want, name, signed_zeros=op not in ("maximum", "minimum", "fmax", "fmin"))
+
+
+def test_gpu_only_ops_name_libdevice_functions():
+    """The interpreter has no libdevice: check that the names exist for the GPU build."""
+    from triton.language.extra.cuda import libdevice
+
+    for op in set(TRITON_OPS) - supported_ops():
+        fn = TRITON_OPS[op].split("(")[0]
+        assert fn == "_pow" or hasattr(libdevice, fn.removeprefix("libdevice.")), op
+
+
+# ---------------------------------------------------------------------------------------
+# plait.jit end to end
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn", [
+    lambda x: (x.t() * 2 + 1).exp().t().contiguous() - x,
+    lambda x: torch.nn.functional.pad(x[1:, ::2], (1, 2, 0, 3), value=0.5) * 3,
+    lambda x: torch.cat([x, x.flip(0) * 2], 1).sigmoid(),
+    lambda x: x[:, None, :] + x[:, :, None].sum(1, keepdim=True) * x[:1, None, :],
+], ids=["transpose", "slice-pad", "concat-flip", "broadcast"])
+def test_pointwise_chains_with_views(fn):
+    jitted(fn, torch.randn(9, 7))
+
+
+def test_loop_ordering_example_reads_x_once():
+    x = torch.randn(64, 48)
+    lowered = jitted(loop_ordering, x)
+    assert [k.reads for k in lowered.kernels].count(("in0",)) == 1
+    assert lowered.stats["bytes_read"] == x.numel() * 4 + 64 * 4
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.softmax(x, -1),
+                                lambda x: torch.nn.functional.layer_norm(x, (64,)),
+                                lambda x: torch.logsumexp(x, -1)],
+                         ids=["softmax", "layer_norm", "logsumexp"])
+def test_row_kernels_are_one_kernel_reading_the_input_once(fn, rows):
+    x = torch.randn(32, 64)
+    stats = jitted(fn, x).stats
+    assert stats["kernels"] == 1 and stats["bytes_read"] == x.numel() * 4
+
+
+def test_pointwise_chain_is_one_kernel():
+    x = torch.randn(64, 48)
+    lowered = jitted(lambda x: torch.nn.functional.gelu(torch.sigmoid(x) * 3 - 1).exp(), x)
+    assert lowered.stats["kernels"] == 1
+    assert lowered.stats["bytes_read"] == lowered.stats["bytes_written"] == x.numel() * 4
+
+
+def test_argmax_with_nan_and_ties(rows):
+    x = torch.tensor([[1.0, 3, 3, 2], [float("nan"), 1, float("nan"), 5], [4, 4, 4, 4]])
+    jitted(lambda x: (x.argmax(1), x.argmin(0), x.amax(1), x.max(0)), x)
+
+
+def test_integer_ops():
+    a = torch.tensor([[7, -7, 100, -128], [3, 0, -1, 5]], dtype=torch.int32)
+    b = torch.tensor([[2, 3, -3, 7], [-2, 5, 4, 1]], dtype=torch.int32)
+    jitted(lambda a, b: (a // b, a % b, torch.fmod(a, b), a << (b & 7), a >> (b & 3),
+                         (a ^ b).to(torch.int8) * 3, torch.div(a, b, rounding_mode="trunc"),
+                         a.sum(1), (a > b).sum(0)), a, b)
+
+
+def test_matmul_extern_between_kernels():
+    x, w = torch.randn(8, 4), torch.randn(4, 6)
+    lowered = jitted(lambda x, w: torch.relu(x @ w).sum(0), x, w)
+    generated = [k for k in lowered.kernels if k.name.startswith("kernel")]
+    assert generated and all(k.source in lowered.source for k in generated)
+    assert any("dot_general" in k.source for k in lowered.kernels)
+
+
+def test_float64_and_bool_inputs():
+    x = torch.randn(5, 6, dtype=torch.float64)
+    jitted(lambda x, m: torch.where(m, x.exp(), -x).cumsum(1).mean(0), x, x > 0)
+
+
+# A representative OpInfo subset: elementwise, reductions, views, softmax and norms,
+# indexing (gathers are externs between kernels).
+SWEEP_OPS = {
+    "abs", "add", "sub", "mul", "div", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos",
+    "sigmoid", "erf", "floor", "ceil", "trunc", "round", "sign", "remainder", "fmod",
+    "maximum", "minimum", "clamp", "where", "eq", "lt", "isnan", "logical_and", "bitwise_xor",
+    "nan_to_num", "lerp", "addcmul", "sum", "mean", "prod", "amax", "amin", "argmax", "argmin",
+    "var", "std", "logsumexp", "softmax", "log_softmax", "nn.functional.layer_norm",
+    "nn.functional.rms_norm", "nn.functional.relu", "nn.functional.gelu", "nn.functional.silu",
+    "transpose", "permute", "expand", "flip", "narrow", "cat", "stack",
+    "nn.functional.pad", "index_select", "gather", "take_along_dim", "matmul",
+}
+
+
+def test_opinfo_sweep_has_no_wrong_answers():
+    result = sweep("jit", SWEEP_OPS, backend="triton")
+    print("\ntriton: " + result.summary())
+    assert set(result.outcomes.values()) <= {"match", "plait_error"}, result.summary()
+    assert len(result.ops) >= 55 and result.count("match") >= 0.95 * result.total, \
+        result.summary()
