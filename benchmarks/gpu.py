@@ -66,11 +66,12 @@ def _bandwidth() -> float:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--size", type=int, default=2048, help="n: inputs are about n*n")
     opts = parser.parse_args()
-    n, repeat = (256, 5) if opts.quick else (2048, 50)
+    n, repeat = (256, 5) if opts.quick else (opts.size, 50)
     bandwidth = _bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{__import__('triton').__version__}, copy bandwidth {bandwidth / 1e6:.2f} TB/s")
+          f"{__import__('triton').__version__}, n={n}, copy bandwidth {bandwidth / 1e9:.2f} TB/s")
     rows, speedups = [], []
     for name, (fn, make) in CASES.items():
         torch.manual_seed(0)
