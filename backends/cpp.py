@@ -833,19 +833,26 @@ class CompiledProgram:
         return [env[s] for s in self._outputs]
 
     def _call_extern(self, step: _Step, env: list) -> None:
-        k = step.call
-        args = [env[s] for s in step.args]
-        result = k.fn(*args, **dict(k.params))
-        result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
-        if len(result) != len(step.outs):
-            raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
-                               f"expected {len(step.outs)}")
-        for b, s, t in zip(k.outputs, step.outs, result):
-            want = self.program.buffers[b].type
-            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
-                raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
-                                   f"for {b}, which is {want.dtype}{list(want.shape)}")
-            env[s] = _own(t.contiguous(), args)  # adopted as the buffer
+        for s, t in zip(step.outs, extern_results(step.call, [env[s] for s in step.args],
+                                                  self.program)):
+            env[s] = t  # adopted as the buffer
+
+
+def extern_results(k: Extern, args: list, program: LoopProgram) -> list[torch.Tensor]:
+    """Run an extern on its argument tensors: its results, checked against their buffers'
+    types, contiguous, and never sharing memory with an argument (a later in-place write or
+    a reused slot must not change them)."""
+    result = k.fn(*args, **dict(k.params))
+    result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+    if len(result) != len(k.outputs):
+        raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
+                           f"expected {len(k.outputs)}")
+    for b, t in zip(k.outputs, result):
+        want = program.buffers[b].type
+        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+            raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
+                               f"for {b}, which is {want.dtype}{list(want.shape)}")
+    return [_own(t.contiguous(), args) for t in result]
 
 
 def _own(t: torch.Tensor, inputs: list) -> torch.Tensor:

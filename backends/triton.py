@@ -72,7 +72,7 @@ from ..graph.loops import (
     is_inner,
     walk,
 )
-from .cpp import CompiledKernel, _extern_text, _identifier, _levels
+from .cpp import CompiledKernel, _extern_text, _identifier, _levels, extern_results
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64",
               torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
@@ -884,18 +884,9 @@ class CompiledProgram:
         return [env[s] for s in self._outputs]
 
     def _call_extern(self, step: _Step, env: list) -> None:
-        k = step.call
-        result = k.fn(*[env[s] for s in step.args], **dict(k.params))
-        result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
-        if len(result) != len(step.outs):
-            raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
-                               f"expected {len(step.outs)}")
-        for b, s, t in zip(k.outputs, step.outs, result):
-            want = self.program.buffers[b].type
-            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
-                raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
-                                   f"for {b}, which is {want.dtype}{list(want.shape)}")
-            env[s] = t.contiguous()
+        for s, t in zip(step.outs, extern_results(step.call, [env[s] for s in step.args],
+                                                  self.program)):
+            env[s] = t
 
 
 def compile_program(program: LoopProgram) -> CompiledProgram:

@@ -419,10 +419,10 @@ ELEMENTWISE_OPS = sorted(set(CPP_OPS) - {"where", "convert"})
 DTYPES = sorted(CPP_DTYPES, key=str)
 
 
-@pytest.fixture(scope="module")
-def all_ops():
-    """One program, one kernel per (op, dtype) that eager defines and per conversion;
-    returns op -> [(kernel name, result, eager's result)]."""
+def per_op_program(ops, dtypes, conversion_values):
+    """One program, one kernel per (op, dtype) that eager defines, per ``where`` and per
+    conversion (of ``conversion_values(values, from, to)``): the program, its feeds, and
+    op -> [(kernel name, eager's result)]. Shared by every code generator's tests."""
     bufs, inputs, feeds, kernels, cases = {}, [], [], [], {}
 
     def operand(t):
@@ -437,9 +437,9 @@ def all_ops():
         bufs[name] = ((want.numel(),), want.dtype)
         cases.setdefault(op, []).append((name, want))
 
-    for dtype in DTYPES:
+    for dtype in dtypes:
         dt = str(dtype).removeprefix("torch.")
-        for op in ELEMENTWISE_OPS:
+        for op in ops:
             want = _reference(op, dtype)
             if want is not None:
                 args = [operand(t) for t in _operands(op, dtype)]
@@ -448,14 +448,25 @@ def all_ops():
         pred = torch.arange(len(v)) % 3 == 0
         add("where", f"where_{dt}", ap("where", operand(pred), operand(v), operand(v.flip(0))),
             torch.where(pred, v, v.flip(0)))
-        if dtype.is_floating_point:  # out of range of the narrow integers, and fractions
-            v = torch.cat([v, torch.tensor([-129.0, 300.0, 1e10, -3.7, 3.7], dtype=dtype)])
-        for to in DTYPES:
+        for to in dtypes:
+            src = conversion_values(v, dtype, to)
             add("convert", f"convert_{dt}_{str(to).removeprefix('torch.')}",
-                Apply("convert", (operand(v),), (("dtype", to),), to), v.to(to))
+                Apply("convert", (operand(src),), (("dtype", to),), to), src.to(to))
     outputs = [k.name for k in kernels]
-    run = compile_program(program(bufs, inputs, kernels, outputs))
-    results = dict(zip(outputs, run(feeds)))
+    return program(bufs, inputs, kernels, outputs), feeds, cases
+
+
+def _conversion_values(v, dtype, to):
+    if dtype.is_floating_point:  # out of range of the narrow integers, and fractions
+        v = torch.cat([v, torch.tensor([-129.0, 300.0, 1e10, -3.7, 3.7], dtype=dtype)])
+    return v
+
+
+@pytest.fixture(scope="module")
+def all_ops():
+    """op -> [(kernel name, result, eager's result)] over every op and dtype of CPP_OPS."""
+    prog, feeds, cases = per_op_program(ELEMENTWISE_OPS, DTYPES, _conversion_values)
+    results = dict(zip(prog.outputs, compile_program(prog)(feeds)))
     return {op: [(name, results[name], want) for name, want in c] for op, c in cases.items()}
 
 

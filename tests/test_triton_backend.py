@@ -30,16 +30,7 @@ from plait.backends.triton import (
 )
 from plait.errors import CheckError
 from plait.graph.loops import Extern, IndexValue, Kernel, Reduce, Store, loop_vars
-from test_cpp_backend import (
-    _check,
-    _operands,
-    _reference,
-    _values,
-    ap,
-    const,
-    load,
-    program,
-)
+from test_cpp_backend import _check, ap, const, load, per_op_program, program
 from test_cpu_compiler import loop_ordering
 
 F32, I64, BOOL = torch.float32, torch.int64, torch.bool
@@ -249,49 +240,22 @@ INTERPRETED_OPS = sorted(supported_ops() - {"where", "convert"})
 DTYPES = sorted(TRITON_DTYPES, key=str)
 
 
+def _conversion_values(v, dtype, to):
+    if dtype.is_floating_point:  # fractions and values in range of the narrow integers
+        v = torch.cat([v, torch.tensor([-129.0, 300.0, -3.7, 3.7], dtype=dtype)])
+        v = v[(v.abs() < 1e9) | v.isnan()]
+        if not to.is_floating_point and to != BOOL:
+            v = v.nan_to_num(0.0)  # NaN to an integer is undefined behaviour
+    return v
+
+
 @pytest.fixture(scope="module")
 def all_ops(tmp_path_factory):
-    """One program, one kernel per (op, dtype) that eager defines and per conversion;
-    returns op -> [(kernel name, result, eager's result)]."""
-    bufs, inputs, feeds, kernels, cases = {}, [], [], [], {}
-
-    def operand(t):
-        name = f"in{len(inputs)}"
-        bufs[name] = ((t.numel(),), t.dtype)
-        inputs.append(name)
-        feeds.append(t)
-        return load(name, x0, t.dtype)
-
-    def add(op, name, value, want):
-        kernels.append(Kernel(name, (want.numel(),), (), (Store(name, x0, value),)))
-        bufs[name] = ((want.numel(),), want.dtype)
-        cases.setdefault(op, []).append((name, want))
-
-    for dtype in DTYPES:
-        dt = str(dtype).removeprefix("torch.")
-        for op in INTERPRETED_OPS:
-            want = _reference(op, dtype)
-            if want is not None:
-                args = [operand(t) for t in _operands(op, dtype)]
-                add(op, f"{op}_{dt}", ap(op, *args, dtype=want.dtype), want)
-        v = _values(dtype)
-        pred = torch.arange(len(v)) % 3 == 0
-        add("where", f"where_{dt}", ap("where", operand(pred), operand(v), operand(v.flip(0))),
-            torch.where(pred, v, v.flip(0)))
-        if dtype.is_floating_point:  # fractions and values in range of the narrow integers
-            v = torch.cat([v, torch.tensor([-129.0, 300.0, -3.7, 3.7], dtype=dtype)])
-            v = v[(v.abs() < 1e9) | v.isnan()]
-        for to in DTYPES:
-            if dtype.is_floating_point and not to.is_floating_point and to != BOOL:
-                src = v.nan_to_num(0.0)  # NaN to an integer is undefined behaviour
-            else:
-                src = v
-            add("convert", f"convert_{dt}_{str(to).removeprefix('torch.')}",
-                ap("convert", operand(src), dtype=to), src.to(to))
-    outputs = [k.name for k in kernels]
+    """op -> [(kernel name, result, eager's result)] over every interpreted op and dtype."""
+    prog, feeds, cases = per_op_program(INTERPRETED_OPS, DTYPES, _conversion_values)
     with plait.config.patch(cache_dir=str(tmp_path_factory.mktemp("ops"))):
-        run = compile_program(program(bufs, inputs, kernels, outputs))
-    results = dict(zip(outputs, run(feeds)))
+        run = compile_program(prog)
+    results = dict(zip(prog.outputs, run(feeds)))
     return {op: [(name, results[name], want) for name, want in c] for op, c in cases.items()}
 
 
