@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ..graph import Graph, Value
-from ..tracer.trace import bind
+from ..tracer.trace import bind, current_trace
 
 
 def replay(graph: Graph, inputs: Sequence[Any],
@@ -20,6 +20,8 @@ def replay(graph: Graph, inputs: Sequence[Any],
     the default binding of node ``n`` (it returns the node's output tracers).
     """
     env: dict[Value, Any] = {}
+    builder = current_trace().builder
+    made: dict[int, int] = {}  # graph node -> the node replaying it (for control edges)
     for n in graph.order:
         node = graph.node(n)
         if node.prim == "input":
@@ -31,6 +33,10 @@ def replay(graph: Graph, inputs: Sequence[Any],
         else:
             outs = bind(node.prim, *operands, **node.kwargs)
             outs = list(outs) if isinstance(outs, tuple) else [outs]
+        made[n] = builder.last_node
+        for p in graph.control_preds(n):  # keep the graph's ordering constraints
+            if p in made and made[p] != made[n]:
+                builder.add_control_edge(made[p], made[n])
         for i, out in enumerate(outs):
             env[Value(n, i)] = out
     return env

@@ -33,7 +33,7 @@ ELEMENTWISE = frozenset(UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISO
                         + SPECIAL_UNARY + SPECIAL_BINARY + ["polygamma", "where", "convert"])
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
-                   "concatenate", "stop_gradient"))
+                   "concatenate", "stop_gradient", "after"))
 
 
 @attrs.frozen
@@ -293,6 +293,7 @@ _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
     "broadcast_in_dim": _broadcast, "reshape": _reshape, "transpose": _transpose,
     "slice": _slice, "rev": _rev, "pad": _pad, "concatenate": _concatenate,
     "stop_gradient": lambda node, args, t: args[0].at,
+    "after": lambda node, args, t: args[0].at,
     "full": lambda node, args, t: lambda idx: Constant(node.kwargs["value"], t.dtype),
     "iota": lambda node, args, t: lambda idx: IndexValue(
         node.kwargs["start"] + idx[0] * node.kwargs["step"], t.dtype),

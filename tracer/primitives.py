@@ -415,6 +415,11 @@ def _convert_infer(x, *, dtype):
 
 define("convert", _convert_infer, lambda x, *, dtype: x.to(dtype))
 
+# The identity, made only to carry control edges (plait.control_dependency): derivatives,
+# batching and lowering treat it as the value itself; the edges keep it in order.
+define("after", lambda x: (x,), lambda x: x,
+       vjp=lambda cts, x, *, outs: (cts[0],))
+
 # The identity, through which no derivative flows (Tensor.detach; saved statistics).
 define("stop_gradient", lambda x: (x,), lambda x: x,
        vjp=lambda cts, x, *, outs: (None,))
@@ -970,7 +975,7 @@ def _attach_shifted(names, *keys):
 
 _attach_shifted(UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS) + SPECIAL_UNARY
                 + SPECIAL_BINARY + ["polygamma", "where", "convert", "complex", "real",
-                                    "imag", "conj", "frexp", "stop_gradient"])
+                                    "imag", "conj", "frexp", "stop_gradient", "after"])
 _attach_shifted(list(REDUCTIONS) + ["argmax", "argmin", "rev"], "dims")
 _attach_shifted(list(SCANS) + ["sort", "topk", "gather", "scatter", "concatenate"], "dim")
 
@@ -1026,8 +1031,8 @@ def _linear_jvp(name: str, linear_in: tuple[int, ...] | None = None, **fixed):
     return rule
 
 
-for _name in ("reshape", "transpose", "broadcast_in_dim", "slice", "concatenate", "rev",
-              "sum", "cumsum", "real", "imag", "conj", "complex", "fft_r2c", "fft_c2r",
+for _name in ("after", "reshape", "transpose", "broadcast_in_dim", "slice", "concatenate",
+              "rev", "sum", "cumsum", "real", "imag", "conj", "complex", "fft_r2c", "fft_c2r",
               "fft_c2c"):
     PRIMITIVES[_name].jvp = _linear_jvp(_name)
 PRIMITIVES["pad"].jvp = _linear_jvp("pad", value=0.0)

@@ -31,7 +31,7 @@ from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
                       UnsupportedDtypeError, UnsupportedOpError)
 from ..graph import Constant, GraphBuilder, Provenance, TensorType, Value
-from .primitives import OperandSlot, get_primitive
+from .primitives import OperandSlot, get_primitive, is_effectful
 
 aten = torch.ops.aten
 
@@ -137,6 +137,7 @@ class Trace:
         self._provenance = Provenance()
         self._depth = 0
         self._captures: dict[int, tuple[TracerTensor, Value]] = {}
+        self._last_effect: int | None = None
         self.captured: list[TracerTensor] = []  # enclosing traces' tracers, in input order
 
     @property
@@ -197,8 +198,26 @@ class Trace:
         values = [self.value_of(x) for x in operands]
         out_types = prim.infer(*[self.builder.type_of(v) for v in values], **params)
         outs = self.builder.add_node(prim_name, values, params, out_types, self._provenance)
+        self._chain_effect()
         tracers = tuple(TracerTensor(self, v) for v in outs)
         return tracers if prim.multiple_results else tracers[0]
+
+    def _chain_effect(self) -> None:
+        """Effects keep their program order: an effectful node (a check, a random draw) gets
+        a control edge from the one before."""
+        n = self.builder.last_node
+        if is_effectful(self.builder.node(n)):
+            if self._last_effect is not None:
+                self.builder.add_control_edge(self._last_effect, n)
+            self._last_effect = n
+
+    def order_after(self, value: Any, deps) -> "TracerTensor":
+        """``value``, through a node that control edges order after the nodes making
+        ``deps`` (see plait.control_dependency)."""
+        out = self.bind("after", value)
+        for dep in deps:
+            self.builder.add_control_edge(self.value_of(dep).node, out._value.node)
+        return out
 
     # -- dispatch --------------------------------------------------------------------------
     def dispatch(self, func, args: tuple, kwargs: dict):
@@ -322,6 +341,7 @@ class Trace:
         nodes = self.builder.add_node("opaque", values, {"op": func, "template": frozen,
                                                          "out_types": out_types},
                                       out_types, self._provenance)
+        self._chain_effect()
         tracers = [TracerTensor(self, v) for v in nodes]
         if out is None:
             return None
