@@ -1,12 +1,14 @@
-"""plait benchmarks: tracing time, jit's per-call overhead, and the CPU compiler against torch.compile.
+"""plait benchmarks: tracing, call overhead, the CPU compiler against torch.compile, peak memory.
 
     .venv/bin/python benchmarks/run.py [--device cpu|cuda] [--repeat N] [--quick] [--cases a,b]
+                                       [--memory-only]
 
 See benchmarks/README.md for what each number means.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -279,7 +281,9 @@ def bench_case(case: Case, quick: bool, repeat: int, budget_s: float) -> dict:
     return row
 
 
-def bench_compilers(cases: list[Case], quick: bool, repeat: int) -> dict:
+@contextlib.contextmanager
+def _compilers():
+    """Both compilers with caches of their own, empty, and already started up."""
     # Imported here: sections (a), (b) and the warm-start process do not need inductor.
     import torch._dynamo
     import torch._inductor.config
@@ -290,7 +294,6 @@ def bench_compilers(cases: list[Case], quick: bool, repeat: int) -> dict:
     # Inductor's caches off: a new cache folder alone is not enough, since inductor also keeps
     # generated code in memory. It still writes its build products to a folder: a fresh one,
     # so the user's cache is neither read nor filled.
-    budget_s = 0.01 if quick else 0.1
     with tempfile.TemporaryDirectory(prefix="inductor-bench-") as inductor_dir, \
             unittest.mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir), \
             torch._inductor.config.patch(force_disable_caches=True), \
@@ -301,11 +304,25 @@ def bench_compilers(cases: list[Case], quick: bool, repeat: int) -> dict:
         x = torch.randn(4)
         torch.compile(tiny)(x)
         plait.jit(tiny, backend="cpp")(x)
+        yield
+
+
+def bench_compilers(cases: list[Case], quick: bool, repeat: int) -> dict:
+    budget_s = 0.01 if quick else 0.1
+    with _compilers():
         return {c.name: bench_case(c, quick, repeat, budget_s) for c in cases}
 
 
 def _geomean(xs) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def _print_rows(header: tuple, rows: list[tuple]) -> None:
+    """A markdown-style table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    for row in (header, tuple("-" * w for w in widths), *rows):
+        print("  | " + " | ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}"
+                                  for i, (v, w) in enumerate(zip(row, widths))) + " |")
 
 
 def print_compilers(results: dict, quick: bool, repeat: int) -> None:
@@ -327,13 +344,10 @@ def print_compilers(results: dict, quick: bool, repeat: int) -> None:
                      f"{r['plait_cold_s'] / r['tc_cold_s']:.3f}" if tc else "n/a",
                      f"{r['warm_start']['ms']:.1f}", f"{r['warm_start']['again_ms']:.1f}",
                      f"{r['stats']['kernels']}+{r['stats']['externs']}"))
-    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
     print(f"(c) CPU compiler: plait.jit(backend='cpp') vs torch.compile "
           f"({'quick shapes' if quick else 'full shapes'}; warm times: median of {repeat} "
           f"repetitions, per call)")
-    for row in (header, tuple("-" * w for w in widths), *rows):
-        print("  | " + " | ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}"
-                                  for i, (v, w) in enumerate(zip(row, widths))) + " |")
+    _print_rows(header, rows)
     both = [r for r in results.values() if "tc_ms" in r]
     if both:
         print(f"\n  geometric mean, speedup of plait over torch.compile (warm): "
@@ -343,6 +357,103 @@ def print_compilers(results: dict, quick: bool, repeat: int) -> None:
               f"(target <= 0.333)")
     print(f"  slowest warm start: {max(r['warm_start']['ms'] for r in results.values()):.1f} ms"
           f"   (target < 50 ms per function; '(again)': a second fresh jit in that process)")
+    for note in notes:
+        print(f"  note: {note}")
+    print()
+
+
+# -- (d) peak memory of one call: eager, torch.compile and plait on the cases of (c) ----------
+def _peak_bytes(fn, args: tuple) -> int:
+    """The peak of live bytes that torch's CPU allocator handed out during one call of
+    fn(*args), from the profiler's allocation events in time order. Only storages allocated
+    during the call count: the inputs (and their frees) do not; the results do, as the caller
+    keeps them. One method for all three, since inductor's CPU code and plait's wrapper both
+    allocate through torch; memory malloc'ed by generated kernels themselves is not seen."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:  # the tree nests allocations under the ops that made them
+        e = stack.pop()
+        stack += e.children
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+    ours, live, peak = set(), 0, 0
+    for _, ptr, nbytes in sorted(events):
+        if nbytes > 0:
+            ours.add(ptr)
+        elif ptr in ours:
+            ours.remove(ptr)
+        else:
+            continue  # the free of a storage from before the call
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def bench_memory(cases: list[Case], quick: bool) -> dict:
+    """Per case, bytes: the measured peak of one warm call of eager, torch.compile and plait
+    (_peak_bytes), plait's planned peak (stats["peak_bytes"]) and the peak its wrapper's
+    tracker records (config.check_memory_plan), both less the inputs and constants, and the
+    results' size."""
+    results = {}
+    with _compilers():
+        for case in cases:
+            args = case.inputs(quick)
+            inputs = sum(a.untyped_storage().nbytes() for a in args)
+            expected = case.torch_fn(*args)
+            row = {"results": sum(t.untyped_storage().nbytes()
+                                  for t in torch.utils._pytree.tree_leaves(expected)),
+                   "eager": _peak_bytes(case.torch_fn, args)}
+            jitted = plait.jit(case.plait_fn, backend="cpp")
+            _check(jitted(*args), expected, "plait")  # compiles; the next call is warm
+            row["plait"] = _peak_bytes(jitted, args)
+            compiled = jitted.lower(*args).compiled  # the same program (a disk cache hit)
+            with plait.config.patch(check_memory_plan=True):
+                compiled(list(args))
+            # Both count the inputs and the constants (made at compile time) as live on entry.
+            held = inputs + sum(t.untyped_storage().nbytes()
+                                for t in compiled.program.constants.values())
+            row["tracker"] = compiled.measured_peak_bytes - held
+            row["planned"] = compiled.plan.peak - held
+            try:
+                tc = torch.compile(case.torch_fn)
+                _check(tc(*args), expected, "torch.compile")
+                row["tc"] = _peak_bytes(tc, args)
+            except Exception as e:  # reported, not fatal, as in (c)
+                row["tc_error"] = _reason(e)
+            results[case.name] = row
+    return results
+
+
+def print_memory(results: dict, quick: bool) -> None:
+    header = ("case", "results", "eager", "torch.compile", "plait", "plait planned",
+              "plait tracker", "plait <= tc")
+    rows, notes = [], []
+    for name, r in results.items():
+        tc = r.get("tc")
+        if tc is None:
+            notes.append(f"{name}: torch.compile n/a ({r['tc_error']})")
+        if r["plait"] != r["tracker"]:  # two independent measurements of the same call
+            notes.append(f"{name}: the profiler and plait's tracker disagree on plait's peak")
+        rows.append((name, *(f"{r[k] / 1024:,.1f}" for k in ("results", "eager")),
+                     "n/a" if tc is None else f"{tc / 1024:,.1f}",
+                     *(f"{r[k] / 1024:,.1f}" for k in ("plait", "planned", "tracker")),
+                     "n/a" if tc is None else ("yes" if r["plait"] <= tc else "NO")))
+    print(f"(d) peak memory of one warm call, KiB allocated during the call (inputs excluded, "
+          f"results included; {'quick' if quick else 'full'} shapes)")
+    _print_rows(header, rows)
+    both = [n for n, r in results.items() if "tc" in r]
+    if both:
+        at_or_below = [n for n in both if results[n]["plait"] <= results[n]["tc"]]
+        print(f"\n  plait at or below torch.compile: {len(at_or_below)} of {len(both)} cases "
+              f"(target: all)")
+    if "train_step" in both:
+        r = results["train_step"]
+        print(f"  train_step: plait / torch.compile = {r['plait'] / r['tc']:.3f}   "
+              f"(target < 1)")
     for note in notes:
         print(f"  note: {note}")
     print()
@@ -373,6 +484,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated cases of (c), of {', '.join(CASES)} "
                              "(default all; empty for none)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="run only section (d), peak memory, on the cases of --cases")
     # Internal: the new process whose first call bench_compilers times as the warm start.
     parser.add_argument("--warm-start", choices=list(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -395,6 +508,12 @@ def main(argv=None) -> int:
           f"{plait.config.backend}, repeat {args.repeat}, threads "
           f"{torch.get_num_threads()}, cpus {os.cpu_count()}\n")
 
+    if args.memory_only:
+        if args.device != "cpu":
+            parser.error("--memory-only measures CPU memory: run it with --device cpu")
+        print_memory(bench_memory([CASES[c] for c in cases], args.quick), args.quick)
+        return 0
+
     t = bench_tracing(args.device, args.repeat)
     print_table(f"(a) tracing a transformer block: jit(f).lower(*args), batch {BATCH}, "
                 f"seq {SEQ}, dim {DIM}, heads {HEADS}", [
@@ -415,10 +534,12 @@ def main(argv=None) -> int:
                 ])
 
     if args.device != "cpu":
-        print("(c) CPU compiler: skipped, it compares CPU compilers (run with --device cpu)")
+        print("(c) CPU compiler and (d) peak memory: skipped, they compare CPU compilers "
+              "(run with --device cpu)")
     elif cases:
         print_compilers(bench_compilers([CASES[c] for c in cases], args.quick, args.repeat),
                         args.quick, args.repeat)
+        print_memory(bench_memory([CASES[c] for c in cases], args.quick), args.quick)
     return 0
 
 

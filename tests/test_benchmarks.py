@@ -1,7 +1,10 @@
 """benchmarks/run.py runs to completion and prints every section (no timing assertions)."""
+import importlib.util
 import os
 import subprocess
 import sys
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -12,8 +15,8 @@ def _python() -> str:
 
 
 def test_benchmark_script_runs():
-    # --quick: small shapes and 2 repetitions; two cases of (c) keep it well under 30 s (one
-    # plain function, and the training step, which goes through plait.grad_and_value).
+    # --quick: small shapes and 2 repetitions; two cases of (c) and (d) keep it well under 30 s
+    # (one plain function, and the training step, which goes through plait.grad_and_value).
     proc = subprocess.run([_python(), os.path.join(ROOT, "benchmarks", "run.py"), "--quick",
                            "--cases", "softmax,train_step"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -24,7 +27,27 @@ def test_benchmark_script_runs():
     assert "(b) cached-call overhead" in out, out
     assert "plait.jit call (cache hit)" in out, out
     assert "(c) CPU compiler" in out, out
-    rows = [line for line in out.splitlines() if line.startswith("  | ")]
-    assert [r.split("|")[1].strip() for r in rows[2:]] == ["softmax", "train_step"], out
+    assert "(d) peak memory" in out, out
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("  | ")]
+    assert rows == ["case", "-" * 10, "softmax", "train_step"] * 2, out
     assert "geometric mean, speedup of plait over torch.compile" in out, out
+    assert "plait at or below torch.compile" in out, out
     assert "the disk cache missed" not in out, out  # the warm start built nothing
+    assert "disagree on plait's peak" not in out, out  # profiler and tracker measure alike
+
+
+def test_peak_bytes_counts_only_the_calls_allocations():
+    spec = importlib.util.spec_from_file_location("bench_run",
+                                                  os.path.join(ROOT, "benchmarks", "run.py"))
+    run = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for its dataclass
+    spec.loader.exec_module(run)
+    mib = 1 << 20
+    held = [torch.empty(mib // 4)]  # 1 MiB from before the call, freed during it
+
+    def two_temporaries(x):
+        a, b = torch.empty(mib), torch.empty(mib)  # 4 MiB each
+        out = x.clone()  # 1 MiB, kept by the caller
+        del a, b, held[:]
+        return out
+
+    assert run._peak_bytes(two_temporaries, (torch.empty(mib // 4),)) == 9 * mib
