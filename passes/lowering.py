@@ -166,14 +166,31 @@ class _Lowering:
                            tuple(self.kernels), outputs, provenance)
 
     def extern(self, n, node, operands, outs):
-        names = tuple(self.realize(v) for v in operands)
+        names, views = [], []
+        for v in operands:
+            name, permutation = self._transposed_buffer(v) if node.prim == "dot_general" \
+                else (None, None)
+            names.append(name or self.realize(v))
+            views.append(permutation)
         results = tuple(self.new_buffer("buf", t) for t in node.out_types)
         prim = get_primitive(node.prim)
         label = str(node.kwargs["op"]) if node.prim == "opaque" else node.prim
-        self.kernels.append(Extern(f"extern{len(self.kernels)}", _as_tuple(prim), names,
-                                   results, node.params, label, frozenset({n})))
+        self.kernels.append(Extern(f"extern{len(self.kernels)}", _as_tuple(prim, views),
+                                   tuple(names), results, node.params, label, frozenset({n})))
         for v, name in zip(outs, results):
             self.values[v] = self.in_memory(name)
+
+    def _transposed_buffer(self, v: Value):
+        """A matmul operand that is a transpose of a buffer: the buffer and the permutation,
+        applied as a view when the extern runs (BLAS reads transposed operands as they are,
+        so no copy is stored)."""
+        node = self.graph.node(v.node)
+        if node.prim != "transpose":
+            return None, None
+        source = self.values[self.graph.operands(v.node)[0]]
+        if source.buffer is None or self.buffers[source.buffer].type.shape != source.type.shape:
+            return None, None
+        return source.buffer, node.kwargs["permutation"]
 
     def reduction(self, n, node, x: Lazy, out: Value, fenced: bool):
         t = node.out_types[0]
@@ -207,9 +224,11 @@ def _origins(n: int, args) -> frozenset:
     return frozenset({n}).union(*(a.origins for a in args))
 
 
-def _as_tuple(prim):
-    """The primitive's eager implementation, always returning a tuple."""
+def _as_tuple(prim, views=()):
+    """The primitive's eager implementation, always returning a tuple; operands with a
+    permutation in ``views`` are passed as that (strided) view of their buffer."""
     def run(*tensors, **params):
+        tensors = [t.permute(p) if p else t for t, p in zip(tensors, views)] or tensors
         out = prim.impl(*tensors, **params)
         return tuple(out) if prim.multiple_results else (out,)
 

@@ -745,6 +745,8 @@ def _dot_general_infer(lhs, rhs, *, contracting, batch):
 def _dot_general_impl(lhs, rhs, *, contracting, batch):
     """Batch dims first, then lhs free dims, then rhs free dims (as jax.lax.dot_general)."""
     (lc, rc), (lb, rb) = contracting, batch
+    if not lb and lhs.ndim == rhs.ndim == 2 and len(lc) == 1:  # a matrix product: BLAS
+        return torch.mm(lhs if lc == (1,) else lhs.t(), rhs if rc == (0,) else rhs.t())
     lf = [i for i in range(lhs.ndim) if i not in lc + lb]
     rf = [i for i in range(rhs.ndim) if i not in rc + rb]
     size = lambda t, dims: math.prod(t.shape[d] for d in dims)
