@@ -120,10 +120,6 @@ def _split_aux(out, has_aux: bool, what: str):
 # ---------------------------------------------------------------------------------------
 # Reverse mode
 # ---------------------------------------------------------------------------------------
-def _zeros(ty):
-    return bind("full", shape=ty.shape, value=0, dtype=ty.dtype, device=ty.device)
-
-
 def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
               seeds_for: Callable):
     """Trace ``func``, differentiate it and inline the result. ``seeds_for(main, types)``
@@ -135,7 +131,7 @@ def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
     types = t.graph.output_types
     main, _ = _split_aux(t.outputs(list(range(len(types)))), has_aux, "vjp")
     seeds = seeds_for(main, types)
-    cotangents = [seeds[k] if k in seeds else _zeros(ty) for k, ty in enumerate(types)]
+    cotangents = [seeds[k] if k in seeds else autodiff.zeros(ty) for k, ty in enumerate(types)]
     wrt = [i for pos in chosen for i in t.leaf_index(pos)]
     results = inline(autodiff.vjp(t.graph, wrt), t.inputs + cotangents)
     values, grads = results[:len(types)], iter(results[len(types):])
