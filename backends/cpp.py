@@ -49,7 +49,6 @@ import gc
 import hashlib
 import math
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -59,13 +58,14 @@ import weakref
 from typing import Any, Sequence
 
 import attrs
-import sympy
 import torch
 
 from ..config import config
 from ..errors import BackendError, CheckError
 from ..graph.loops import (Apply, Constant, Extern, IndexValue, Kernel, Load, LoopProgram,
                            Reduce, children, is_inner)
+from .codegen import (CompiledKernel, IndexPrinter, extern_results, extern_text, identifier,
+                      levels)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -259,55 +259,16 @@ def _int(n: int) -> str:
     return str(n) if -(1 << 31) < n < (1 << 31) else f"{n}LL"
 
 
-def _index(e) -> str:
-    """An integer sympy index expression (or a Python int) as C++ over int64 loop variables."""
-    e = sympy.sympify(e)
-    if e.is_Integer:
-        return _int(int(e))
-    if e.is_Float:
-        return repr(float(e))
-    if e.is_Symbol:
-        return e.name
-    if isinstance(e, sympy.Add):
-        return "(" + " + ".join(_index(a) for a in e.args) + ")"
-    if isinstance(e, sympy.Mul):
-        return "(" + " * ".join(_index(a) for a in e.args) + ")"
-    if isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
-        return "(" + " * ".join([_index(e.base)] * int(e.exp)) + ")"
-    if isinstance(e, (sympy.floor, sympy.ceiling)):
-        num, den = e.args[0].as_numer_denom()
-        if not den.is_Integer:
-            raise BackendError(f"cannot print index {e}: the divisor is not an integer")
-        if isinstance(e, sympy.ceiling):  # ceil(n / d) = -floor(-n / d)
-            return f"(-{_floordiv(-num, den)})"
-        return _floordiv(num, den)
-    if isinstance(e, sympy.Mod):
-        a, b = e.args
-        if a.is_nonnegative and b.is_positive:
-            return f"({_index(a)} % {_index(b)})"
-        return f"plait_mod({_index(a)}, {_index(b)})"
-    if isinstance(e, (sympy.Min, sympy.Max)):
-        fn = "std::min" if isinstance(e, sympy.Min) else "std::max"
-        out = _index(e.args[0])
-        for a in e.args[1:]:
-            out = f"{fn}<int64_t>({out}, {_index(a)})"
-        return out
-    if isinstance(e, (sympy.And, sympy.Or)):  # conditions on indices (padding, concat)
-        return "(" + (" && " if isinstance(e, sympy.And) else " || ").join(
-            _index(a) for a in e.args) + ")"
-    if e is sympy.true or e is sympy.false:
-        return "true" if e is sympy.true else "false"
-    if isinstance(e, sympy.core.relational.Relational):
-        return f"({_index(e.lhs)} {e.rel_op} {_index(e.rhs)})"
-    raise BackendError(f"cannot print index expression {e} ({type(e).__name__}) as C++")
+class _CppIndex(IndexPrinter):
+    language = "C++"
+    floordiv, floordiv_fn, mod_fn = "/", "plait_floordiv", "plait_mod"  # / truncates
+    min_fn, max_fn = "std::min<int64_t>", "std::max<int64_t>"
+
+    def integer(self, n: int) -> str:
+        return _int(n)
 
 
-def _floordiv(num, den) -> str:
-    if num.is_nonnegative and den.is_positive:  # C++ division truncates: the floor here
-        return f"({_index(num)} / {_index(den)})"
-    return f"plait_floordiv({_index(num)}, {_index(den)})"
-
-
+_index = _CppIndex()
 _INDEX_HELPERS = r"""
 // Index arithmetic on possibly negative values: floor division and a modulo with the
 // divisor's sign, as sympy's floor and Mod.
@@ -371,18 +332,6 @@ class _Scope:
         return name
 
 
-def _identifier(name: str, taken: set) -> str:
-    """``name`` as a C identifier distinct from those ``taken`` (which it joins)."""
-    base = re.sub(r"\W", "_", name)
-    if not base or base[0].isdigit():
-        base = "_" + base
-    out, k = base, 1
-    while out in taken:
-        out, k = f"{base}_{k}", k + 1
-    taken.add(out)
-    return out
-
-
 class _KernelWriter:
     def __init__(self, kernel: Kernel, cname: str, aliases: dict | None = None):
         self.kernel, self.cname = kernel, cname
@@ -393,7 +342,7 @@ class _KernelWriter:
         self.count, self.checks_error = 0, False
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
         taken: set = set()
-        self.params = {b: _identifier(b, taken) for b in self.buffers}
+        self.params = {b: identifier(b, taken) for b in self.buffers}
 
     def param(self, buffer: str) -> str:
         return self.params[buffer]
@@ -424,7 +373,7 @@ class _KernelWriter:
                 raise BackendError(f"kernel {k.name} stores a {s.value.dtype} value into "
                                    f"{s.buffer} of {buffer_types[s.buffer].dtype}")
         bound: dict = {}
-        for level in _levels(*(s.value for s in k.stores)):  # each a pass over the rows
+        for level in levels(*(s.value for s in k.stores)):  # each a pass over the rows
             bound |= self._reduction(level, bound, lines, indent, parallel and not xs)
         inner = [s for s in k.stores if is_inner(s)]
         if inner:  # one more pass over the rows, storing per point
@@ -527,42 +476,6 @@ def _row_vars(kernel) -> list[str]:
     return [f"r{i}" for i in range(len(kernel.reduction_sizes))]
 
 
-def _levels(*exprs) -> list[list]:
-    """The kernel's reductions, grouped into passes: a reduction whose body uses others
-    comes in a later pass than all of them."""
-    depth: dict = {}
-
-    def visit(red):
-        if red not in depth:
-            inside = _reduces(red.body)
-            depth[red] = 1 + max((visit(r) for r in inside), default=-1)
-        return depth[red]
-
-    for red in _reduces(*exprs):
-        visit(red)
-    return [[r for r, d in depth.items() if d == level]
-            for level in range(max(depth.values(), default=-1) + 1)]
-
-
-def _reduces(*exprs) -> list:
-    """The Reduce nodes of expression DAGs, not looking inside them."""
-    out, seen = [], set()
-
-    def visit(e):
-        if e in seen:
-            return
-        seen.add(e)
-        if isinstance(e, Reduce):
-            out.append(e)
-            return
-        for c in children(e):
-            visit(c)
-
-    for e in exprs:
-        visit(e)
-    return out
-
-
 # ---------------------------------------------------------------------------------------
 # Building and caching the library
 # ---------------------------------------------------------------------------------------
@@ -647,16 +560,6 @@ def build(source: str, symbols: Sequence[str]) -> ctypes.CDLL:
 # The compiled program
 # ---------------------------------------------------------------------------------------
 @attrs.frozen
-class CompiledKernel:
-    """One step of a compiled program, for inspection: a C++ function or an extern call."""
-
-    name: str
-    source: str
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
-
-
-@attrs.frozen
 class _Empty:
     """``env[dest] = torch.empty(shape, dtype)``: a buffer's own storage, or a pool slot."""
 
@@ -735,11 +638,11 @@ class CompiledProgram:
         writers, c_parts, self.kernels = {}, [_PRELUDE + _INDEX_HELPERS], []
         for i, k in enumerate(kernels):
             if isinstance(k, Kernel):
-                writers[i] = w = _KernelWriter(k, _identifier(k.name, taken), program.aliases)
+                writers[i] = w = _KernelWriter(k, identifier(k.name, taken), program.aliases)
                 text = w.source({b: program.buffers[b].type for b in w.buffers})
                 c_parts.append(text)
             else:
-                text = _extern_text(k)
+                text = extern_text(k)
             self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
         self.cpp_source = "\n\n".join(c_parts) + "\n"
         lib = build(self.cpp_source, [w.cname for w in writers.values()])
@@ -779,7 +682,7 @@ class CompiledProgram:
             else:
                 step = _Step(k, tuple(slot[b] for b in k.inputs),
                              tuple(slot[b] for b in k.outputs), tuple(bind), free)
-                listing.append(_extern_text(k))
+                listing.append(extern_text(k))
             if free:
                 listing.append("del " + ", ".join(names[s] for s in free))
             self._steps.append(step)
@@ -838,31 +741,6 @@ class CompiledProgram:
             env[s] = t  # adopted as the buffer
 
 
-def extern_results(k: Extern, args: list, program: LoopProgram) -> list[torch.Tensor]:
-    """Run an extern on its argument tensors: its results, checked against their buffers'
-    types, contiguous, and never sharing memory with an argument (a later in-place write or
-    a reused slot must not change them)."""
-    result = k.fn(*args, **dict(k.params))
-    result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
-    if len(result) != len(k.outputs):
-        raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
-                           f"expected {len(k.outputs)}")
-    for b, t in zip(k.outputs, result):
-        want = program.buffers[b].type
-        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
-            raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
-                               f"for {b}, which is {want.dtype}{list(want.shape)}")
-    return [_own(t.contiguous(), args) for t in result]
-
-
-def _own(t: torch.Tensor, inputs: list) -> torch.Tensor:
-    """An extern's result as a buffer of its own: a copy where torch returned (a view of) an
-    input, whose memory a later kernel may write in place or a pool slot may hand on."""
-    ptr = t.untyped_storage().data_ptr()
-    shared = t.numel() and any(x.untyped_storage().data_ptr() == ptr for x in inputs)
-    return t.clone() if shared else t
-
-
 class _Tracker:
     """``config.check_memory_plan``: one call's real allocations, against the plan's blocks
     (NOTE [wrapper memory])."""
@@ -905,12 +783,6 @@ class _Tracker:
             raise BackendError(f"memory plan check: the call allocated "
                                f"{sorted(names[s] for s in self.refs)}, the plan "
                                f"{sorted(names[s] for s in want)}")
-
-
-def _extern_text(k: Extern) -> str:
-    params = "".join(f", {n}={v!r}" for n, v in k.params)
-    return f"{', '.join(k.outputs)}{',' if len(k.outputs) == 1 else ''} = " \
-           f"{k.label}({', '.join(k.inputs)}{params})"
 
 
 def compile_program(program: LoopProgram, plan=None) -> CompiledProgram:

@@ -13,7 +13,7 @@ makes both sides coalesced is not built).
 Reductions. A kernel with reduction loops works on ``[XBLOCK, RBLOCK]`` tiles: ``XBLOCK``
 outer points per program (``x..`` have shape ``[XBLOCK, 1]``) by ``RBLOCK`` points of the
 flattened reduction loops (``r..`` have shape ``[1, RBLOCK]``, recovered like the outer ones).
-Its reductions run in dependency-ordered passes (``cpp._levels``: softmax's max, then its sum)
+Its reductions run in dependency-ordered passes (``codegen.levels``: softmax's max, then its sum)
 and its inner stores in a final pass. When the rows fit in one tile (``R <= PERSISTENT_MAX``)
 the kernel is *persistent*: no loop, every pass shares the loaded tile and each Reduce is one
 ``tl.reduce`` over axis 1. Otherwise each pass loops over the rows in ``RBLOCK`` chunks,
@@ -72,7 +72,8 @@ from ..graph.loops import (
     is_inner,
     walk,
 )
-from .cpp import CompiledKernel, _extern_text, _identifier, _levels, extern_results
+from .codegen import (CompiledKernel, IndexPrinter, extern_results, extern_text, identifier,
+                      levels)
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64",
               torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
@@ -378,45 +379,16 @@ def _pow2(n: int) -> int:
 # ---------------------------------------------------------------------------------------
 # Printing expressions
 # ---------------------------------------------------------------------------------------
+class _TritonIndex(IndexPrinter):
+    language = "Triton"
+    floordiv, floordiv_fn, mod_fn = "//", "_floordiv", "_mod"
+    min_fn, max_fn = "tl.minimum", "tl.maximum"
+    and_op, or_op, true, false = "&", "|", "True", "False"
+
+
 def _index(e, names: dict | None = None) -> str:
-    """An integer sympy index expression (or condition) as Triton over the loop variables
-    (``names`` maps a variable to another spelling)."""
-    e = sympy.sympify(e)
-    if e.is_Integer:
-        return str(int(e))
-    if e.is_Float:
-        return repr(float(e))
-    if e.is_Symbol:
-        return (names or {}).get(e.name, e.name)
-    sub = lambda a: _index(a, names)
-    if isinstance(e, (sympy.Add, sympy.Mul)):
-        return "(" + (" + " if isinstance(e, sympy.Add) else " * ").join(map(sub, e.args)) + ")"
-    if isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
-        return "(" + " * ".join([sub(e.base)] * int(e.exp)) + ")"
-    if isinstance(e, (sympy.floor, sympy.ceiling)):
-        num, den = e.args[0].as_numer_denom()
-        if not den.is_Integer:
-            raise BackendError(f"cannot print index {e}: the divisor is not an integer")
-        if isinstance(e, sympy.ceiling):  # ceil(n / d) = -floor(-n / d)
-            num = -num
-        direct = num.is_nonnegative and den.is_positive  # // truncates: the floor here
-        q = f"({sub(num)} // {sub(den)})" if direct else f"_floordiv({sub(num)}, {sub(den)})"
-        return f"(-{q})" if isinstance(e, sympy.ceiling) else q
-    if isinstance(e, sympy.Mod):
-        a, b = e.args
-        direct = a.is_nonnegative and b.is_positive
-        return f"({sub(a)} % {sub(b)})" if direct else f"_mod({sub(a)}, {sub(b)})"
-    if isinstance(e, (sympy.Min, sympy.Max)):
-        fn = "tl.minimum" if isinstance(e, sympy.Min) else "tl.maximum"
-        out = sub(e.args[0])
-        for a in e.args[1:]:
-            out = f"{fn}({out}, {sub(a)})"
-        return out
-    if isinstance(e, (sympy.And, sympy.Or)):  # conditions on indices (padding, concat)
-        return "(" + (" & " if isinstance(e, sympy.And) else " | ").join(map(sub, e.args)) + ")"
-    if isinstance(e, sympy.core.relational.Relational):
-        return f"({sub(e.lhs)} {e.rel_op} {sub(e.rhs)})"
-    raise BackendError(f"cannot print index expression {e} ({type(e).__name__}) as Triton")
+    """An index expression (or condition) as Triton; ``names`` respells loop variables."""
+    return _TritonIndex(names)(e)
 
 
 def _literal(value, dtype: torch.dtype) -> str:
@@ -513,7 +485,7 @@ class _KernelWriter:
         self.count, self.checks_error = 0, False
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
         taken: set = set()
-        self.params = {b: "ptr_" + _identifier(b, taken) for b in self.buffers}
+        self.params = {b: "ptr_" + identifier(b, taken) for b in self.buffers}
         self._rows: dict = {}
         k = kernel
         self.numel = math.prod(k.sizes)
@@ -632,18 +604,18 @@ class _KernelWriter:
 
     def _rows_body(self, top: _Scope, lines, ind) -> None:
         k = self.kernel
-        levels = _levels(*(s.value for s in k.stores))
+        passes = levels(*(s.value for s in k.stores))
         inner = [s for s in k.stores if is_inner(s)]
         if self.persistent:  # one tile: every pass shares its loads
             self._rindex("", lines, ind)
             rows = _Scope(self, lines, ind, "xrmask", parent=top)
-            for level in levels:
+            for level in passes:
                 for red in level:
                     top.names[red] = self._reduce_tile(rows, red)
             for s in inner:
                 self.store(rows, s)
             return
-        for level in levels:
+        for level in passes:
             accs = [self._accumulate(top, red, lines, ind) for red in level]
             body: list[str] = []
             rows = self._loop(top, body, ind)
@@ -790,11 +762,11 @@ class CompiledProgram:
         writers, parts, self.kernels = {}, [prelude()], []
         for i, k in enumerate(program.kernels):
             if isinstance(k, Kernel):
-                writers[i] = w = _KernelWriter(k, _identifier(k.name, taken), types)
+                writers[i] = w = _KernelWriter(k, identifier(k.name, taken), types)
                 text = w.source()
                 parts.append(text)
             else:
-                text = _extern_text(k)
+                text = extern_text(k)
             self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
         self.triton_source = "\n\n\n".join(parts) + "\n"
         module = load_module(self.triton_source)
@@ -823,7 +795,7 @@ class CompiledProgram:
             else:
                 step = _Step(k, tuple(slot[b] for b in k.inputs),
                              tuple(slot[b] for b in k.outputs), allocate, free)
-                listing.append(_extern_text(k))
+                listing.append(extern_text(k))
             if free:
                 listing.append("del " + ", ".join(names[s] for s in free))
             self._steps.append(step)
