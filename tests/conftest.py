@@ -1,11 +1,18 @@
 """Shared fixtures and helpers of plait's unit tests."""
 from __future__ import annotations
 
+import os
+
 import attrs
 import pytest
 import torch
 
 import plait
+
+# The tests use CPU tensors: the triton backend runs its kernels in Triton's interpreter
+# (read when a kernel launches). On a machine with a GPU, leave it to the caller.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

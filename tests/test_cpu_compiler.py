@@ -1,5 +1,7 @@
-"""The CPU compiler end to end (plait.jit(backend="cpp")): results against eager, kernel
-counts and the estimated memory traffic for known patterns, control edges, introspection."""
+"""The compilers end to end (plait.jit with backend "cpp", and "triton" under the
+interpreter): results against eager, kernel counts and the estimated memory traffic for known
+patterns (properties of lowering and fusion, so the same for both), control edges,
+introspection."""
 import pytest
 import torch
 
@@ -9,10 +11,12 @@ from plait.graph.loops import Kernel
 from plait.passes.fusion import fuse
 from plait.passes.lowering import lower
 
+COMPILERS = ["cpp", "triton"]
 
-def _compiled(fn, *args):
-    jitted = plait.jit(fn, backend="cpp")
-    torch.testing.assert_close(jitted(*args), fn(*args))
+
+def _compiled(fn, *args, backend="cpp"):
+    jitted = plait.jit(fn, backend=backend)
+    torch.testing.assert_close(jitted(*args), fn(*args), equal_nan=True)
     return jitted.lower(*args)
 
 
@@ -23,27 +27,33 @@ def loop_ordering(x):
     return y, z, z_t
 
 
-def test_loop_ordering_example_reads_x_once():
+@pytest.mark.parametrize("backend", COMPILERS)
+def test_loop_ordering_example_reads_x_once(backend):
     x = torch.randn(256, 128)
-    lowered = _compiled(loop_ordering, x)
-    y, z, z_t = plait.jit(loop_ordering, backend="cpp")(x)
+    lowered = _compiled(loop_ordering, x, backend=backend)
+    y, z, z_t = plait.jit(loop_ordering, backend=backend)(x)
     assert z.data_ptr() != z_t.data_ptr()  # outputs never alias where eager's do not
     assert [k.reads for k in lowered.kernels].count(("in0",)) == 1
     x_bytes, row_bytes = x.numel() * 4, 256 * 4
     assert lowered.stats["bytes_read"] == x_bytes + row_bytes  # x once, then its row sums
 
 
+@pytest.mark.parametrize("backend", COMPILERS)
 @pytest.mark.parametrize("fn", [lambda x: torch.softmax(x, -1),
-                                lambda x: torch.nn.functional.layer_norm(x, (64,))])
-def test_softmax_and_layer_norm_are_one_kernel_reading_the_input_once(fn):
+                                lambda x: torch.nn.functional.layer_norm(x, (64,)),
+                                lambda x: torch.logsumexp(x, -1)],
+                         ids=["softmax", "layer_norm", "logsumexp"])
+def test_row_kernels_are_one_kernel_reading_the_input_once(fn, backend):
     x = torch.randn(32, 64)
-    stats = _compiled(fn, x).stats
+    stats = _compiled(fn, x, backend=backend).stats
     assert stats["kernels"] == 1 and stats["bytes_read"] == x.numel() * 4
 
 
-def test_pointwise_chain_is_one_kernel():
+@pytest.mark.parametrize("backend", COMPILERS)
+def test_pointwise_chain_is_one_kernel(backend):
     x = torch.randn(64, 48)
-    lowered = _compiled(lambda x: torch.nn.functional.gelu(torch.tanh(x) * 3 - 1).exp(), x)
+    lowered = _compiled(lambda x: torch.nn.functional.gelu(torch.sigmoid(x) * 3 - 1).exp(), x,
+                        backend=backend)
     assert lowered.stats["kernels"] == 1
     assert lowered.stats["bytes_read"] == lowered.stats["bytes_written"] == x.numel() * 4
 
@@ -65,9 +75,10 @@ def test_a_control_edge_blocks_a_fusion():
     assert sum(isinstance(k, Kernel) for k in ordered.kernels) == 2
 
 
-def test_introspection():
+@pytest.mark.parametrize("backend", COMPILERS)
+def test_introspection(backend):
     lowered = _compiled(lambda x, w: torch.relu(x @ w).sum(0), torch.randn(8, 4),
-                        torch.randn(4, 6))
+                        torch.randn(4, 6), backend=backend)
     assert {"kernels", "bytes_read", "bytes_written", "peak_bytes"} <= set(lowered.stats)
     generated = [k for k in lowered.kernels if k.name.startswith("kernel")]
     assert generated and all(k.source in lowered.source for k in generated)
