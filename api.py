@@ -243,11 +243,8 @@ def control_dependency(value: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor
     """``value``, computed only after whatever computes ``deps`` (inside ``jit`` and the
     transforms): the graph gets control edges, and no pass reorders or fuses across them.
     Outside a traced function, eager PyTorch runs in program order already: ``value``."""
-    from .tracer.trace import current_trace, tracing_active, unwrap_functional
+    from .tracer.trace import current_trace, on_tracers, tracing_active
 
     if not tracing_active():
         return value
-    level = torch._C._functorch.maybe_current_level()
-    out = current_trace().order_after(unwrap_functional(value),
-                                      [unwrap_functional(d) for d in deps])
-    return out if level is None else torch._C._functorch._wrap_functional_tensor(out, level)
+    return on_tracers(lambda v, ds: current_trace().order_after(v, ds))(value, deps)

@@ -22,7 +22,7 @@ from .errors import TraceError
 from .passes import autodiff
 from .passes.interpret import inline
 from .tracer import trace_function
-from .tracer.trace import TracerTensor, bind, tracing_active, unwrap_functional
+from .tracer.trace import bind, on_tracers, tracing_active
 
 
 # ---------------------------------------------------------------------------------------
@@ -34,15 +34,7 @@ def _staged(body: Callable) -> Callable:
     graph), converting between the user's functionalize wrappers and tracers."""
     from .api import jit
 
-    def inside(*args, **kwargs):
-        level = torch._C._functorch.maybe_current_level()
-        args, kwargs = pytree.tree_map(unwrap_functional, (args, kwargs))
-        out = body(*args, **kwargs)
-        if level is None:
-            return out
-        return pytree.tree_map(lambda x: torch._C._functorch._wrap_functional_tensor(x, level)
-                               if isinstance(x, TracerTensor) else x, out)
-
+    inside = on_tracers(body)
     jitted = jit(inside)
 
     @functools.wraps(body)

@@ -2,20 +2,13 @@
 interpreter (which checks every result against eager)."""
 import torch
 
-import plait
-from plait.backends.loopeval import run_program
 from plait.graph.loops import Kernel
 from plait.passes.fusion import fuse
-from plait.passes.lowering import lower
+from test_lowering import _lowered
 
 
 def _fused(fn, *args):
-    program = fuse(lower(plait.make_graph(fn)(*args)))
-    expected = fn(*args)
-    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
-    for actual, want in zip(run_program(program, list(args)), expected):
-        torch.testing.assert_close(actual, want)
-    return program
+    return _lowered(fn, *args, passes=(fuse,))
 
 
 def _readers(program, buffer):

@@ -8,8 +8,12 @@ from plait.graph.loops import Extern, Kernel, Load, Reduce, loop_vars, walk
 from plait.passes.lowering import lower
 
 
-def _lowered(fn, *args):
+def _lowered(fn, *args, passes=()):
+    """``fn`` lowered (then through ``passes``), run by the loop-IR interpreter and checked
+    against eager; returns the program."""
     program = lower(plait.make_graph(fn)(*args))
+    for p in passes:
+        program = p(program)
     expected = fn(*args)
     expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
     for actual, want in zip(run_program(program, list(args)), expected):

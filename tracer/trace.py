@@ -411,6 +411,22 @@ def unwrap_functional(x: Any) -> Any:
     return x
 
 
+def on_tracers(fn: Callable) -> Callable:
+    """``fn`` called from user code inside a traced function: its tensor arguments are
+    unwrapped to tracers, and its tracer results wrapped back at the caller's functionalize
+    level (the way transforms and plait.control_dependency work inside jit)."""
+    def run(*args, **kwargs):
+        level = torch._C._functorch.maybe_current_level()
+        out = fn(*pytree.tree_map(unwrap_functional, args),
+                 **pytree.tree_map(unwrap_functional, kwargs))
+        if level is None:
+            return out
+        return pytree.tree_map(lambda x: torch._C._functorch._wrap_functional_tensor(x, level)
+                               if isinstance(x, TracerTensor) else x, out)
+
+    return run
+
+
 def is_dense(tensor: torch.Tensor) -> bool:
     return (tensor.layout == torch.strided and tensor.is_contiguous()
             and tensor.storage_offset() == 0)
