@@ -139,7 +139,8 @@ def _distinct(outs: list, inputs: list) -> list:
     result = []
     for out in outs:
         ptr = out.untyped_storage().data_ptr() if out.numel() else None
-        if ptr is not None and ptr in taken and taken[ptr] is not out:
+        if ptr is not None and ptr in taken and (taken[ptr] is not out or any(
+                r is out for r in result)):
             out = out.clone()
         elif ptr is not None:
             taken[ptr] = out

@@ -195,5 +195,10 @@ class GraphBuilder:
     def type_of(self, value: Value) -> TensorType:
         return self.node(value.node).out_types[value.index]
 
+    def operands(self, n: int) -> tuple[Value, ...]:
+        slots = {d["operand"]: Value(u, d["index"])
+                 for u, _, d in self._g.in_edges(n, data=True) if d["kind"] == DATA}
+        return tuple(slots[i] for i in range(len(slots)))
+
     def build(self, outputs: Sequence[Value]) -> Graph:
         return Graph(self._g.copy(), self.inputs, outputs)

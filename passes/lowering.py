@@ -42,9 +42,26 @@ class Lazy:
     names the contiguous buffer it reads straight through, if it is one (reshape keeps it)."""
 
     type: TensorType
-    at: Callable[[tuple], object]
+    at: Callable[[tuple], object] = attrs.field(converter=lambda at: _memoized(at))
     buffer: str | None = None
     origins: frozenset = frozenset()  # the graph nodes its expression computes
+
+
+def _memoized(at: Callable) -> Callable:
+    """``at`` returning one shared expression per index: a lazy value used twice by one
+    expression is one subexpression of the DAG, not two trees (so values recomputed at each
+    use, NOTE [lowering], stay linear in size)."""
+    if hasattr(at, "cache"):
+        return at
+    cache: dict = {}
+
+    def memo(index):
+        if index not in cache:
+            cache[index] = at(index)
+        return cache[index]
+
+    memo.cache = cache
+    return memo
 
 
 def flat(index, shape) -> sympy.Expr:
@@ -70,9 +87,11 @@ def _clamp(e, n):
     return sympy.Max(0, sympy.Min(n - 1, e))
 
 
-def _works(expr) -> bool:
-    """Does computing it take more than loads, constants and index math?"""
-    return any(isinstance(e, (Apply, Reduce)) for e in walk(expr))
+# A value with several users is stored once rather than recomputed at each use when it costs
+# more than this many operations, or reads more than this many buffers of its own size
+# (smaller ones, such as per-row statistics, are broadcast and cost little to read again).
+RECOMPUTE_MAX_OPS = 32
+RECOMPUTE_MAX_READS = 2
 
 
 class _Lowering:
@@ -102,11 +121,12 @@ class _Lowering:
         t = self.buffers[name].type
         return Lazy(t, lambda idx: Load(name, flat(idx, t.shape), t.dtype), name)
 
-    def realize(self, v: Value, fenced: bool = False) -> str:
-        """The buffer holding ``v`` (a pointwise kernel stores it first if it is lazy)."""
+    def realize(self, v: Value, fenced: bool = False, fresh: bool = False) -> str:
+        """The buffer holding ``v`` (a pointwise kernel stores it first if it is lazy, or
+        into a ``fresh`` buffer of its own)."""
         lazy = self.values[v]
         if lazy.buffer is not None and self.buffers[lazy.buffer].type.shape == lazy.type.shape \
-                and not fenced:
+                and not (fenced or fresh):
             return lazy.buffer
         name = self.new_buffer("buf", lazy.type)
         xs, sizes = _loops(lazy.type.shape, "x")
@@ -155,15 +175,24 @@ class _Lowering:
                 node, args, node.out_types[0]), origins=_origins(n, args))
             if n in self.ordered:  # a control edge orders it: a kernel of its own
                 self.realize(outs[0], fenced=True)
-            elif self.uses.get(outs[0], 0) > 1 and _works(lazy.at(loop_vars(
-                    "x", lazy.type.ndim))):
+            elif self.uses.get(outs[0], 0) > 1 and self.worth_storing(lazy):
                 self.realize(outs[0])
-        outputs = tuple(self.realize(v) for v in g.outputs)
+        outputs: list[str] = []
+        for v in g.outputs:  # outputs never alias: a value returned twice is stored twice
+            outputs.append(self.realize(v, fresh=self.realize(v) in outputs))
         provenance = {n: "  ".join(filter(None, (g.node(n).prim, g.node(n).provenance.aten,
                                                  g.node(n).provenance.source)))
                       for n in g.order}
         return LoopProgram(dict(self.buffers), tuple(inputs), dict(self.constants),
-                           tuple(self.kernels), outputs, provenance)
+                           tuple(self.kernels), tuple(outputs), provenance)
+
+    def worth_storing(self, lazy: Lazy) -> bool:
+        """Is one store and a load per use cheaper than computing ``lazy`` at each use?"""
+        nodes = walk(lazy.at(loop_vars("x", lazy.type.ndim)))
+        ops = sum(isinstance(e, (Apply, Reduce)) for e in nodes)
+        reads = {e.buffer for e in nodes if isinstance(e, Load)
+                 and self.buffers[e.buffer].type.numel >= lazy.type.numel}
+        return ops > RECOMPUTE_MAX_OPS or (ops > 0 and len(reads) > RECOMPUTE_MAX_READS)
 
     def extern(self, n, node, operands, outs):
         names, views = [], []

@@ -1,4 +1,5 @@
-"""Simplify passes: dead-code elimination, common-subexpression elimination, constant folding.
+"""Simplify passes: dead-code elimination, common-subexpression elimination, constant folding,
+algebraic identities.
 
 Each is a pure function Graph -> Graph. They keep every control edge whose ends survive (a
 merged node inherits the control edges of the nodes merged into it), and never remove, merge
@@ -106,16 +107,118 @@ def fold_constants(graph: Graph) -> Graph:
     return rewrite(graph, visit)
 
 
+def _is_full(b: GraphBuilder, v: Value, value) -> bool:
+    node = b.node(v.node)
+    return node.prim == "full" and node.kwargs["value"] == value
+
+
+def _compose(outer: tuple, inner: tuple) -> tuple:
+    """transpose(transpose(x, inner), outer) is transpose(x, _compose(outer, inner))."""
+    return tuple(inner[i] for i in outer)
+
+
+def _swapped_dot(b: GraphBuilder, dot: Value, permutation: tuple, node) -> list | None:
+    """transpose(dot_general(l, r)) as dot_general(r, l), when the transpose keeps the batch
+    dims and swaps the block of l's free dims with the block of r's."""
+    d = b.node(dot.node)
+    (lc, rc), (lb, rb) = d.kwargs["contracting"], d.kwargs["batch"]
+    lhs, rhs = b.operands(dot.node)
+    nb = len(lb)
+    nl = b.type_of(lhs).ndim - len(lc) - nb
+    nr = b.type_of(rhs).ndim - len(rc) - nb
+    swap = (*range(nb), *range(nb + nl, nb + nl + nr), *range(nb, nb + nl))
+    if permutation != swap:
+        return None
+    return b.add_node("dot_general", (rhs, lhs), {"contracting": (rc, lc), "batch": (rb, lb)},
+                      node.out_types, node.provenance)
+
+
+def _absorb_transposes(b: GraphBuilder, operands, node) -> list | None:
+    """dot_general of transposed operands reads their sources with the dims renamed, where a
+    transpose keeps its operand's free dims in order (so the output's layout is the same)."""
+    (contracting, batch), changed = (list(node.kwargs["contracting"]),
+                                     list(node.kwargs["batch"])), False
+    operands = list(operands)
+    for side, v in enumerate(operands):
+        t = b.node(v.node)
+        if t.prim != "transpose":
+            continue
+        p = t.kwargs["permutation"]
+        free = [p[d] for d in range(len(p)) if d not in contracting[side] + batch[side]]
+        if free == sorted(free):
+            (operands[side],) = b.operands(v.node)
+            contracting[side] = tuple(p[d] for d in contracting[side])
+            batch[side] = tuple(p[d] for d in batch[side])
+            changed = True
+    if not changed:
+        return None
+    return b.add_node("dot_general", operands, {"contracting": tuple(contracting),
+                                                "batch": tuple(batch)},
+                      node.out_types, node.provenance)
+
+
+def algebra(graph: Graph) -> Graph:
+    """Algebraic identities that leave fewer nodes and fewer copies for the compiler: x*1,
+    x/1, x-0; reshapes and transposes that do nothing or compose; a dot_general absorbs
+    transposed operands into its dimension numbers, and a transpose of a single-use
+    dot_general that swaps its free dims swaps its operands instead. Every rule is exact in
+    floating point (x+0 is not: -0.0 + 0.0 is +0.0)."""
+    outputs = set(graph.outputs)
+
+    def visit(b, n, operands, preds):
+        node = graph.node(n)
+        if preds or is_effectful(node):
+            return None
+        same = lambda v: b.type_of(v) == node.out_types[0]  # noqa: E731
+        kw = node.kwargs
+        if node.prim == "mul":
+            for x, one in (operands, operands[::-1]):
+                if _is_full(b, one, 1) and same(x):
+                    return [x]
+        if node.prim in ("div", "sub") and _is_full(b, operands[1], node.prim == "div") \
+                and same(operands[0]):
+            return [operands[0]]
+        if node.prim in ("reshape", "transpose", "broadcast_in_dim", "convert") \
+                and same(operands[0]) and (node.prim != "transpose" or kw["permutation"] == tuple(
+                    range(len(kw["permutation"])))) and (
+                node.prim != "broadcast_in_dim" or kw["broadcast_dimensions"] == tuple(
+                    range(len(node.out_types[0].shape)))):
+            return [operands[0]]
+        inner = b.node(operands[0].node) if operands else None
+        if node.prim == "reshape" and inner.prim == "reshape":
+            return b.add_node("reshape", b.operands(operands[0].node), kw, node.out_types,
+                              node.provenance)
+        if node.prim == "transpose" and inner.prim == "transpose":
+            p = _compose(kw["permutation"], inner.kwargs["permutation"])
+            (source,) = b.operands(operands[0].node)
+            if p == tuple(range(len(p))):
+                return [source]
+            return b.add_node("transpose", (source,), {"permutation": p}, node.out_types,
+                              node.provenance)
+        if node.prim == "transpose" and inner.prim == "dot_general" \
+                and len(graph.users(graph.operands(n)[0].node)) == 1 \
+                and graph.operands(n)[0] not in outputs:
+            swapped = _swapped_dot(b, operands[0], kw["permutation"], node)
+            if swapped is not None:
+                return swapped
+        if node.prim == "dot_general":
+            return _absorb_transposes(b, operands, node)
+        return None
+
+    return rewrite(graph, visit)
+
+
 PASSES: dict[str, Callable[[Graph], Graph]] = {
-    "dce": dce, "cse": cse, "fold_constants": fold_constants,
+    "dce": dce, "cse": cse, "fold_constants": fold_constants, "algebra": algebra,
 }
 
 
-PIPELINE = ("dce", "fold_constants", "cse", "dce")
+PIPELINE = ("dce", "fold_constants", "algebra", "cse", "dce")
 
 
 def simplify(graph: Graph, on_pass: Callable[[str, Graph], None] | None = None) -> Graph:
-    """The default pipeline: DCE first (less to look at), then fold, CSE, and DCE again.
+    """The default pipeline: DCE first (less to look at), then fold, algebraic identities, CSE,
+    and DCE again (the identities leave the nodes they bypass dead).
 
     ``on_pass(name, graph)`` sees the graph after each pass (the debug report draws them)."""
     for name in PIPELINE:

@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 import plait
 from plait.graph import Graph
-from plait.passes import PASSES, cse, dce, fold_constants, simplify
+from plait.passes import PASSES, algebra, cse, dce, fold_constants, simplify
 
 
 def prim_count(graph: Graph, prim: str) -> int:
@@ -25,7 +25,8 @@ def _run(graph: Graph, *inputs):
 
 
 def test_registry():
-    assert PASSES == {"dce": dce, "cse": cse, "fold_constants": fold_constants}
+    assert PASSES == {"dce": dce, "cse": cse, "fold_constants": fold_constants,
+                      "algebra": algebra}
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def test_fold_constants_respects_fold_max_numel():
     c = torch.arange(4.0)
 
     def f(x):
-        return x + torch.ones_like(x) * c
+        return x + torch.full_like(x, 2.0) * c
 
     x = torch.randn(4)
     with plait.config.patch(fold_max_numel=3):
@@ -195,7 +196,7 @@ def test_fold_max_numel_joins_cache_key():
     c = torch.arange(4.0)
 
     def f(x):
-        return x + torch.ones_like(x) * c
+        return x + torch.full_like(x, 2.0) * c
 
     jf = plait.jit(f)
     x = torch.randn(4)
@@ -264,3 +265,70 @@ def test_passes_preserve_results(name):
     want = f(x, y)
     assert_close(got[0], want[0])
     assert_close(got[1], want[1])
+
+
+# ---------------------------------------------------------------------------------------
+# Algebraic identities
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn, removed", [
+    (lambda x: x * torch.ones_like(x) + 1, "mul"),
+    (lambda x: torch.ones_like(x) * x + 1, "mul"),
+    (lambda x: x / torch.ones_like(x) + 1, "div"),
+    (lambda x: (x - torch.zeros_like(x)).exp(), "sub"),
+    (lambda x: x.t().t().exp(), "transpose"),
+    (lambda x: x.reshape(4, 6).reshape(24).exp(), "reshape"),
+], ids=["x*1", "1*x", "x/1", "x-0", "transpose-transpose", "reshape-reshape"])
+def test_algebra_removes_identities(fn, removed):
+    x = torch.randn(6, 4)
+    g = dce(algebra(fold_constants(_traced(fn, x))))
+    assert prim_count(g, removed) == (1 if removed == "reshape" else 0), g
+    assert_close(plait.jit(fn)(x), fn(x))
+
+
+def test_algebra_keeps_adding_zero():
+    """x + 0.0 is not x: -0.0 + 0.0 is +0.0."""
+    x = torch.tensor([-0.0, 1.0])
+    f = lambda x: x + torch.zeros_like(x)  # noqa: E731
+    assert prim_count(algebra(_traced(f, x)), "add") == 1
+    assert torch.equal(plait.jit(f)(x).sign(), f(x).sign())
+
+
+def test_algebra_composes_transposes():
+    x = torch.randn(2, 3, 4)
+    f = lambda x: x.permute(1, 2, 0).permute(2, 0, 1).permute(0, 2, 1).exp()  # noqa: E731
+    g = dce(algebra(_traced(f, x)))
+    assert prim_count(g, "transpose") == 1
+    assert_close(plait.jit(f)(x), f(x))
+
+
+def test_dot_general_absorbs_transposed_operands():
+    a, b = torch.randn(5, 3), torch.randn(4, 3)
+    f = lambda a, b: a @ b.t()  # noqa: E731
+    g = dce(algebra(_traced(f, a, b)))
+    assert prim_count(g, "transpose") == 0 and prim_count(g, "dot_general") == 1
+    assert_close(plait.jit(f)(a, b), f(a, b))
+
+
+def test_transposed_dot_general_swaps_operands():
+    a, b = torch.randn(5, 3), torch.randn(3, 4)
+    f = lambda a, b: (a @ b).t().exp()  # noqa: E731
+    g = dce(algebra(_traced(f, a, b)))
+    assert prim_count(g, "transpose") == 0 and prim_count(g, "dot_general") == 1
+    assert_close(plait.jit(f)(a, b), f(a, b))
+
+    def shared(a, b):  # the product is used as it is too: swapping would compute it twice
+        c = a @ b
+        return c.t().exp(), c
+    g = dce(algebra(_traced(shared, a, b)))
+    assert prim_count(g, "transpose") == 1 and prim_count(g, "dot_general") == 1
+    assert_close(plait.jit(shared)(a, b), shared(a, b))
+
+
+def test_matmul_gradients_need_no_transposed_copies():
+    """The dot_general VJP is itself dot_generals: the weight gradients of a linear layer
+    compile with no transpose left in the graph."""
+    x, w = torch.randn(8, 5), torch.randn(3, 5)
+    f = lambda w, x: torch.nn.functional.linear(x, w).square().sum()  # noqa: E731
+    g = plait.make_graph(plait.grad(f))(w, x)
+    assert prim_count(g, "transpose") == 0
+    assert_close(plait.jit(plait.grad(f))(w, x), torch.func.grad(f)(w, x))

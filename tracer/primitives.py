@@ -761,19 +761,34 @@ define("dot_general", _dot_general_infer, _dot_general_impl)
 
 @vjp_rule("dot_general")
 def _dot_general_vjp(cts, lhs, rhs, *, outs, contracting, batch):
-    """Each operand's cotangent contracts the output cotangent with the other operand, as
-    an einsum over one letter per dimension."""
+    """Each operand's cotangent is itself a dot_general: the output cotangent contracted with
+    the other operand over that operand's free dims, then transposed to the operand's order
+    (no einsum, so no reshape/transpose chains reach the compiler)."""
     (lc, rc), (lb, rb) = contracting, batch
-    letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    lhs_l = [next(letters) for _ in range(lhs.ndim)]
-    rhs_l = [next(letters) for _ in range(rhs.ndim)]
-    for a, b in zip(lc + lb, rc + rb):
-        rhs_l[b] = lhs_l[a]
-    out_l = ([lhs_l[i] for i in lb] + [lhs_l[i] for i in range(lhs.ndim) if i not in lc + lb]
-             + [rhs_l[i] for i in range(rhs.ndim) if i not in rc + rb])
-    out, left, right = ("".join(v) for v in (out_l, lhs_l, rhs_l))
-    return (torch.einsum(f"{out},{right}->{left}", cts[0], rhs),
-            torch.einsum(f"{out},{left}->{right}", cts[0], lhs))
+    lf = [i for i in range(lhs.ndim) if i not in lc + lb]
+    rf = [i for i in range(rhs.ndim) if i not in rc + rb]
+    nb = len(lb)
+    out_lf = tuple(range(nb, nb + len(lf)))
+    out_rf = tuple(range(nb + len(lf), nb + len(lf) + len(rf)))
+    return (_dot_cotangent(cts[0], rhs, out_rf, rf, rb, lb, lf, lc, rc),
+            _dot_cotangent(cts[0], lhs, out_lf, lf, lb, rb, rf, rc, lc))
+
+
+def _dot_cotangent(ct, other, out_free, other_free, other_batch, batch, free, contracted,
+                   other_contracted):
+    """The cotangent of one dot_general operand (its ``batch``, ``free`` and ``contracted``
+    dims) from the output cotangent ``ct`` and the ``other`` operand."""
+    nb = len(batch)
+    result = _bind("dot_general", ct, other, contracting=(out_free, tuple(other_free)),
+                   batch=(tuple(range(nb)), tuple(other_batch)))
+    # the result's dims: batch, this operand's free dims, then the other's contracted dims
+    # in their order, each of which pairs with one of ours
+    paired = [contracted[other_contracted.index(d)] for d in sorted(other_contracted)]
+    dims = [*batch, *free, *paired]
+    permutation = tuple(sorted(range(len(dims)), key=dims.__getitem__))
+    if permutation == tuple(range(len(dims))):
+        return result
+    return _bind("transpose", result, permutation=permutation)
 
 
 def _gather_infer(x, index, *, dim):
