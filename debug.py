@@ -7,14 +7,22 @@ With ``config.debug_dir`` set, every compilation (``Jitted._lower``: a cache mis
 CSS and SVGs, no script, no network) with the stage table, every drawing and a provenance
 table. A cache hit compiles nothing and writes nothing. Stages are the traced graph, then the
 graph after each simplify pass (a pass that runs again is ``<name>.2``); ``simplified`` names
-the graph the backend gets.
+the graph the backend gets. A backend that lowers to loops (cpp, triton, loops) adds:
+- the ``kernels`` stage: the graph with one cluster per fused kernel (``Stage.groups``);
+- a "Kernels" section: per kernel its reads, writes and what it computes (primitive, ATen op,
+  source line), and the generated source (``source.txt``), for a backend that generates code;
+- a "Memory" section: the memory timeline chart (``memory.svg``, inlined; NOTE [memory
+  timeline] in graph/timeline.py) and a table of its buffers, from ``passes.memory.report``
+  of the backend's memory plan (what ``Lowered.memory`` returns), or, for a backend without
+  one, of the plan that allocates every storage on its own (``stats["peak_bytes"]``'s).
+Sections are ``Section``s passed to ``write_report(..., extra=)``, each with the files it
+links written beside ``index.html``.
 
-Extension points for the compiler stages (nothing here fakes them):
-- ``stages``: the kernel graph joins as a ``Stage`` whose ``groups`` map each primitive node
-  to its fused kernel, so it draws with one cluster per kernel.
-- ``write_report(..., extra=)``: ``Section``s appended to the page, each with the files it
-  links written beside ``index.html``: the kernel and wrapper sources (with per-kernel
-  provenance) and the memory timeline chart. ``on_compile`` passes them once they exist.
+``on_compile`` also logs each compilation (``config.log``, loggers ``plait.<channel>``, debug
+level), debug_dir or not: ``graph`` the traced and simplified graphs, ``fusion`` the fused
+kernel program (each kernel's name, reads, writes and what it computes, with the program's
+stats), ``kernels`` the generated source. An enabled ``fusion`` or ``kernels`` channel
+compiles the program at ``lower()`` rather than at first use.
 """
 from __future__ import annotations
 
@@ -22,20 +30,22 @@ import collections
 import html
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import attrs
 
 from .config import config
-from .graph import Graph
 from .errors import DebugError
+from .graph import Graph, timeline
 from .graph.draw import node_names, to_svg
+from .passes import memory
 
 __all__ = ["DebugError", "Section", "Stage", "function_name", "on_compile", "stage", "stages",
            "write_report"]
 
-_graph_log = logging.getLogger("plait.graph")
+_graph_log, _fusion_log, _kernels_log = (logging.getLogger(f"plait.{channel}")
+                                          for channel in ("graph", "fusion", "kernels"))
 
 
 @attrs.frozen
@@ -67,7 +77,7 @@ def stages(lowered) -> list[Stage]:
     for name, graph in lowered.passes:
         runs[name] += 1
         out.append(Stage(name if runs[name] == 1 else f"{name}.{runs[name]}", graph))
-    program = getattr(lowered.compiled, "program", None) if lowered.backend != "eager" else None
+    program = _program(lowered)
     if program is not None:  # the kernel graph: each kernel a cluster of what it computes
         out.append(Stage("kernels", lowered.graph, groups={
             n: k.name for k in program.kernels for n in k.origins}))
@@ -134,18 +144,18 @@ def write_report(lowered, folder, title: str, extra: Sequence[Section] = ()) -> 
             files.update(section.files)
         g = lowered.graph
         page = [
-            f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>plait: {html.escape(title)}</title><style>{_CSS}</style></head><body>",
+            (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+             f"<title>plait: {html.escape(title)}</title><style>{_CSS}</style></head><body>"),
             f"<h1>plait report: <code>{html.escape(title)}</code></h1>",
-            f"<p>inputs <code>{html.escape(', '.join(map(str, g.input_types)))}</code>; "
-            f"outputs <code>{html.escape(', '.join(map(str, g.output_types)))}</code>; "
-            f"backend <code>{html.escape(lowered.backend)}</code>; traced graph digest "
-            f"<code>{lowered.traced_graph.digest[:12]}</code></p>",
-            "<h2>Stages</h2><table><tr><th>stage</th><th>nodes</th><th colspan=\"2\">files"
-            "</th></tr>", *table, "</table>",
+            (f"<p>inputs <code>{html.escape(', '.join(map(str, g.input_types)))}</code>; "
+             f"outputs <code>{html.escape(', '.join(map(str, g.output_types)))}</code>; "
+             f"backend <code>{html.escape(lowered.backend)}</code>; traced graph digest "
+             f"<code>{lowered.traced_graph.digest[:12]}</code></p>"),
+            ("<h2>Stages</h2><table><tr><th>stage</th><th>nodes</th><th colspan=\"2\">files"
+             "</th></tr>"), *table, "</table>",
             *drawings,
-            "<h2>Provenance</h2><p>Each value of the compiled graph, with the ATen op and "
-            "the line of user code it came from.</p>", _provenance_table(g),
+            ("<h2>Provenance</h2><p>Each value of the compiled graph, with the ATen op and "
+             "the line of user code it came from.</p>"), _provenance_table(g),
             *(f"<h2>{html.escape(s.title)}</h2>\n{s.html}" for s in extra),
             "</body></html>\n",
         ]
@@ -170,27 +180,72 @@ def on_compile(fn, lowered) -> Path | None:
     name = function_name(fn)
     _graph_log.debug("traced %s:\n%s", name, lowered.traced_graph)
     _graph_log.debug("simplified %s:\n%s", name, lowered.graph)
+    # Only an enabled channel compiles here (lower() compiles lazily otherwise).
+    if _fusion_log.isEnabledFor(logging.DEBUG) and (program := _program(lowered)) is not None:
+        stats = ", ".join(f"{k}={v}" for k, v in lowered.stats.items())
+        _fusion_log.debug("fused program of %s (%s):\n%s", name, stats, _program_text(program))
+    if _kernels_log.isEnabledFor(logging.DEBUG) and _program(lowered) is not None and \
+            lowered.kernels:
+        _kernels_log.debug("generated source of %s:\n%s", name, lowered.source)
     if config.debug_dir is None:
         return None
     folder = Path(config.debug_dir) / (re.sub(r"[^\w.-]+", "_", name) + "-"
                                        + lowered.traced_graph.digest[:12])
-    write_report(lowered, folder, name, extra=_kernel_sections(lowered))
+    write_report(lowered, folder, name,
+                 extra=_kernel_sections(lowered) + _memory_sections(lowered))
     _graph_log.debug("debug report of %s: %s", name, folder / "index.html")
     return folder
 
 
+def _program(lowered):
+    """The fused loop program of a backend that lowers to loops; None for eager."""
+    return getattr(lowered.compiled, "program", None) if lowered.backend != "eager" else None
+
+
+def _program_text(program) -> str:
+    """The fused program for the ``fusion`` log: per kernel its name, reads and writes, then
+    what it computes (primitive, ATen op, source line)."""
+    return "\n".join(
+        f"{k.name}: reads {', '.join(k.reads) or '-'}; writes {', '.join(k.writes) or '-'}"
+        + "".join("\n    " + line for line in program.describe(k)) for k in program.kernels)
+
+
 def _kernel_sections(lowered) -> list[Section]:
     """The generated source, and per kernel what it computes and where that came from."""
-    kernels = lowered.kernels if lowered.backend != "eager" else ()
-    if not kernels:
+    program = _program(lowered)
+    if program is None or not lowered.kernels:
         return []
-    program = lowered.compiled.program
     rows = "".join(
         f"<tr><td>{html.escape(k.name)}</td><td>{html.escape(', '.join(k.reads))}</td>"
         f"<td>{html.escape(', '.join(k.writes))}</td><td><pre>"
-        f"{html.escape(chr(10).join(program.describe(original)))}</pre></td></tr>"
-        for k, original in zip(kernels, program.kernels))
+        f"{html.escape(chr(10).join(program.describe(k)))}</pre></td></tr>"
+        for k in program.kernels)
     table = ("<table><tr><th>kernel</th><th>reads</th><th>writes</th><th>computes (primitive, "
              f"ATen op, source)</th></tr>{rows}</table>"
              '<p><a href="source.txt">generated source</a></p>')
     return [Section("Kernels", table, {"source.txt": lowered.source})]
+
+
+def _memory_sections(lowered) -> list[Section]:
+    """The memory timeline (NOTE [memory timeline]) and a table of its buffers. A backend
+    without a memory plan (triton, loops) allocates every storage on its own: the plan
+    without a pool, which is what ``stats["peak_bytes"]`` estimates."""
+    program = _program(lowered)
+    if program is None or not program.kernels:
+        return []
+    plan = getattr(lowered.compiled, "plan", None) or memory.plan(program, pool=False)
+    report = memory.report(program, plan)
+    svg = timeline.to_svg(program, report, plan.live)
+    names = [k.name for k in program.kernels]
+    rows = "".join("<tr>" + "".join(_cell(v) for v in (
+        b.buffer, str(b.nbytes), f"{b.first} {names[b.first]}", f"{b.last} {names[b.last]}",
+        b.storage, None if b.slot is None else f"pool {b.slot}", b.origin)) + "</tr>\n"
+        for b in timeline.bars(report))
+    peak = report["peak_bytes"]
+    body = (f"<p>Estimated peak {timeline.size_text(peak)} ({peak} B), {len(report['buffers'])}"
+            f" buffers, {len(report['inplace'])} written in place, {len(report['pool'])} pool "
+            'slots (<a href="memory.svg">memory.svg</a>; hover a bar or a kernel for details)'
+            f'.</p>\n<div class="graph">{svg}</div>\n<table><tr><th>buffer</th><th>bytes</th>'
+            "<th>first kernel</th><th>last kernel</th><th>storage</th><th>pool slot</th>"
+            f"<th>in place of</th></tr>\n{rows}</table>")
+    return [Section("Memory", body, {"memory.svg": svg})]

@@ -1,5 +1,9 @@
 """plait debugging: draw a compiled function's graphs and write its debug report.
 
+The report (index.html) shows every stage's graph, the provenance of each value, the fused
+kernels with their generated C++ and the memory timeline: buffer lifetimes against kernel
+order, pool slots, in-place writes and the estimated peak.
+
 Run from the repository root:  .venv/bin/python examples/debugging.py [report-folder]
 then open the printed index.html in a browser (it needs no network).
 """
@@ -34,8 +38,10 @@ x = torch.randn(tokens, dim)
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="plait-debug-"))
 
 # 1. With debug_dir set (or PLAIT_DEBUG_DIR), every compilation writes a report folder; with
-#    log="cache" (or PLAIT_LOG=cache) plait logs each cache miss and hit.
-block = plait.jit(transformer_block, static_argnums=2)
+#    log="cache" (or PLAIT_LOG=cache) plait logs each cache miss and hit. The other channels,
+#    graph, fusion (the fused kernel program) and kernels (the generated source), log each
+#    compilation as it happens, without a report folder.
+block = plait.jit(transformer_block, static_argnums=2, backend="cpp")
 with plait.config.patch(debug_dir=str(out), log="cache"):
     y = block(x, params, heads)   # compiles: writes the report
     y = block(x, params, heads)   # cache hit: writes nothing
@@ -44,6 +50,8 @@ torch.testing.assert_close(y, transformer_block(x, params, heads), rtol=1e-4, at
 # 2. Any stage draws on its own: the traced graph, the graph after a named pass, the result.
 lowered = block.lower(x, params, heads)
 print("stages:", ", ".join(s.name for s in plait.debug.stages(lowered)), "+ simplified")
+print("estimated peak memory: {peak_bytes} B over {kernels} kernels and {externs} externs"
+      .format(**lowered.stats))
 lowered.draw(out / "traced.svg", stage="traced")
 
 for index in sorted(out.glob("*/index.html")):

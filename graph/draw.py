@@ -20,11 +20,12 @@ inlined into one HTML page without their styles or ids clashing.
 """
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 from xml.sax.saxutils import escape, quoteattr
 
 import attrs
@@ -32,7 +33,6 @@ import networkx as nx
 
 from ..errors import DebugError
 from .graph import CONTROL
-
 
 ENGINES = ("auto", "python", "dot")
 _FILL = {"input": "#dbeafe", "constant": "#e5e7eb", "op": "#fef9c3"}
@@ -50,8 +50,22 @@ class _Box:
 
     @property
     def size(self) -> tuple[float, float]:
-        return (max(map(len, self.lines)) * _CHAR_W + 2 * _PAD,
+        return (max(map(text_width, self.lines)) + 2 * _PAD,
                 len(self.lines) * _LINE_H + 2 * _PAD)
+
+
+def text_width(text: str) -> float:
+    """The drawn width of a line of text in the 12px monospace of ``svg_open``."""
+    return len(text) * _CHAR_W
+
+
+def svg_open(width: float, height: float, css_class: str | None = None) -> str:
+    """The ``<svg>`` tag every drawing starts with: its size, no id (drawings are inlined side
+    by side into one page), 12px monospace text."""
+    named = f" class={quoteattr(css_class)}" if css_class else ""
+    return (f'<svg xmlns="http://www.w3.org/2000/svg"{named} width="{width:.0f}" '
+            f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" '
+            'font-family="monospace" font-size="12">')
 
 
 def node_names(graph) -> dict[int, str]:
@@ -110,7 +124,7 @@ def _layout(graph, boxes: dict[int, _Box], groups: Mapping[int, str]):
     chains = {}
     for u, v, key in sorted(graph.nx.edges(keys=True)):
         chain = [u, *((u, v, key, r) for r in range(rank[u] + 1, rank[v])), v]
-        for a, b in zip(chain, chain[1:]):
+        for a, b in itertools.pairwise(chain):
             if b not in up:  # a dummy
                 up[b], down[b] = [], []
                 rows[b[3]].append(b)
@@ -171,7 +185,7 @@ def _edge_path(graph, chain, data, xy, size) -> tuple[str, float, float]:
         points += [xy[d], (xy[d][0], xy[d][1] + size[d][1])]
     points.append((end[0], end[1] - 6))
     path = [f"M{points[0][0]:.1f},{points[0][1]:.1f}"]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
         mid = (y0 + y1) / 2
         path.append(f"C{x0:.1f},{mid:.1f} {x1:.1f},{mid:.1f} {x1:.1f},{y1:.1f}")
     return " ".join(path), end[0], end[1]
@@ -188,8 +202,7 @@ def to_svg(graph, groups: Mapping[int, str] | None = None, engine: str = "auto")
     xy, size, chains = _layout(graph, boxes, groups)
     width = max((xy[i][0] + size[i][0] for i in xy), default=0) + _MARGIN + _CLUSTER_PAD
     height = max((xy[i][1] + size[i][1] for i in xy), default=0) + _MARGIN + _CLUSTER_PAD
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-           f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="monospace" font-size="12">']
+    out = [svg_open(width, height)]
     clusters: dict[str, list[int]] = {}
     for n in graph.order:
         if n in groups:
@@ -232,7 +245,7 @@ def to_svg(graph, groups: Mapping[int, str] | None = None, engine: str = "auto")
 def _run_dot(dot: str) -> str:
     try:
         done = subprocess.run(["dot", "-Tsvg"], input=dot, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=300, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise DebugError(f"Graphviz's dot failed to run ({e}); draw with engine='python'") from e
     if done.returncode:

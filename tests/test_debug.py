@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import html
+import itertools
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import plait
 from plait.debug import DebugError, Section, stages, write_report
 from plait.graph import CONTROL, Constant, Graph, GraphBuilder, TensorType, Value
 from plait.graph.draw import to_svg
+from plait.passes.memory import liveness
 from plait.passes.simplify import PIPELINE, simplify
 from plait.tracer import get_primitive
 
@@ -167,7 +169,7 @@ def _cse_me(x):
 def test_stages():
     lowered = plait.jit(_cse_me).lower(torch.randn(3))
     names = [s.name for s in stages(lowered)]
-    assert names == ["traced", "dce", "fold_constants", "cse", "dce.2"]
+    assert names == ["traced", "dce", "fold_constants", "algebra", "cse", "dce.2"]
     by_name = {s.name: s.graph for s in stages(lowered)}
     exps = {name: sum(g.node(n).prim == "exp" for n in g.nx.nodes) for name, g in by_name.items()}
     assert exps["traced"] == 2 and exps["cse"] == 1
@@ -184,7 +186,7 @@ def test_lowered_draw(tmp_path):
                          ("cse", dict(lowered.passes)["cse"])]:
         svg = lowered.draw(tmp_path / f"{stage}.svg", stage, engine="python").read_text()
         _check_svg(graph, svg)
-    with pytest.raises(DebugError, match="traced, dce, fold_constants, cse, dce.2, simplified"):
+    with pytest.raises(DebugError, match="traced, dce, fold_constants, algebra, cse, dce.2, simplified"):
         lowered.draw(tmp_path / "x.svg", stage="kernels")
     assert issubclass(DebugError, plait.PlaitError)
     with plait.config.patch(simplify=False):
@@ -202,9 +204,9 @@ def _args():
     return torch.randn(4, 8), torch.randn(8, 6), torch.randn(6)
 
 
-def _report(tmp_path) -> Path:
+def _report(tmp_path, backend: str = "eager") -> Path:
     with plait.config.patch(debug_dir=str(tmp_path)):
-        plait.jit(_block)(*_args())
+        plait.jit(_block, backend=backend)(*_args())
     (folder,) = tmp_path.iterdir()
     return folder
 
@@ -277,13 +279,52 @@ def test_logging(caplog):
         plait.config.log = "graph,nope"
 
 
+def _pooled(x, w):
+    """Three kernels and two matmul externs on the cpp backend: exp(x) and the column sums of
+    exp(x) @ w share a pool slot; the final exp writes in place into the second matmul's
+    result."""
+    return ((x.exp() @ w).sum(0, keepdim=True) @ w.t()).exp()
+
+
+def _pooled_args():
+    return torch.randn(4, 8), torch.randn(8, 8)
+
+
+def test_fusion_and_kernels_logs(caplog):
+    caplog.handler.setLevel(logging.DEBUG)
+    jitted = plait.jit(_pooled, backend="cpp")
+    with plait.config.patch(log="fusion,kernels"):
+        jitted(*_pooled_args())  # a miss: the fused program and its source
+        lowered = jitted.lower(*_pooled_args())  # lower() compiles too
+        records = [r for r in caplog.records if r.name.startswith("plait")]
+        assert [r.name for r in records] == ["plait.fusion", "plait.kernels"] * 2
+        assert [r.getMessage() for r in records[:2]] == [r.getMessage() for r in records[2:]]
+        fusion, kernels = records[:2]
+        caplog.clear()
+        jitted(*_pooled_args())  # a hit compiles nothing, so logs nothing
+        assert not caplog.records
+        plait.jit(_pooled)(*_pooled_args())  # eager: no loop program, no generated code
+        assert [r.name for r in caplog.records if r.name.startswith("plait")] == []
+    program = lowered.compiled.program
+    assert fusion.levelno == kernels.levelno == logging.DEBUG
+    text = fusion.getMessage()
+    assert text.startswith(f"fused program of _pooled (kernels=3, externs=2, "
+                           f"bytes_read={lowered.stats['bytes_read']},")
+    for k in program.kernels:  # each kernel: name, reads, writes, then what it computes
+        head = f"\n{k.name}: reads {', '.join(k.reads)}; writes {', '.join(k.writes)}"
+        assert head + "".join("\n    " + line for line in program.describe(k)) in text
+    assert "    exp  aten.exp.default  test_debug.py:" in text
+    assert kernels.getMessage() == f"generated source of _pooled:\n{lowered.source}"
+    assert "extern \"C\"" in lowered.source
+
+
 def test_env_knobs(tmp_path):
     """PLAIT_LOG prints to stderr where the program set up no logging; PLAIT_DEBUG_DIR dumps."""
     env = dict(os.environ, PLAIT_LOG="cache", PLAIT_DEBUG_DIR=str(tmp_path))
     code = "import torch, plait\ndef f(x):\n    return x.exp()\nj = plait.jit(f)\n" \
            "j(torch.ones(2)); j(torch.ones(2))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     assert "[plait.cache] miss f for inputs ['f32[2]']\n[plait.cache] hit f\n" in out.stderr
     (folder,) = tmp_path.iterdir()
@@ -304,7 +345,7 @@ addEventListener("error", e => __errors.push(e.message || "failed to load " +
                  (e.target.src || e.target.href)), true);
 addEventListener("load", () => {
   const sizes = [...document.querySelectorAll("svg")].map(s => {
-    const r = s.getBoundingClientRect(); return [r.width, r.height]; });
+    const r = s.getBoundingClientRect(); return [s.getAttribute("class"), r.width, r.height]; });
   const out = document.createElement("pre");
   out.id = "plait-probe";
   out.textContent = JSON.stringify({errors: __errors, sizes});
@@ -329,7 +370,8 @@ def _open(chromium: str, page: Path, profile: Path, *action: str) -> str:
     """Run one headless Chromium action on ``page``; fail on console messages (the report
     has no script of its own, so any message is an error)."""
     out = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *action,
-                          page.as_uri()], capture_output=True, text=True, timeout=120)
+                          page.as_uri()], capture_output=True, text=True, timeout=120,
+                          check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     console = [line for line in out.stderr.splitlines() if ":CONSOLE" in line]
     assert not console, console
@@ -347,12 +389,15 @@ def _probe(chromium: str, page: Path, profile: Path) -> dict:
 
 def test_report_in_chromium(tmp_path):
     chromium = _chromium()
-    folder = _report(tmp_path / "dump")
+    folder = _report(tmp_path / "dump", backend="cpp")  # every section: kernels, memory
     index = folder / "index.html"
     probe = _probe(chromium, index, tmp_path / "profile")
     assert probe["errors"] == []
     assert len(probe["sizes"]) == len(list(folder.glob("*.svg")))
-    assert all(w > 0 and h > 0 for w, h in probe["sizes"]), probe["sizes"]
+    assert all(w > 0 and h > 0 for _, w, h in probe["sizes"]), probe["sizes"]
+    (chart,) = [size for size in probe["sizes"] if size[0] == "memory-timeline"]
+    svg = ET.parse(folder / "memory.svg").getroot()
+    assert chart[1:] == [float(svg.get("width")), float(svg.get("height"))]
     # the probe itself notices a broken page
     broken = tmp_path / "broken.html"
     broken.write_text('<!DOCTYPE html><html><head></head><body><img src="nope.png"></body>'
@@ -383,3 +428,106 @@ def test_kernel_stage_and_report_for_the_cpu_compiler(tmp_path):
     (folder,) = (tmp_path / "dump").iterdir()
     assert lowered.compiled.cpp_source in (folder / "source.txt").read_text()
     assert "aten._softmax.default" in (folder / "index.html").read_text()
+
+
+# -- the memory timeline ---------------------------------------------------------------------
+def _classes(root, name: str) -> list:
+    return [g for g in root.iter(f"{SVG}g") if g.get("class") == name]
+
+
+def test_memory_timeline(tmp_path):
+    jitted = plait.jit(_pooled, backend="cpp")
+    with plait.config.patch(debug_dir=str(tmp_path)):
+        jitted(*_pooled_args())
+    lowered = jitted.lower(*_pooled_args())
+    memory, program = lowered.memory, lowered.compiled.program
+    (folder,) = tmp_path.iterdir()
+    svg = (folder / "memory.svg").read_text()
+    page = (folder / "index.html").read_text()
+    assert svg in page and 'href="memory.svg"' in page
+    assert page.index("<h2>Kernels</h2>") < page.index("<h2>Memory</h2>")
+    root = ET.fromstring(svg)
+    assert root.get("class") == "memory-timeline"
+    # the program this test means: a pool slot shared by two buffers, one in-place pair
+    assert [len(p["storages"]) for p in memory["pool"]] == [2] and len(memory["inplace"]) == 1
+
+    columns = {int(g.get("data-kernel")): g for g in _classes(root, "kernel")}
+    assert [columns[i].get("data-name") for i in range(len(columns))] == [
+        k.name for k in program.kernels]
+    assert all(columns[i].find(f"{SVG}text").text == k.name
+               for i, k in enumerate(program.kernels))
+    slot_of = {s: j for j, p in enumerate(memory["pool"]) for s in p["storages"]}
+    bars = {g.get("data-buffer"): g for g in _classes(root, "buffer")}
+    assert len(bars) == len(_classes(root, "buffer")) and set(bars) == set(memory["buffers"])
+    fills = {}
+    for b, g in bars.items():  # each bar: the buffer's size and storage, its lifetime's columns
+        m = memory["buffers"][b]
+        assert (int(g.get("data-bytes")), int(g.get("data-first")), int(g.get("data-last")),
+                g.get("data-storage")) == (m["bytes"], m["first"], m["last"], m["storage"])
+        assert g.get("data-slot") == (str(slot_of[m["storage"]]) if m["storage"] in slot_of
+                                      else None)
+        assert g.find(f"{SVG}text").text.startswith(f"{b} ")
+        x0, _, x1, _ = _rect(g)
+        assert _rect(columns[m["first"]])[0] < x0 < x1 < _rect(columns[m["last"]])[2]
+        fills[b] = g.find(f"{SVG}rect").get("fill")
+    (pooled,) = [p["storages"] for p in memory["pool"]]
+    assert fills[pooled[0]] == fills[pooled[1]]  # one slot, one colour
+    (new, origin), = memory["inplace"]
+    connector, = _classes(root, "inplace")
+    assert (connector.get("data-buffer"), connector.get("data-origin")) == (new, origin)
+    assert fills[new] == fills[origin]  # one storage, drawn dashed, counted once
+    assert bars[new].find(f"{SVG}rect").get("stroke-dasharray")
+    assert not bars[origin].find(f"{SVG}rect").get("stroke-dasharray")
+
+    (live,) = _classes(root, "live")
+    steps = [int(v) for v in live.get("data-live").split()]
+    (peak,) = _classes(root, "peak")
+    assert int(peak.get("data-peak-bytes")) == max(steps) == memory["peak_bytes"] \
+        == lowered.stats["peak_bytes"]
+    assert int(peak.get("data-kernel")) == steps.index(max(steps))
+    label = peak.find(f"{SVG}text").text
+    assert f"({memory['peak_bytes']} B) at {program.kernels[steps.index(max(steps))].name}" \
+        in label
+    # the table beside it: a row per buffer with its storage, pool slot and in-place origin
+    table = page[page.index("<h2>Memory</h2>"):]
+    assert table.count("<tr><td>") == len(memory["buffers"])
+    j = slot_of[pooled[1]]
+    assert f"<tr><td>{pooled[1]}</td><td>{memory['buffers'][pooled[1]]['bytes']}</td>" in table
+    assert f"<td>{pooled[1]}</td><td>pool {j}</td><td>&mdash;</td></tr>" in table
+    assert f"<td>{origin}</td><td>&mdash;</td><td>{origin}</td></tr>" in table
+
+
+def test_memory_timeline_without_a_memory_plan(tmp_path):
+    """Backends that plan no memory (loops, triton) allocate each storage on its own: the
+    chart is liveness alone, its peak stats["peak_bytes"]."""
+    with plait.config.patch(debug_dir=str(tmp_path)):
+        plait.jit(_pooled, backend="loops")(*_pooled_args())
+    lowered = plait.jit(_pooled, backend="loops").lower(*_pooled_args())
+    assert lowered.memory == {}
+    root = ET.parse(next(tmp_path.iterdir()) / "memory.svg").getroot()
+    lv = liveness(lowered.compiled.program)
+    bars = {g.get("data-buffer"): g for g in _classes(root, "buffer")}
+    assert {b: (int(g.get("data-first")), int(g.get("data-last"))) for b, g in bars.items()} \
+        == lv.uses
+    assert not _classes(root, "inplace") and not any(g.get("data-slot") for g in bars.values())
+    (peak,) = _classes(root, "peak")
+    assert int(peak.get("data-peak-bytes")) == lowered.stats["peak_bytes"] == lv.peak
+
+
+def test_memory_timeline_scales(tmp_path):
+    """A chart of ~100 buffers: every bar in its own row, inside the drawing."""
+    def layers(x, ws):
+        for w in ws:
+            x = torch.tanh(x @ w).t()
+        return x
+
+    ws = [torch.randn(8, 8) for _ in range(50)]
+    lowered = plait.jit(layers, backend="loops").lower(torch.randn(8, 8), ws)
+    (section,) = plait.debug._memory_sections(lowered)
+    root = ET.fromstring(section.files["memory.svg"])
+    bars = [_rect(g) for g in _classes(root, "buffer")]
+    assert len(bars) >= 100
+    tops = sorted(y0 for _, y0, _, _ in bars)
+    assert all(b - a >= 11 for a, b in itertools.pairwise(tops))  # rows never overlap
+    width, height = float(root.get("width")), float(root.get("height"))
+    assert all(0 < x0 < x1 <= width and 0 < y1 <= height for x0, _, x1, y1 in bars)
