@@ -1,5 +1,5 @@
 """plait: a JAX-style functional tracing compiler for PyTorch tensors."""
-from . import backends, errors
+from . import backends, distributed, errors
 from .api import Jitted, Lowered, control_dependency, jit, make_graph
 from .config import config
 from .errors import PlaitError
@@ -8,5 +8,5 @@ from .transforms import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp,
 
 __version__ = "0.1.0"
 __all__ = ["Graph", "Jitted", "Lowered", "PlaitError", "backends", "config",
-           "control_dependency", "errors", "grad", "grad_and_value", "hessian", "jacfwd",
-           "jacrev", "jit", "jvp", "make_graph", "vjp", "vmap"]
+           "control_dependency", "distributed", "errors", "grad", "grad_and_value", "hessian",
+           "jacfwd", "jacrev", "jit", "jvp", "make_graph", "vjp", "vmap"]

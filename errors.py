@@ -50,3 +50,8 @@ class DebugError(PlaitError, ValueError):
 
 class BackendError(PlaitError):
     """A backend is unknown, unavailable, or failed to run a graph."""
+
+
+class DistributedError(PlaitError, ValueError):
+    """A collective cannot run as asked: no process group, an unknown group or reduce op, a
+    size the group does not divide, an in-place collective on a traced tensor."""

@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ConcretizationError, OpError, PlaitError
 from ..graph import Graph, TensorType
 from . import aten as _aten  # noqa: F401  (registers the handlers)
+from . import collectives as _collectives  # noqa: F401
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
 from .trace import Trace, captured_write_error, check_dtype, is_dense, tracing

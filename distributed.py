@@ -1,0 +1,69 @@
+"""Collectives across processes, for functions under ``plait.jit`` and its transforms (and for
+eager code)::
+
+    grads = {k: plait.distributed.all_reduce(g, op="avg") for k, g in grads.items()}
+
+Each means what its namesake in ``torch.distributed._functional_collectives`` means: it
+returns a new tensor and leaves its argument alone. ``group`` is None (the default process
+group), a ``torch.distributed.ProcessGroup`` or a group name; ranks (``src``) count within the
+group. In a traced function each call is one effectful primitive (NOTE [collectives] in
+tracer/collectives.py): kept in program order on every rank, differentiable, batched by
+``vmap``. Outside one it runs at once, after the same checks. Bad arguments raise
+``plait.errors.DistributedError``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import DistributedError
+from .graph import TensorType
+from .tracer.collectives import group_params, normalize_dim
+from .tracer.primitives import get_primitive
+from .tracer.trace import bind, on_tracers, tracing_active
+
+
+def all_reduce(x: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """The elementwise reduction of ``x`` over the ranks (``op``: "sum", "avg", "max",
+    "min", or a ``torch.distributed.ReduceOp``), on every rank."""
+    return _collective("all_reduce", x, group, op=_op_name(op))
+
+
+def all_gather(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along ``dim``, in rank order, on every rank."""
+    return _collective("all_gather", x, group, dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, op="sum", dim: int = 0, group=None) -> torch.Tensor:
+    """The reduction ("sum" or "avg") of ``x`` over the ranks, split into equal chunks
+    along ``dim``: rank r gets chunk r."""
+    return _collective("reduce_scatter", x, group, op=_op_name(op), dim=dim)
+
+
+def all_to_all(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
+    """``x`` split into equal chunks along ``dim``, chunk j sent to rank j; each rank
+    concatenates the chunks it receives along ``dim``, in rank order."""
+    return _collective("all_to_all", x, group, dim=dim)
+
+
+def broadcast(x: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """Rank ``src``'s ``x``, on every rank."""
+    return _collective("broadcast", x, group, src=src)
+
+
+def _op_name(op) -> str:
+    name = getattr(op, "name", op)  # a torch.distributed.ReduceOp member, or a string
+    return name.lower() if isinstance(name, str) else name
+
+
+def _collective(name: str, x, group, **options):
+    if not isinstance(x, torch.Tensor):
+        raise DistributedError(f"plait.distributed.{name} takes a tensor, not "
+                               f"{type(x).__name__}")
+    if "dim" in options:
+        options["dim"] = normalize_dim(name, options["dim"], x.dim())
+    params = group_params(group) | options
+    if tracing_active():
+        return on_tracers(lambda t: bind(name, t, **params))(x)
+    prim = get_primitive(name)
+    prim.infer(TensorType.of(x), **params)  # the checks a trace makes
+    return prim.impl(x, **params)
