@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import debug
-from .backends import get_backend
+from .backends import get_backend, resolve_backend
 from .config import config
 from .errors import TraceError
 from .graph import Graph, TensorType
@@ -23,6 +23,10 @@ from .tracer import Static, TracedFunction, trace_function
 from .tracer.trace import is_dense
 
 _cache_log = logging.getLogger("plait.cache")
+
+
+def _positions(argnums: Sequence[int] | int) -> tuple[int, ...]:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
 def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
@@ -112,21 +116,24 @@ class Lowered:
 class _Compiled:
     """A compiled signature: run the graph, then rebuild the outputs and write back inputs."""
 
-    def __init__(self, lowered: Lowered):
+    def __init__(self, lowered: Lowered, donated: frozenset = frozenset()):
         self.lowered = lowered
         traced = lowered.traced
         self._run = lowered.compiled
         self._out_tree, self._out_leaves = traced.out_tree, traced.out_leaves
         self._mutated = traced.mutated_inputs
+        self._donated = donated
 
     def __call__(self, tensors: list[torch.Tensor]):
-        if self._mutated:
-            _check_no_aliased_mutation(tensors, self._mutated)
+        if self._mutated or self._donated:
+            _check_not_aliased(tensors, self._mutated, "is mutated by the function")
+            _check_not_aliased(tensors, self._donated, "is donated (donate_argnums)")
         outs = self._run(tensors)
         for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
             with torch.no_grad():
                 tensors[i].copy_(outs[k])
-        results = _distinct(outs[:len(outs) - len(self._mutated)], tensors)
+        kept = [t for i, t in enumerate(tensors) if i not in self._donated]
+        results = _distinct(outs[:len(outs) - len(self._mutated)], kept)
         leaves = [results[x] if isinstance(x, int) else x.value for x in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_tree)
 
@@ -148,55 +155,72 @@ def _distinct(outs: list, inputs: list) -> list:
     return result
 
 
-def _check_no_aliased_mutation(tensors, mutated) -> None:
-    """A graph treats its inputs as distinct values; if one the function mutates shares memory
-    with another, eager would see the write through both, and plait would not."""
+def _check_not_aliased(tensors, written, why: str) -> None:
+    """A graph treats its inputs as distinct values; if one that is written (mutated by the
+    function, or donated for results) shares memory with another, the write would show
+    through both."""
     storages = [t.untyped_storage().data_ptr() for t in tensors]
-    for i in mutated:
+    for i in written:
         if storages.count(storages[i]) > 1:
             raise TraceError(
-                f"tensor argument {i} is mutated by the function and shares memory with "
-                "another argument; plait.jit treats arguments as independent values. Pass "
-                "distinct tensors (e.g. .clone() one of them).")
+                f"tensor argument {i} {why} and shares memory with another argument; "
+                "plait.jit treats arguments as independent values. Pass distinct tensors "
+                "(e.g. .clone() one of them).")
 
 
 class Jitted:
     """``plait.jit(fn)``: compiles ``fn`` once per input signature and caches the result."""
 
     def __init__(self, fn: Callable, static_argnums: Sequence[int] | int = (),
-                 backend: str | None = None):
+                 backend: str | None = None, donate_argnums: Sequence[int] | int = ()):
         self.fn = fn
-        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(
-            static_argnums)
+        self.static_argnums = _positions(static_argnums)
+        self.donate_argnums = _positions(donate_argnums)
+        if set(self.static_argnums) & set(self.donate_argnums):
+            raise TraceError(f"arguments {sorted(set(self.static_argnums) & set(self.donate_argnums))}"
+                             " are both static and donated; only tensor arguments can be "
+                             "donated. Drop them from donate_argnums or static_argnums.")
         self.backend = backend
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self.trace_count = 0
         functools.update_wrapper(self, fn)
 
-    def _backend_name(self) -> str:
-        return self.backend or config.backend
-
     def _key(self, args, kwargs):
+        """The call's leaves, their tree, the cache key, and the backend that compiles it."""
         leaves, tree, signature = _flatten(args, kwargs, self.static_argnums)
-        backend = get_backend(self._backend_name())
-        return leaves, tree, (signature, backend.cache_key(), config.cache_key())
+        backend = get_backend(resolve_backend(self.backend or config.backend, [
+            x for x in leaves if isinstance(x, torch.Tensor)]))
+        return leaves, tree, (signature, backend.cache_key(), config.cache_key()), backend.name
 
     def lower(self, *args, **kwargs) -> Lowered:
-        leaves, tree, _ = self._key(args, kwargs)
-        return self._lower(leaves, tree)
+        leaves, tree, _, backend = self._key(args, kwargs)
+        return self._lower(leaves, tree, backend, self._donated(args))
 
-    def _lower(self, leaves, tree) -> Lowered:
+    def _donated(self, args: tuple) -> frozenset[int]:
+        """The graph inputs (tensor leaves, in order) that the donated arguments hold."""
+        donate = {i % len(args) for i in self.donate_argnums if -len(args) <= i < len(args)}
+        positions, start = set(), 0
+        for i, a in enumerate(args):
+            n = 0 if i in self.static_argnums or i - len(args) in self.static_argnums else sum(
+                isinstance(x, torch.Tensor) for x in pytree.tree_leaves(a))
+            if i in donate:
+                positions.update(range(start, start + n))
+            start += n
+        return frozenset(positions)
+
+    def _lower(self, leaves, tree, backend: str, donated: frozenset = frozenset()) -> Lowered:
         self.trace_count += 1
         traced = trace_function(self.fn, leaves, tree)
+        # a mutated input is written back after the call: its memory is not free for results
+        graph = traced.graph.donating(sorted(donated - set(traced.mutated_inputs)))
         passes: list = []
-        graph = simplify(traced.graph, lambda *p: passes.append(p)) if config.simplify \
-            else traced.graph
-        lowered = Lowered(traced, graph, self._backend_name(), passes)
+        graph = simplify(graph, lambda *p: passes.append(p)) if config.simplify else graph
+        lowered = Lowered(traced, graph, backend, passes)
         debug.on_compile(self.fn, lowered)  # logs; writes the report when debug_dir is set
         return lowered
 
     def __call__(self, *args, **kwargs):
-        leaves, tree, key = self._key(args, kwargs)
+        leaves, tree, key, backend = self._key(args, kwargs)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             raise TraceError(
@@ -209,7 +233,9 @@ class Jitted:
             name = debug.function_name(self.fn)
             _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
                              name, [str(TensorType.of(t)) for t in tensors])
-            compiled = self._cache[key] = _Compiled(self._lower(leaves, tree))
+            donated = self._donated(args)
+            compiled = self._cache[key] = _Compiled(self._lower(leaves, tree, backend, donated),
+                                                    donated)
             if len(self._cache) > config.cache_size:
                 self._cache.popitem(last=False)
                 _cache_log.debug("%s: evicted the oldest signature", name)
@@ -223,12 +249,18 @@ class Jitted:
 
 
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
-        backend: str | None = None):
+        backend: str | None = None, donate_argnums: Sequence[int] | int = ()):
     """Compile ``fn`` for each new input signature (shapes, dtypes, devices, pytree structure,
-    and the values of non-tensor arguments). Usable as ``@jit`` or ``@jit(backend=...)``."""
+    and the values of non-tensor arguments). Usable as ``@jit`` or ``@jit(backend=...)``.
+
+    ``donate_argnums``: positional arguments whose tensors the caller hands over: compiled
+    code may write results into their memory, so after the call their contents are undefined
+    (as in JAX; pass tensors you no longer need, e.g. the old weights of a training step).
+    A backend that plans no memory ignores the donation."""
     if fn is None:
-        return functools.partial(jit, static_argnums=static_argnums, backend=backend)
-    return Jitted(fn, static_argnums, backend)
+        return functools.partial(jit, static_argnums=static_argnums, backend=backend,
+                                 donate_argnums=donate_argnums)
+    return Jitted(fn, static_argnums, backend, donate_argnums)
 
 
 def make_graph(fn: Callable, static_argnums: Sequence[int] | int = ()):

@@ -52,8 +52,9 @@ def _set_log(config, attribute, value: str) -> str:
 
 @attrs.define
 class Config:
-    # Which backend jit uses when none is given.
-    backend: str = attrs.field(factory=lambda: _env("backend", "eager", str))
+    # Which backend jit uses when none is given: "auto" picks by the arguments' device (cpp on
+    # the CPU, triton on CUDA; backends.resolve_backend).
+    backend: str = attrs.field(factory=lambda: _env("backend", "auto", str))
     # Run the simplify passes (DCE, CSE, constant folding) before a backend sees a graph.
     simplify: bool = attrs.field(factory=lambda: _env("simplify", True, _to_bool))
     # Constant folding evaluates nodes whose result has at most this many elements.

@@ -37,8 +37,17 @@ def get_backend(name: str) -> Backend:
         return _BACKENDS[name]
     except KeyError:
         raise BackendError(f"unknown backend {name!r}; registered backends: "
-                           f"{sorted(_BACKENDS)}. Add one with "
+                           f"{sorted(_BACKENDS)} (or \"auto\"). Add one with "
                            "plait.backends.register_backend(name, factory).") from None
+
+
+def resolve_backend(name: str, tensors) -> str:
+    """``name``, or for ``"auto"`` (the default) the backend for where the tensors are:
+    fused Triton kernels on CUDA, fused C++ kernels on the CPU, eager anywhere else."""
+    if name != "auto":
+        return name
+    devices = {t.device.type for t in tensors}
+    return "cpp" if devices <= {"cpu"} else "triton" if devices == {"cuda"} else "eager"
 
 
 def available_backends() -> list[str]:
@@ -50,4 +59,5 @@ register_backend("cpp", cpp.compile_graph)
 register_backend("loops", loopeval.compile_graph)  # the reference for lowering and fusion
 register_backend("triton", triton.compile_graph)
 
-__all__ = ["Backend", "available_backends", "get_backend", "register_backend"]
+__all__ = ["Backend", "available_backends", "get_backend", "register_backend",
+           "resolve_backend"]

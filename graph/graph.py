@@ -16,6 +16,7 @@ import functools
 import hashlib
 from typing import Any, Iterable, Mapping, Sequence
 
+import attrs
 import networkx as nx
 
 from ..errors import GraphError
@@ -137,6 +138,17 @@ class Graph:
 
         return to_dot(self, groups)
 
+    def donating(self, positions) -> "Graph":
+        """This graph with the inputs at ``positions`` marked donated (``add_input``)."""
+        if not positions:
+            return self
+        g = self._g.copy()
+        for i in positions:
+            node = self.node(self._inputs[i])
+            g.nodes[self._inputs[i]]["node"] = attrs.evolve(
+                node, params=Node.make_params(node.kwargs | {"donated": True}))
+        return Graph(g, self._inputs, self._outputs)
+
     def __repr__(self) -> str:
         return f"<plait.Graph: {len(self)} nodes, {len(self._inputs)} inputs, " \
                f"{len(self._outputs)} outputs>"
@@ -181,8 +193,11 @@ class GraphBuilder:
             self.add_control_edge(u, n)
         return [Value(n, i) for i in range(len(out_types))]
 
-    def add_input(self, type: TensorType) -> Value:
-        (value,) = self.add_node("input", (), {"index": len(self.inputs)}, (type,))
+    def add_input(self, type: TensorType, donated: bool = False) -> Value:
+        """A graph input; a ``donated`` one's memory is the compiled code's to write results
+        into (``jit(..., donate_argnums=...)``)."""
+        params = {"index": len(self.inputs)} | ({"donated": True} if donated else {})
+        (value,) = self.add_node("input", (), params, (type,))
         self.inputs.append(value.node)
         return value
 

@@ -158,6 +158,8 @@ class LoopProgram:
     # in-place reuse (passes/memory.py): buffer -> the buffer whose storage it takes over, at
     # the kernel that writes it; a backend that ignores it stays correct (a fresh buffer)
     aliases: dict = attrs.field(factory=dict)
+    # inputs the caller donated (``jit(donate_argnums=...)``): reuse may write into them
+    donated: frozenset = frozenset()
 
     def describe(self, kernel) -> list[str]:
         """One line per graph node a kernel computes: what it is and where it came from."""

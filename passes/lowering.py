@@ -146,12 +146,14 @@ class _Lowering:
 
     def lower(self) -> LoopProgram:
         g = self.graph
-        inputs = []
+        inputs, donated = [], set()
         for n in g.order:
             node = g.node(n)
             outs = [Value(n, i) for i in range(len(node.out_types))]
             if node.prim == "input":
                 inputs.append(self.new_buffer("in", node.out_types[0]))
+                if node.kwargs.get("donated"):
+                    donated.add(inputs[-1])
                 self.values[outs[0]] = self.in_memory(inputs[-1])
                 continue
             if node.prim == "constant":
@@ -184,7 +186,8 @@ class _Lowering:
                                                  g.node(n).provenance.source)))
                       for n in g.order}
         return LoopProgram(dict(self.buffers), tuple(inputs), dict(self.constants),
-                           tuple(self.kernels), tuple(outputs), provenance)
+                           tuple(self.kernels), tuple(outputs), provenance,
+                           donated=frozenset(donated))
 
     def worth_storing(self, lazy: Lazy) -> bool:
         """Is one store and a load per use cheaper than computing ``lazy`` at each use?"""

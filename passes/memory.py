@@ -10,14 +10,15 @@ The C++ backend runs them after fusion: ``reuse -> reorder -> plan`` (each behin
   along, storages holding an output to the end) and is counted once; the peak is the largest
   sum of live bytes during one kernel (its inputs and outputs both live).
 * ``reuse``: a kernel's store takes over a buffer it reads when that buffer has the same numel
-  and dtype, no kernel after this one reads it, it is not an input, constant or output, and the
+  and dtype, no kernel after this one reads it, it is not a (non-donated) input, constant or output, and the
   kernel reads it only at the index it stores at. That is read-before-write per element in the
   generated code: reductions run over the whole row before any store of the row, a store's
   value is computed before it is written, and other stores of the same pass that come later
   must not read the buffer (their loads would see the new values). An extern's output is fine
   to take over (the wrapper copies an extern's result that shares memory with its inputs, so
-  every buffer owns its memory); an extern never writes into an input. Donation of graph inputs (``donate_argnums``) is not
-  supported.
+  every buffer owns its memory); an extern never writes into an input. A graph input is taken
+  over only when the caller donated it (``jit(..., donate_argnums=...)``): its storage is the
+  caller's, live on entry, so an output written into it costs no bytes of its own.
 * ``reorder``: kernels depend on the writers of what they read and, for a takeover, the
   taking kernel on every other reader of the storage it takes. Fenced kernels (control edges)
   and effectful externs (checks, random draws) are barriers: nothing moves across them, so
@@ -120,28 +121,50 @@ def _takes_over(kernel: Kernel, position: int, b: str) -> bool:
 
 def reuse(program: LoopProgram) -> LoopProgram:
     """Stores take over buffers they read in place, where that is safe (NOTE [memory
-    passes])."""
-    last_read = {b: i for i, k in enumerate(program.kernels) for b in k.reads}
-    kept = {*program.inputs, *program.constants, *program.outputs}
+    passes]). Kernels after the taker that still read the buffer, and depend on nothing from
+    the taker on, are moved to just before it, so the takeover can happen."""
+    kernels = list(program.kernels)
+    kept = {*(set(program.inputs) - program.donated), *program.constants, *program.outputs}
     aliases = dict(program.aliases)
     taken = set(aliases.values())  # a buffer's memory goes to one new buffer
     types = {n: b.type for n, b in program.buffers.items()}
-    for i, k in enumerate(program.kernels):
-        if not isinstance(k, Kernel):
-            continue
-        for position, store in enumerate(k.stores):
+    i = 0
+    while i < len(kernels):
+        k = kernels[i]
+        for position, store in enumerate(k.stores if isinstance(k, Kernel) else ()):
             out = types[store.buffer]
             if store.buffer in aliases:
                 continue
-            for b in k.reads:
-                if b in kept or b in taken or b in k.writes or last_read[b] != i or \
+            # a donated input first: the caller holds its memory anyway, the other one dies
+            for b in sorted(k.reads, key=lambda b: b not in program.donated):
+                if b in kept or b in taken or b in k.writes or \
                         (types[b].numel, types[b].dtype) != (out.numel, out.dtype) or \
                         not out.numel or not _takes_over(k, position, b):
                     continue
+                later = [j for j in range(i + 1, len(kernels)) if b in kernels[j].reads]
+                if not _hoistable(kernels, i, later, aliases):
+                    continue
+                kernels[i:i] = [kernels[j] for j in later]
+                for j in reversed(later):
+                    del kernels[j + len(later)]
+                i += len(later)
                 aliases[store.buffer] = b
                 taken.add(b)
                 break
-    return attrs.evolve(program, aliases=aliases)
+        i += 1
+    return attrs.evolve(program, kernels=tuple(kernels), aliases=aliases)
+
+
+def _hoistable(kernels: list, i: int, later: list[int], aliases: dict) -> bool:
+    """Can the kernels at ``later`` run just before kernel ``i``: each reads only what is
+    written before ``i``, writes no buffer in place, and no barrier lies between?"""
+    if not later:
+        return True
+    written_before = {b for k in kernels[:i] for b in k.writes}
+    written_after = {b for k in kernels[i:] for b in k.writes}
+    return not any(_barrier(k) for k in kernels[i:later[-1] + 1]) and all(
+        not (set(kernels[j].reads) & written_after - written_before)
+        and not any(w in aliases for w in kernels[j].writes) for j in later)
 
 
 # ---------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...],
         operands = tuple(values[v] for v in graph.operands(n))
         preds = tuple(ids[p] for p in graph.control_preds(n) if p in ids)
         if node.prim == "input":
-            new = [b.add_input(node.out_types[0])]
+            new = [b.add_input(node.out_types[0], node.kwargs.get("donated", False))]
         else:
             new = visit(b, n, operands, preds) if visit else None
             if new is None:

@@ -14,6 +14,11 @@ import plait
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A test that does not name a backend runs on the reference (eager) one: the compilers are
+# tested where a test names them (backend="cpp" / "triton" / "loops"), and the default
+# ("auto": cpp on the CPU) by test_jit.py::test_the_default_backend_follows_the_device.
+plait.config.backend = "eager"
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_clean_config():

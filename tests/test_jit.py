@@ -420,7 +420,7 @@ def test_env_defaults():
                           "print(repr((c.backend, c.simplify, c.fold_max_numel)))"],
                          env=full_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == repr(("eager", True, 4096))
+    assert out.stdout.strip() == repr(("auto", True, 4096))
 
 
 def test_backend_from_config_and_argument():
@@ -633,3 +633,18 @@ def test_outputs_never_alias_where_eager_s_do_not(backend):
     assert flat.data_ptr() != x.data_ptr()
     a = torch.randn(3)
     assert plait.jit(lambda v: v, backend=backend)(a) is a  # an argument returned as is
+
+
+def test_the_default_backend_follows_the_device():
+    from plait.backends import resolve_backend
+
+    cpu, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    with plait.config.patch(backend="auto"):
+        jitted = plait.jit(lambda x: x.exp() * 2)
+        assert jitted.lower(cpu).backend == "cpp"
+        assert_close(jitted(cpu), cpu.exp() * 2)
+    assert resolve_backend("auto", [cpu]) == "cpp"
+    assert resolve_backend("auto", []) == "cpp"
+    assert resolve_backend("auto", [meta]) == "eager"
+    assert resolve_backend("triton", [cpu]) == "triton"  # a named backend is kept
+    assert plait.jit(lambda x: x, backend="loops").lower(cpu).backend == "loops"

@@ -101,8 +101,19 @@ def test_no_reuse_while_a_later_kernel_reads_the_input_or_of_kept_buffers():
     bufs = {"x": (8,), "a": (8,), "b": (8,), "c": (8,)}
     kernels = [pointwise("k0", "a", "x", 8), pointwise("k1", "b", "a", 8),
                pointwise("k2", "c", "a", 8)]
+    # k2 reads a later but needs nothing of k1: it moves before k1, which then takes a over
     reused = memory.reuse(program(bufs, ["x"], kernels, ["b", "c"]))
-    assert reused.aliases == {"c": "a"}  # k2, the last reader, may; k1 may not
+    assert reused.aliases == {"b": "a"}
+    assert [k.name for k in reused.kernels] == ["k0", "k2", "k1"]
+    # a later reader that needs k1's result stays after it: k1 may not take a over, k2 may
+    k2 = Kernel("k2", (8,), (), (Store("c", x0, Apply("add", (load("a", x0), load("b", x0)),
+                                                          (), F32)),))
+    reused = memory.reuse(program(bufs, ["x"], [*kernels[:2], k2], ["b", "c"]))
+    assert reused.aliases == {"c": "a"} and [k.name for k in reused.kernels] == ["k0", "k1", "k2"]
+    # nor does a reader move across a fenced kernel
+    fenced = [kernels[0], kernels[1], pointwise("k3", "d", "x", 8, fenced=True), kernels[2]]
+    reused = memory.reuse(program({**bufs, "d": (8,)}, ["x"], fenced, ["b", "c", "d"]))
+    assert reused.aliases == {"c": "a"}
     # inputs and outputs are never taken over
     assert memory.reuse(program(bufs, ["x"], kernels[:1], ["a"])).aliases == {}
     assert memory.reuse(program(bufs, ["x"], kernels[:3], ["a", "b", "c"])).aliases == {}
@@ -260,3 +271,56 @@ def test_results_match_eager(case, switches):
     report = lowered.memory
     assert report["peak_bytes"] == lowered.stats["peak_bytes"]
     assert set(report["buffers"]) <= set(lowered.compiled.program.buffers)
+
+
+# ---------------------------------------------------------------------------------------
+# Donated arguments
+# ---------------------------------------------------------------------------------------
+def sgd(w, g):
+    return w - 0.1 * g
+
+
+def test_a_donated_argument_holds_the_result():
+    w, g = torch.randn(64, 32), torch.randn(64, 32)
+    expected = sgd(w, g)
+    kept = plait.jit(sgd, backend="cpp").lower(w, g)
+    donated = plait.jit(sgd, backend="cpp", donate_argnums=0)
+    lowered = donated.lower(w, g)
+    assert lowered.memory["inplace"] == ((lowered.compiled.program.outputs[0], "in0"),)
+    assert lowered.stats["peak_bytes"] == kept.stats["peak_bytes"] - w.numel() * 4
+    ptr = w.data_ptr()
+    with plait.config.patch(check_memory_plan=True):
+        out = donated(w, g)
+    assert out.data_ptr() == ptr  # written into w's memory: no allocation for the result
+    torch.testing.assert_close(out, expected)
+
+
+def test_arguments_not_donated_are_never_written():
+    w, g = torch.randn(64, 32), torch.randn(64, 32)
+    before = w.clone(), g.clone()
+    out = plait.jit(sgd, backend="cpp", donate_argnums=1)(w, g)  # g donated, w not
+    assert torch.equal(w, before[0])
+    torch.testing.assert_close(out, sgd(*before))
+
+
+def test_a_donated_argument_that_is_mutated_is_not_taken_over():
+    def f(w, g):
+        w.add_(g)  # written back into w after the call
+        return w * 2
+
+    w, g = torch.randn(16), torch.randn(16)
+    w_eager = w.clone()
+    expected = f(w_eager, g)
+    jitted = plait.jit(f, backend="cpp", donate_argnums=0)
+    assert not jitted.lower(w.clone(), g).memory["inplace"]
+    out = jitted(w, g)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(w, w_eager)
+
+
+def test_donation_errors():
+    w = torch.randn(8)
+    with pytest.raises(plait.errors.TraceError, match="both static and donated"):
+        plait.jit(sgd, static_argnums=0, donate_argnums=0)
+    with pytest.raises(plait.errors.TraceError, match="donated .* shares memory"):
+        plait.jit(sgd, backend="cpp", donate_argnums=0)(w, w[:])
