@@ -18,6 +18,7 @@ decomposition issues inherit that provenance.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from typing import Any, Callable
@@ -362,6 +363,58 @@ def _decomposition(func) -> Callable | None:
     return fn
 
 
+# NOTE [dynamo import]
+# torch's Python references (torch._refs, most of the decomposition table) wrap their type
+# promotion in ``torch._disable_dynamo``, whose first call imports torch._dynamo to build the
+# disabled function: most of a second, once per process, and the bulk of a warm start from
+# the disk cache. It caches the disabled function as ``fn.__dynamo_disable``. While dynamo is
+# not imported, no dynamo frame can run, so disabling is moot: while plait traces, those
+# layers get ``fn`` itself as their cached function, and lose it again afterwards (a later
+# torch.compile builds the real one as usual).
+_DISABLE_CODE = torch._disable_dynamo(lambda: None).__code__
+
+
+@functools.cache
+def _dynamo_layers() -> tuple:
+    """The functions that torch's references wrap with ``_disable_dynamo`` (found through
+    the closures of the decompositions and of the refs modules' functions)."""
+    import torch._refs.fft
+    import torch._refs.linalg
+    import torch._refs.nn.functional
+    import torch._refs.special
+    from torch._decomp import decomposition_table
+
+    roots = list(decomposition_table.values())
+    for module in (torch._refs, torch._refs.fft, torch._refs.linalg, torch._refs.nn.functional,
+                   torch._refs.special):
+        roots += [f for f in vars(module).values() if callable(f)]
+    layers, seen = [], set()
+    while roots:
+        f = roots.pop()
+        if not callable(f) or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if getattr(f, "__code__", None) is _DISABLE_CODE:  # the layer's own ``fn``
+            layers.append(f.__closure__[f.__code__.co_freevars.index("fn")].cell_contents)
+        roots += [c.cell_contents for c in getattr(f, "__closure__", None) or ()
+                  if c.cell_contents is not None]
+        roots.append(getattr(f, "__wrapped__", None))
+    return tuple(layers)
+
+
+@contextlib.contextmanager
+def _no_dynamo_import():
+    bare = [] if "torch._dynamo" in sys.modules else [
+        f for f in _dynamo_layers() if not hasattr(f, "__dynamo_disable")]
+    for f in bare:
+        f.__dynamo_disable = f
+    try:
+        yield
+    finally:
+        for f in bare:
+            del f.__dynamo_disable
+
+
 def _hashable(x):
     if isinstance(x, list):
         return tuple(_hashable(v) for v in x)
@@ -488,7 +541,7 @@ class _SeededOpsIntoTrace(TorchDispatchMode):
 def tracing(trace: Trace):
     _TRACES.append(trace)
     try:
-        with _FunctionCapture():
+        with _FunctionCapture(), _no_dynamo_import():
             yield trace
     finally:
         _TRACES.pop()
