@@ -20,7 +20,7 @@ from .graph import Graph, TensorType
 from .graph.loops import program_stats
 from .passes import memory, simplify
 from .tracer import Static, TracedFunction, trace_function
-from .tracer.trace import is_dense
+from .tracer.trace import is_dense, no_dynamo_import
 
 _cache_log = logging.getLogger("plait.cache")
 
@@ -80,7 +80,8 @@ class Lowered:
     @functools.cached_property
     def compiled(self):
         """The backend's callable for this graph (compiled on first use)."""
-        return get_backend(self.backend).factory(self.graph)
+        with no_dynamo_import():
+            return get_backend(self.backend).factory(self.graph)
 
     @property
     def kernels(self) -> tuple:
@@ -208,6 +209,7 @@ class Jitted:
             start += n
         return frozenset(positions)
 
+    @no_dynamo_import()
     def _lower(self, leaves, tree, backend: str, donated: frozenset = frozenset()) -> Lowered:
         self.trace_count += 1
         traced = trace_function(self.fn, leaves, tree)

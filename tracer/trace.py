@@ -365,26 +365,30 @@ def _decomposition(func) -> Callable | None:
 
 # NOTE [dynamo import]
 # torch's Python references (torch._refs, most of the decomposition table) wrap their type
-# promotion in ``torch._disable_dynamo``, whose first call imports torch._dynamo to build the
+# promotion in ``torch._disable_dynamo`` (as do the eager kernels of ``torch.ops.prims``, which
+# constant folding runs), whose first call imports torch._dynamo to build the
 # disabled function: most of a second, once per process, and the bulk of a warm start from
 # the disk cache. It caches the disabled function as ``fn.__dynamo_disable``. While dynamo is
-# not imported, no dynamo frame can run, so disabling is moot: while plait traces, those
-# layers get ``fn`` itself as their cached function, and lose it again afterwards (a later
+# not imported, no dynamo frame can run, so disabling is moot: while plait traces or
+# compiles, those layers get ``fn`` itself as their cached function, and lose it again afterwards (a later
 # torch.compile builds the real one as usual).
 _DISABLE_CODE = torch._disable_dynamo(lambda: None).__code__
 
 
 @functools.cache
 def _dynamo_layers() -> tuple:
-    """The functions that torch's references wrap with ``_disable_dynamo`` (found through
-    the closures of the decompositions and of the refs modules' functions)."""
+    """The functions that torch's references and prims kernels wrap with ``_disable_dynamo``
+    (found through the closures of the decompositions, the refs modules' functions and the
+    custom ops' kernels)."""
     import torch._refs.fft
     import torch._refs.linalg
     import torch._refs.nn.functional
     import torch._refs.special
     from torch._decomp import decomposition_table
+    from torch._library.custom_ops import OPDEFS
 
     roots = list(decomposition_table.values())
+    roots += [f for op in list(OPDEFS.values()) for f in op._backend_fns.values()]
     for module in (torch._refs, torch._refs.fft, torch._refs.linalg, torch._refs.nn.functional,
                    torch._refs.special):
         roots += [f for f in vars(module).values() if callable(f)]
@@ -403,7 +407,7 @@ def _dynamo_layers() -> tuple:
 
 
 @contextlib.contextmanager
-def _no_dynamo_import():
+def no_dynamo_import():
     bare = [] if "torch._dynamo" in sys.modules else [
         f for f in _dynamo_layers() if not hasattr(f, "__dynamo_disable")]
     for f in bare:
@@ -541,7 +545,7 @@ class _SeededOpsIntoTrace(TorchDispatchMode):
 def tracing(trace: Trace):
     _TRACES.append(trace)
     try:
-        with _FunctionCapture(), _no_dynamo_import():
+        with _FunctionCapture(), no_dynamo_import():
             yield trace
     finally:
         _TRACES.pop()
