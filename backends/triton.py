@@ -76,9 +76,11 @@ from .codegen import (CompiledKernel, IndexPrinter, extern_results, extern_text,
                       levels)
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64",
+              torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
               torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
               torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int1"}
 TRITON_DTYPES = frozenset(_TL_DTYPES)
+_HALF = (torch.bfloat16, torch.float16)
 
 # op -> Triton expression: {0}, {1}, {2} are the operands' locals, {T} the result's tl dtype.
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "bitwise_and": "&", "bitwise_or": "|",
@@ -419,7 +421,9 @@ def _identity(op: str, dtype: torch.dtype) -> str:
 
 def _acc_dtype(red: Reduce) -> torch.dtype:
     """The accumulator's dtype: the body's, but a bool body is counted in the result's dtype
-    (sum, prod) or compared as int8."""
+    (sum, prod) or compared as int8, and a half-precision one in float32."""
+    if red.body.dtype in _HALF:
+        return torch.float32
     if red.body.dtype != torch.bool:
         return red.body.dtype
     return red.dtype if red.op in ("sum", "prod") else torch.int8
@@ -463,7 +467,14 @@ class _Scope:
                 raise BackendError(f"the triton backend has no Triton form of {e.op!r}; "
                                    "lowering should have made it an extern")
             form = _BOOL_OPS.get(e.op) if e.dtype == torch.bool else None
-            code = (form or TRITON_OPS[e.op]).format(*args, T=_tl(e.dtype))
+            # half precision is computed in float32 (exact for the operands) and rounded
+            # once, as eager's kernels do
+            args = [f"{a}.to(tl.float32)" if c.dtype in _HALF else a
+                    for a, c in zip(args, children(e))]
+            result = "tl.float32" if e.dtype in _HALF else _tl(e.dtype)
+            code = (form or TRITON_OPS[e.op]).format(*args, T=result)
+            if e.dtype in _HALF:
+                code = f"({code}).to({_tl(e.dtype)})"
             if e.op in _INT_DIVISIONS and not e.dtype.is_floating_point:
                 self.writer.checks_error = True
                 self.emit(f"_check_divisor(err, {args[1]}, {self.mask})")

@@ -533,9 +533,11 @@ def main(argv=None) -> int:
                     ("jit / eager", f"{o['jit_us'] / o['eager_us']:.1f}", "x"),
                 ])
 
-    if args.device != "cpu":
-        print("(c) CPU compiler and (d) peak memory: skipped, they compare CPU compilers "
-              "(run with --device cpu)")
+    if args.device != "cpu":  # (c) and (d) on the GPU: benchmarks/gpu.py, its own cases
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu
+
+        gpu.run(list(gpu.CASES), args.quick, 5 if args.quick else 30)
     elif cases:
         print_compilers(bench_compilers([CASES[c] for c in cases], args.quick, args.repeat),
                         args.quick, args.repeat)
