@@ -215,5 +215,9 @@ class GraphBuilder:
                  for u, _, d in self._g.in_edges(n, data=True) if d["kind"] == DATA}
         return tuple(slots[i] for i in range(len(slots)))
 
+    def ordered(self, n: int) -> bool:
+        """Has node ``n`` a control edge in?"""
+        return any(d["kind"] == CONTROL for _, _, d in self._g.in_edges(n, data=True))
+
     def build(self, outputs: Sequence[Value]) -> Graph:
         return Graph(self._g.copy(), self.inputs, outputs)

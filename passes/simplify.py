@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+import attrs
 import networkx as nx
 import torch
 
 from ..config import config
 from ..graph import Constant, Graph, GraphBuilder, Value
 from ..tracer.primitives import get_primitive, is_effectful
+from .lowering import ELEMENTWISE as _ELEMENTWISE
 
 
 def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...], tuple[int, ...]],
@@ -157,12 +159,45 @@ def _absorb_transposes(b: GraphBuilder, operands, node) -> list | None:
                       node.out_types, node.provenance)
 
 
+def _gathered(b: GraphBuilder, v: Value, index: Value, dim: int, provenance) -> Value:
+    """gather(v, dim, index), computed from gathers of v's operands where v is elementwise
+    (or a broadcast along ``dim``, or a fill): only the gathered elements are computed, and
+    v itself need not exist in full (NOTE [gather sinking])."""
+    node, shape = b.node(v.node), b.type_of(index).shape
+    out = attrs.evolve(node.out_types[0], shape=shape)
+    if not b.ordered(v.node) and not is_effectful(node):
+        if node.prim in _ELEMENTWISE:
+            args = [_gathered(b, o, index, dim, provenance) for o in b.operands(v.node)]
+            return b.add_node(node.prim, args, node.kwargs, (out,), node.provenance)[0]
+        if node.prim == "full":
+            return b.add_node("full", (), node.kwargs | {"shape": shape}, (out,),
+                              node.provenance)[0]
+        if node.prim == "broadcast_in_dim":
+            (y,), dims = b.operands(v.node), node.kwargs["broadcast_dimensions"]
+            sizes = dict(zip(dims, b.type_of(y).shape))
+            full = node.out_types[0].shape
+            if sizes.get(dim, 1) == 1 and all(shape[d] == full[d] or n == 1
+                                              for d, n in sizes.items() if d != dim):
+                if b.type_of(y) == out and dims == tuple(range(len(shape))):
+                    return y
+                return b.add_node("broadcast_in_dim", (y,), node.kwargs | {"shape": shape},
+                                  (out,), node.provenance)[0]
+    return b.add_node("gather", (v, index), {"dim": dim}, (out,), provenance)[0]
+
+
 def algebra(graph: Graph) -> Graph:
     """Algebraic identities that leave fewer nodes and fewer copies for the compiler: x*1,
     x/1, x-0; reshapes and transposes that do nothing or compose; a dot_general absorbs
     transposed operands into its dimension numbers, and a transpose of a single-use
     dot_general that swaps its free dims swaps its operands instead. Every rule is exact in
-    floating point (x+0 is not: -0.0 + 0.0 is +0.0)."""
+    floating point (x+0 is not: -0.0 + 0.0 is +0.0).
+
+    NOTE [gather sinking]: a gather that picks fewer elements than its operand has moves into
+    the operand when that is elementwise (or a fill, or a broadcast along the gathered dim):
+    gather(f(a, b)) = f(gather(a), gather(b)). Cross-entropy's gather of the target's
+    log-probability then reads the logits and the row statistics, and the full
+    log-softmax is never stored. Where the operand has other users it is still computed for
+    them; the gathered copy is small."""
     outputs = set(graph.outputs)
 
     def visit(b, n, operands, preds):
@@ -203,6 +238,11 @@ def algebra(graph: Graph) -> Graph:
                 return swapped
         if node.prim == "dot_general":
             return _absorb_transposes(b, operands, node)
+        if node.prim == "gather" and b.type_of(operands[1]).numel < b.type_of(operands[0]).numel:
+            x, index = operands
+            inner_node = b.node(x.node)
+            if inner_node.prim in (*_ELEMENTWISE, "full", "broadcast_in_dim"):
+                return [_gathered(b, x, index, kw["dim"], node.provenance)]
         return None
 
     return rewrite(graph, visit)

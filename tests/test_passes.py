@@ -332,3 +332,30 @@ def test_matmul_gradients_need_no_transposed_copies():
     g = plait.make_graph(plait.grad(f))(w, x)
     assert prim_count(g, "transpose") == 0
     assert_close(plait.jit(plait.grad(f))(w, x), torch.func.grad(f)(w, x))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, t: torch.nn.functional.cross_entropy(x, t),
+    lambda x, t: torch.nn.functional.cross_entropy(x, t, ignore_index=3, reduction="sum"),
+    lambda x, t: torch.gather(torch.where(x > 0, x.exp() * 2, -x), 1, t[:, None]),
+    lambda x, t: torch.gather(x.softmax(-1).to(torch.float64), 1, t[:, None]),
+], ids=["cross_entropy", "ignore_index", "where_exp", "softmax_convert"])
+def test_gather_sinks_into_elementwise_operands(fn):
+    """NOTE [gather sinking]: the gather reads the input itself; nothing of the operand's
+    full size is computed only for it."""
+    x, t = torch.randn(8, 50), torch.randint(0, 50, (8,))
+    g = plait.make_graph(fn)(x, t)
+    gathers = [n for n in g.order if g.node(n).prim == "gather"]
+    assert len(gathers) == 1 and g.operands(gathers[0])[0].node in g.inputs
+    assert_close(plait.jit(fn)(x, t), fn(x, t))
+    assert_close(plait.jit(fn, backend="cpp")(x, t), fn(x, t))
+
+
+def test_gather_of_every_element_stays():
+    x = torch.randn(4, 5)
+    index = torch.argsort(torch.randn(4, 5), dim=1)
+    f = lambda x, i: torch.gather(x.exp(), 1, i)  # noqa: E731
+    g = plait.make_graph(f)(x, index)
+    (gather,) = [n for n in g.order if g.node(n).prim == "gather"]
+    assert g.node(g.operands(gather)[0].node).prim == "exp"
+    assert_close(plait.jit(f)(x, index), f(x, index))
