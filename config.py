@@ -86,6 +86,17 @@ class Config:
     inplace: bool = attrs.field(factory=lambda: _env("inplace", True, _to_bool))
     reorder: bool = attrs.field(factory=lambda: _env("reorder", True, _to_bool))
     plan_memory: bool = attrs.field(factory=lambda: _env("plan_memory", True, _to_bool))
+    # Collectives in compiled programs (NOTE [overlap], passes/memory.py): each starts as early
+    # and is waited for as late as its data allows, so compute runs while it communicates.
+    overlap: bool = attrs.field(factory=lambda: _env("overlap", True, _to_bool))
+    # A sum all_reduce of at most this many bytes, over a group with symmetric memory enabled
+    # (plait.distributed.enable_symmetric_memory), on CUDA, is computed into a communication
+    # buffer and runs as a one-shot all-reduce (NOTE [comm buffers]); 0 turns that off.
+    symm_mem_max_bytes: int = attrs.field(factory=lambda: _env("symm_mem_max_bytes", 128 * 1024,
+                                                               int))
+    # Intermediates may use the free ranges of the communication buffers' pools, where they fit
+    # (NOTE [memory passes]: plan).
+    comm_pool_reuse: bool = attrs.field(factory=lambda: _env("comm_pool_reuse", False, _to_bool))
     # Test-only: compiled programs check their real allocations and frees against the memory
     # plan on every call (BackendError where they differ). Not in the cache key: checked per call.
     check_memory_plan: bool = attrs.field(factory=lambda: _env("check_memory_plan", False,
@@ -97,7 +108,8 @@ class Config:
     def cache_key(self) -> tuple:
         """The knobs that change what a compiled function computes or how."""
         return (self.simplify, self.fold_max_numel, self.allow_opaque, self.cpp_compiler,
-                self.cpp_flags, self.inplace, self.reorder, self.plan_memory)
+                self.cpp_flags, self.inplace, self.reorder, self.plan_memory, self.overlap,
+                self.symm_mem_max_bytes, self.comm_pool_reuse)
 
     @contextlib.contextmanager
     def _patched(self, changes: dict):

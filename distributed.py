@@ -10,14 +10,19 @@ group. In a traced function each call is one effectful primitive (NOTE [collecti
 tracer/collectives.py): kept in program order on every rank, differentiable, batched by
 ``vmap``. Outside one it runs at once, after the same checks. Bad arguments raise
 ``plait.errors.DistributedError``.
+
+``enable_symmetric_memory(group)`` lets compiled functions run small sum all-reduces over
+``group`` as one-shot all-reduces in symmetric memory (NOTE [comm buffers]).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from .errors import DistributedError
 from .graph import TensorType
-from .tracer.collectives import group_params, normalize_dim
+from .tracer.collectives import group_params, normalize_dim, process_group
 from .tracer.primitives import get_primitive
 from .tracer.trace import bind, on_tracers, tracing_active
 
@@ -48,6 +53,25 @@ def all_to_all(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
 def broadcast(x: torch.Tensor, src: int, group=None) -> torch.Tensor:
     """Rank ``src``'s ``x``, on every rank."""
     return _collective("broadcast", x, group, src=src)
+
+
+def enable_symmetric_memory(group=None) -> None:
+    """Let functions compiled from now on compute each sum ``all_reduce`` over ``group`` of
+    a CUDA float32 or bfloat16 tensor of at most ``plait.config.symm_mem_max_bytes`` straight
+    into a communication buffer in symmetric memory (``torch.distributed._symmetric_memory``)
+    and run it as a one-shot all-reduce there, where its operand is computed by plait (NOTE
+    [comm buffers] in tracer/collectives.py). Call it on every rank. Elsewhere (CPU tensors,
+    gloo, other ops, larger tensors, operands that are arguments) the regular collective
+    runs."""
+    name = process_group(group).group_name
+    try:
+        from torch.distributed import _symmetric_memory as symm
+    except ImportError as e:
+        raise DistributedError(f"this torch build has no symmetric memory ({e}); leave "
+                               "plait.distributed.enable_symmetric_memory out") from None
+    with warnings.catch_warnings():  # newer torch deprecates it, yet still reads it
+        warnings.simplefilter("ignore", FutureWarning)  # in is_symm_mem_enabled_for_group
+        symm.enable_symm_mem_for_group(name)
 
 
 def _op_name(op) -> str:

@@ -1,16 +1,22 @@
 """What the code generators (backends/cpp.py, backends/triton.py) share: printing sympy
-index expressions, naming, ordering a kernel's reductions into passes, running externs, and
-the kernel records compiled programs expose."""
+index expressions, naming, ordering a kernel's reductions into passes, running externs, the
+kernel records compiled programs expose, and the wrapper that runs a program's steps."""
 from __future__ import annotations
 
+import gc
+import hashlib
 import re
+import weakref
+from collections.abc import Callable, Sequence
 
 import attrs
 import sympy
 import torch
 
+from ..config import config
 from ..errors import BackendError
-from ..graph.loops import Extern, LoopProgram, Reduce, children
+from ..graph.loops import Extern, Kernel, LoopProgram, Reduce, Wait, children
+from ..tracer.collectives import COMM_BUFFER_TYPES
 
 
 class IndexPrinter:
@@ -158,7 +164,269 @@ def own(t: torch.Tensor, inputs: list) -> torch.Tensor:
     return t.clone() if shared else t
 
 
-def extern_text(k: Extern) -> str:
+def extern_text(k: Extern | Wait) -> str:
+    outs = ", ".join(k.outputs)
+    if isinstance(k, Wait):
+        return f"{outs} = wait_{k.label}({outs})"
     params = "".join(f", {n}={v!r}" for n, v in k.params)
-    return f"{', '.join(k.outputs)}{',' if len(k.outputs) == 1 else ''} = " \
-           f"{k.label}({', '.join(k.inputs)}{params})"
+    return f"{outs}{',' if len(k.outputs) == 1 else ''} = {k.label}({', '.join(k.inputs)}{params})"
+
+
+# ---------------------------------------------------------------------------------------
+# The wrapper: the Python side of a compiled program
+# ---------------------------------------------------------------------------------------
+@attrs.frozen
+class _Empty:
+    """``env[dest] = torch.empty(shape, dtype)``: a buffer's own storage, or a pool slot."""
+
+    dest: int
+    shape: tuple
+    dtype: torch.dtype
+
+    def __call__(self, env, device):
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+    def text(self, names) -> str:
+        return f"{names[self.dest]} = torch.empty({self.shape}, dtype={self.dtype}, device=device)"
+
+
+@attrs.frozen
+class _CommPool:
+    """``env[dest]`` = a comm pool: the comm buffer type's allocation, the same on every rank
+    in every call (``alloc_id``: a digest of the program and the pool)."""
+
+    dest: int
+    type: str
+    group: str
+    nbytes: int
+    alloc_id: int
+
+    def __call__(self, env, device):
+        return COMM_BUFFER_TYPES[self.type].allocate(self.nbytes, device, self.group,
+                                                     self.alloc_id)
+
+    def text(self, names) -> str:
+        return f"{names[self.dest]} = {self.type}.allocate({self.nbytes}, device, " \
+               f"group_name={self.group!r}, alloc_id={self.alloc_id:#x})"
+
+
+@attrs.frozen
+class _View:
+    """``env[dest]`` as a view of ``env[src]``: ``nbytes`` at ``offset`` of a pool (a slot or
+    a comm pool), or (``nbytes`` None) the buffer whose memory it takes over in place."""
+
+    dest: int
+    src: int
+    shape: tuple
+    dtype: torch.dtype
+    offset: int = 0
+    nbytes: int | None = None
+
+    def __call__(self, env, device):
+        t = env[self.src]
+        if self.nbytes is not None:
+            t = t[self.offset:self.offset + self.nbytes].view(self.dtype)
+        return t.view(self.shape)
+
+    def text(self, names) -> str:
+        if self.nbytes is None:
+            return f"{names[self.dest]} = {names[self.src]}.view({self.shape})  # in place"
+        return f"{names[self.dest]} = {names[self.src]}[{self.offset}:" \
+               f"{self.offset + self.nbytes}].view({self.dtype}).view({self.shape})"
+
+
+@attrs.frozen
+class _Step:
+    run: Callable[[list, torch.device], None]  # the step, on the environment
+    bind: tuple                                # _Empty | _CommPool | _View, run before it
+    free: tuple[int, ...]                      # slots dead after it (buffers and pools)
+    adopts: tuple[int, ...] = ()               # slots an extern's results become
+
+
+# (step index, Kernel, buffer -> environment slot) -> (run(env, device), its wrapper line)
+Launcher = Callable[[int, Kernel, dict], tuple[Callable, str]]
+
+
+class Wrapper:
+    """``run(inputs, device, constants) -> outputs`` of a LoopProgram, and its listing.
+
+    NOTE [wrapper memory]: the wrapper follows a ``MemoryPlan`` (passes/memory.py): inputs and
+    constants are bound on entry, extern results when returned (copied where torch returned a
+    view of an input: a later kernel may write that memory in place, or a pool slot hand it
+    on), pool slots and comm pools before their first user, and every other buffer right
+    before the first step using it: as a view of the buffer it takes over in place
+    (``program.aliases``), as a view at its offset in a slot or a comm pool, or by an
+    allocation of its own (a buffer no kernel writes has no elements). Each name is dropped
+    after its last use, so a storage is freed once all its aliases and its pool are dead; a
+    comm pool is released before the call returns (its memory persists with the comm type's
+    allocator, for the next call). A started collective's results are completed by its Wait
+    step (NOTE [overlap]). With ``config.check_memory_plan`` a call records each
+    allocation's storage by weak reference and raises ``BackendError`` where the allocations
+    alive around a step are not the plan's; ``measured_peak_bytes`` is then the largest sum
+    of live storages (inputs and constants included) during one step.
+    """
+
+    def __init__(self, program: LoopProgram, plan, launch: Launcher):
+        self.program = program
+        lv, kernels = plan.liveness, program.kernels
+        names = list(program.buffers) + [f"pool{j}" for j in range(len(plan.slots))] + \
+            [f"{p.type}_pool{j}" for j, p in enumerate(plan.comm_pools)]
+        slot = {b: i for i, b in enumerate(program.buffers)}
+        block = {("slot", j): len(slot) + j for j in range(len(plan.slots))} | {
+            ("comm", j): len(slot) + len(plan.slots) + j for j in range(len(plan.comm_pools))}
+        bound = {*program.inputs, *program.constants,
+                 *(b for k in kernels if isinstance(k, Extern) for b in k.outputs)}
+        keep = set(program.outputs)
+        steps, texts = [], []
+        for i, k in enumerate(kernels):
+            if isinstance(k, Kernel):
+                run, text = launch(i, k, slot)
+            else:
+                run, text = _extern_step(k, program, slot), extern_text(k)
+            steps.append(run)
+            texts.append(text)
+        digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()
+        pools = [_CommPool(block[("comm", j)], p.type, p.group, p.nbytes, int(hashlib.sha256(
+            f"{digest} {p.type} {p.group} {p.nbytes} {sorted(p.offsets.items())}".encode())
+            .hexdigest()[:16], 16)) for j, p in enumerate(plan.comm_pools)]
+        self._steps, listing = [], []
+        if any(isinstance(k, Extern) for k in kernels):
+            listing.append("# an extern's result that shares memory with its inputs is copied")
+        for i, k in enumerate(kernels):
+            used = tuple(dict.fromkeys((*k.reads, *k.writes)))
+            bind: list = [_Empty(block[("slot", j)], (s.nbytes,), torch.uint8)
+                          for j, s in enumerate(plan.slots) if s.first == i]
+            bind += [pool for pool, p in zip(pools, plan.comm_pools) if p.first == i]
+            for b in used:
+                if lv.uses[b][0] != i or b in bound:
+                    continue
+                t, s = program.buffers[b].type, lv.storage[b]
+                shape = tuple(t.shape)
+                if b in program.aliases:
+                    bind.append(_View(slot[b], slot[program.aliases[b]], shape, t.dtype))
+                elif s in plan.slot_of:
+                    bind.append(_View(slot[b], block[("slot", plan.slot_of[s])], shape, t.dtype,
+                                      0, t.nbytes))
+                elif s in plan.comm_of:
+                    j = plan.comm_of[s]
+                    bind.append(_View(slot[b], block[("comm", j)], shape, t.dtype,
+                                      plan.comm_pools[j].offsets[s], t.nbytes))
+                else:
+                    bind.append(_Empty(slot[b], shape, t.dtype))
+            free = tuple(slot[b] for b in used if lv.uses[b][1] == i and b not in keep) + \
+                tuple(block[("slot", j)] for j, s in enumerate(plan.slots) if s.last == i) + \
+                tuple(block[("comm", j)] for j, p in enumerate(plan.comm_pools) if p.last == i)
+            listing += [b.text(names) for b in bind]
+            listing += ["# " + line for line in program.describe(k)]  # provenance of the call
+            listing.append(texts[i])
+            if free:
+                listing.append("del " + ", ".join(names[s] for s in free))
+            adopts = tuple(slot[b] for b in k.outputs) if isinstance(k, Extern) else ()
+            self._steps.append(_Step(steps[i], tuple(bind), free, adopts))
+        self._names, self.slot = names, slot
+        self._blocks = {(block[n] if isinstance(n, tuple) else slot[n]): span
+                        for n, span in plan.blocks().items()}
+        self._size = len(names)
+        self._inputs = tuple(slot[b] for b in program.inputs)
+        self._unbound_outputs = tuple(  # outputs nothing produces: empty buffers
+            (slot[b], tuple(program.buffers[b].type.shape), program.buffers[b].type.dtype)
+            for b in dict.fromkeys(program.outputs) if b not in bound and b not in lv.uses)
+        self._outputs = tuple(slot[b] for b in program.outputs)
+        self.measured_peak_bytes = None
+        listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype}, device=device)"
+                    for s, shape, dtype in self._unbound_outputs]
+        listing.append(f"return ({', '.join(program.outputs)}{',' if program.outputs else ''})")
+        self.source = "\n".join(
+            ["def run(" + ", ".join(program.inputs) + "):"] + ["    " + s for s in listing])
+
+    def __call__(self, inputs: Sequence[torch.Tensor], device: torch.device,
+                 constants: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        env: list = [None] * self._size
+        for s, t in zip(self._inputs, inputs):
+            env[s] = t.contiguous()
+        for s, t in constants:
+            env[s] = t
+        tracker = _Tracker(self, env) if config.check_memory_plan else None
+        for i, step in enumerate(self._steps):
+            for b in step.bind:
+                env[b.dest] = b(env, device)
+                if tracker and not isinstance(b, _View):
+                    tracker.allocated(b.dest, env[b.dest])
+            step.run(env, device)
+            if tracker:
+                for s in step.adopts:
+                    tracker.allocated(s, env[s])
+                tracker.verify(i, during=True)
+            for s in step.free:
+                env[s] = None
+            if tracker:
+                tracker.verify(i, during=False)
+        for s, shape, dtype in self._unbound_outputs:
+            env[s] = torch.empty(shape, dtype=dtype, device=device)
+        if tracker:
+            tracker.finish()
+        return [env[s] for s in self._outputs]
+
+
+def _extern_step(k: Extern | Wait, program: LoopProgram, slot: dict) -> Callable:
+    """Run an extern (its results adopted as its buffers) or complete a started one."""
+    outs = tuple(slot[b] for b in k.outputs)
+    if isinstance(k, Wait):
+        params = dict(k.params)
+
+        def wait(env, device):
+            for s in outs:
+                env[s] = k.fn(env[s], **params)
+
+        return wait
+    args = tuple(slot[b] for b in k.inputs)
+
+    def call(env, device):
+        for s, t in zip(outs, extern_results(k, [env[s] for s in args], program)):
+            env[s] = t
+
+    return call
+
+
+class _Tracker:
+    """``config.check_memory_plan``: one call's real allocations, against the plan's blocks
+    (NOTE [wrapper memory])."""
+
+    def __init__(self, wrapper: Wrapper, env: list):
+        self.wrapper, self.refs = wrapper, {}
+        self.entry = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for t in env if t is not None}  # inputs and constants
+        wrapper.measured_peak_bytes = sum(self.entry.values())
+
+    def allocated(self, slot: int, t: torch.Tensor) -> None:
+        self.refs[slot] = weakref.ref(t.untyped_storage())
+
+    def alive(self) -> dict:
+        return {s: r() for s, r in self.refs.items() if r() is not None}
+
+    def verify(self, i: int, during: bool) -> None:
+        alive = self.alive()
+        want = {s for s, (f, l) in self.wrapper._blocks.items() if f <= i and (
+            i <= l if during else i < l)}
+        if set(alive) != want:  # what only a reference cycle holds (some torch calls make
+            gc.collect()        # them) is garbage, not an allocation the plan missed
+            alive = self.alive()
+        if set(alive) != want:
+            names = self.wrapper._names
+            raise BackendError(
+                f"memory plan check: {'during' if during else 'after'} step {i} "
+                f"({self.wrapper.program.kernels[i].name}) the live allocations are "
+                f"{sorted(names[s] for s in alive)}, the plan's {sorted(names[s] for s in want)}")
+        if during:
+            live = self.entry | {s.data_ptr(): s.nbytes() for s in alive.values()}
+            self.wrapper.measured_peak_bytes = max(self.wrapper.measured_peak_bytes,
+                                                   sum(live.values()))
+
+    def finish(self) -> None:
+        end = len(self.wrapper._steps)
+        want = {s for s, (f, _) in self.wrapper._blocks.items() if f < end}
+        if set(self.refs) != want:
+            names = self.wrapper._names
+            raise BackendError(f"memory plan check: the call allocated "
+                               f"{sorted(names[s] for s in self.refs)}, the plan "
+                               f"{sorted(names[s] for s in want)}")

@@ -45,7 +45,6 @@ flags without it.
 from __future__ import annotations
 
 import ctypes
-import gc
 import hashlib
 import math
 import os
@@ -54,18 +53,15 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
 
-import attrs
 import torch
 
 from ..config import config
 from ..errors import BackendError, CheckError
-from ..graph.loops import (Apply, Constant, Extern, IndexValue, Kernel, Load, LoopProgram,
+from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, LoopProgram,
                            Reduce, children, is_inner)
-from .codegen import (CompiledKernel, IndexPrinter, extern_results, extern_text, identifier,
-                      levels)
+from .codegen import CompiledKernel, IndexPrinter, Wrapper, extern_text, identifier, levels
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -559,84 +555,19 @@ def build(source: str, symbols: Sequence[str]) -> ctypes.CDLL:
 # ---------------------------------------------------------------------------------------
 # The compiled program
 # ---------------------------------------------------------------------------------------
-@attrs.frozen
-class _Empty:
-    """``env[dest] = torch.empty(shape, dtype)``: a buffer's own storage, or a pool slot."""
-
-    dest: int
-    shape: tuple
-    dtype: torch.dtype
-
-    def __call__(self, env):
-        return torch.empty(self.shape, dtype=self.dtype)
-
-    def text(self, names) -> str:
-        return f"{names[self.dest]} = torch.empty({self.shape}, dtype={self.dtype})"
-
-
-@attrs.frozen
-class _View:
-    """``env[dest]`` as a view of ``env[src]``: a pool slot's first ``nbytes``, or (``nbytes``
-    None) the buffer whose memory it takes over in place."""
-
-    dest: int
-    src: int
-    shape: tuple
-    dtype: torch.dtype
-    nbytes: int | None
-
-    def __call__(self, env):
-        t = env[self.src]
-        return (t if self.nbytes is None else t[:self.nbytes].view(self.dtype)).view(self.shape)
-
-    def text(self, names) -> str:
-        if self.nbytes is None:
-            return f"{names[self.dest]} = {names[self.src]}.view({self.shape})  # in place"
-        return f"{names[self.dest]} = {names[self.src]}[:{self.nbytes}].view({self.dtype})" \
-               f".view({self.shape})"
-
-
-@attrs.frozen
-class _Step:
-    call: Any                     # a kernel's ctypes function, or an Extern
-    args: tuple[int, ...]         # slots: a kernel's parameters; an Extern's inputs
-    outs: tuple[int, ...]         # an Extern's output slots
-    bind: tuple                   # _Empty | _View, run before the step
-    free: tuple[int, ...]         # slots dead after the step (buffers and pool slots)
-    checks_error: bool = False
-
-
 class CompiledProgram:
-    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``.
-
-    NOTE [wrapper memory]: the wrapper follows a ``MemoryPlan`` (passes/memory.py; by
-    default one without a pool): inputs and constants are bound on entry, extern results when
-    returned (copied where torch returned a view of an input: a later kernel may write that
-    memory in place, or a pool slot hand it on), pool slots before their first user, and
-    every other buffer right before the first kernel using it: as a view of the buffer it
-    takes over in place (``program.aliases``), as a view of its pool slot, or by an
-    allocation of its own (a buffer no kernel writes has no elements). Each name is dropped after its last use, so a storage
-    is freed once all its aliases and its slot are dead. With ``config.check_memory_plan`` a
-    call records each allocation's storage by weak reference and raises ``BackendError`` where
-    the allocations alive around a step are not the plan's; ``measured_peak_bytes`` is then
-    the largest sum of live storages (inputs and constants included) during one step.
-    """
+    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``; its
+    wrapper (backends/codegen.py, NOTE [wrapper memory]) follows a ``MemoryPlan``
+    (passes/memory.py; by default one without a pool)."""
 
     def __init__(self, program: LoopProgram, plan=None):
         from ..passes import memory
 
         self.program = program
         self.plan = plan = plan or memory.plan(program, pool=False)
-        lv = plan.liveness
-        pool = len(program.buffers)  # pool slots follow the buffers in the environment
-        names = list(program.buffers) + [f"pool{j}" for j in range(len(plan.slots))]
-        slot = {b: i for i, b in enumerate(program.buffers)}
-        kernels = program.kernels
-        bound = {*program.inputs, *program.constants,
-                 *(b for k in kernels if isinstance(k, Extern) for b in k.outputs)}
         taken: set = set()
         writers, c_parts, self.kernels = {}, [_PRELUDE + _INDEX_HELPERS], []
-        for i, k in enumerate(kernels):
+        for i, k in enumerate(program.kernels):
             if isinstance(k, Kernel):
                 writers[i] = w = _KernelWriter(k, identifier(k.name, taken), program.aliases)
                 text = w.source({b: program.buffers[b].type for b in w.buffers})
@@ -646,143 +577,35 @@ class CompiledProgram:
             self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
         self.cpp_source = "\n\n".join(c_parts) + "\n"
         lib = build(self.cpp_source, [w.cname for w in writers.values()])
-        self._take_error = lib.plait_take_error
+        take_error = lib.plait_take_error
 
-        keep = set(program.outputs)
-        self._steps, listing = [], []
-        if any(isinstance(k, Extern) for k in kernels):
-            listing.append("# an extern's result that shares memory with its inputs is copied")
-        for i, k in enumerate(kernels):
-            used = tuple(dict.fromkeys((*k.reads, *k.writes)))
-            bind: list = [_Empty(pool + j, (s.nbytes,), torch.uint8)
-                          for j, s in enumerate(plan.slots) if s.first == i]
-            for b in used:
-                if lv.uses[b][0] != i or b in bound:
-                    continue
-                t = program.buffers[b].type
-                shape = tuple(t.shape)
-                if b in program.aliases:
-                    bind.append(_View(slot[b], slot[program.aliases[b]], shape, t.dtype, None))
-                elif lv.storage[b] in plan.slot_of:
-                    bind.append(_View(slot[b], pool + plan.slot_of[lv.storage[b]], shape,
-                                      t.dtype, t.nbytes))
-                else:
-                    bind.append(_Empty(slot[b], shape, t.dtype))
-            free = tuple(slot[b] for b in used if lv.uses[b][1] == i and b not in keep) + \
-                tuple(pool + j for j, s in enumerate(plan.slots) if s.last == i)
-            listing += [b.text(names) for b in bind]
-            listing += ["# " + line for line in program.describe(k)]  # provenance of the call
-            if isinstance(k, Kernel):
-                w = writers[i]
-                fn = getattr(lib, w.cname)
-                fn.argtypes, fn.restype = [ctypes.c_void_p] * len(w.buffers), None
-                step = _Step(fn, tuple(slot[b] for b in w.buffers), (), tuple(bind), free,
-                             w.checks_error)
-                listing.append(f"{w.cname}({', '.join(w.buffers)})")
-            else:
-                step = _Step(k, tuple(slot[b] for b in k.inputs),
-                             tuple(slot[b] for b in k.outputs), tuple(bind), free)
-                listing.append(extern_text(k))
-            if free:
-                listing.append("del " + ", ".join(names[s] for s in free))
-            self._steps.append(step)
-        self._names = names
-        self._blocks = {(pool + n if isinstance(n, int) else slot[n]): span
-                        for n, span in plan.blocks().items()}
-        self._inputs = tuple(slot[b] for b in program.inputs)
-        self._constants = tuple((slot[b], t) for b, t in program.constants.items())
-        self._unbound_outputs = tuple(  # outputs nothing produces: empty buffers
-            (slot[b], tuple(program.buffers[b].type.shape), program.buffers[b].type.dtype)
-            for b in dict.fromkeys(program.outputs) if b not in bound and b not in lv.uses)
-        self._outputs = tuple(slot[b] for b in program.outputs)
-        self.measured_peak_bytes = None
-        listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype})"
-                    for s, shape, dtype in self._unbound_outputs]
-        listing.append(f"return ({', '.join(program.outputs)}{',' if program.outputs else ''})")
-        self.wrapper_source = "\n".join(
-            ["def run(" + ", ".join(program.inputs) + "):"] + ["    " + s for s in listing])
+        def launch(i, k, slot):
+            w = writers[i]
+            fn = getattr(lib, w.cname)
+            fn.argtypes, fn.restype = [ctypes.c_void_p] * len(w.buffers), None
+            args = tuple(slot[b] for b in w.buffers)
+
+            def run(env, device):
+                fn(*[env[s].data_ptr() for s in args])
+                if w.checks_error and take_error():
+                    raise CheckError("ZeroDivisionError: integer division or remainder by zero")
+
+            return run, f"{w.cname}({', '.join(w.buffers)})"
+
+        self._wrapper = Wrapper(program, plan, launch)
+        self._constants = tuple((self._wrapper.slot[b], t) for b, t in program.constants.items())
+        self.wrapper_source = self._wrapper.source
         self.source = self.cpp_source + "\n/* Python wrapper:\n" + self.wrapper_source + "\n*/\n"
 
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        return self._wrapper.measured_peak_bytes
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        env: list = [None] * len(self._names)
-        for s, t in zip(self._inputs, inputs):
-            env[s] = t.contiguous()
-        for s, t in self._constants:
-            env[s] = t
-        tracker = _Tracker(self, env) if config.check_memory_plan else None
-        for i, step in enumerate(self._steps):
-            for b in step.bind:
-                env[b.dest] = b(env)
-                if tracker and isinstance(b, _Empty):
-                    tracker.allocated(b.dest, env[b.dest])
-            if isinstance(step.call, Extern):
-                self._call_extern(step, env)
-                for s in step.outs if tracker else ():
-                    tracker.allocated(s, env[s])
-            else:
-                step.call(*[env[s].data_ptr() for s in step.args])
-                if step.checks_error and self._take_error():
-                    raise CheckError("ZeroDivisionError: integer division or remainder by zero")
-            if tracker:
-                tracker.verify(i, during=True)
-            for s in step.free:
-                env[s] = None
-            if tracker:
-                tracker.verify(i, during=False)
-        for s, shape, dtype in self._unbound_outputs:
-            env[s] = torch.empty(shape, dtype=dtype)
-        if tracker:
-            tracker.finish()
-        return [env[s] for s in self._outputs]
-
-    def _call_extern(self, step: _Step, env: list) -> None:
-        for s, t in zip(step.outs, extern_results(step.call, [env[s] for s in step.args],
-                                                  self.program)):
-            env[s] = t  # adopted as the buffer
+        return self._wrapper(inputs, _CPU, self._constants)
 
 
-class _Tracker:
-    """``config.check_memory_plan``: one call's real allocations, against the plan's blocks
-    (NOTE [wrapper memory])."""
-
-    def __init__(self, compiled: CompiledProgram, env: list):
-        self.compiled, self.refs = compiled, {}
-        self.entry = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                      for t in env if t is not None}  # inputs and constants
-        compiled.measured_peak_bytes = sum(self.entry.values())
-
-    def allocated(self, slot: int, t: torch.Tensor) -> None:
-        self.refs[slot] = weakref.ref(t.untyped_storage())
-
-    def alive(self) -> dict:
-        return {s: r() for s, r in self.refs.items() if r() is not None}
-
-    def verify(self, i: int, during: bool) -> None:
-        alive = self.alive()
-        want = {s for s, (f, l) in self.compiled._blocks.items() if f <= i and (
-            i <= l if during else i < l)}
-        if set(alive) != want:  # what only a reference cycle holds (some torch calls make
-            gc.collect()        # them) is garbage, not an allocation the plan missed
-            alive = self.alive()
-        if set(alive) != want:
-            names = self.compiled._names
-            raise BackendError(
-                f"memory plan check: {'during' if during else 'after'} step {i} "
-                f"({self.compiled.program.kernels[i].name}) the live allocations are "
-                f"{sorted(names[s] for s in alive)}, the plan's {sorted(names[s] for s in want)}")
-        if during:
-            live = self.entry | {s.data_ptr(): s.nbytes() for s in alive.values()}
-            self.compiled.measured_peak_bytes = max(self.compiled.measured_peak_bytes,
-                                                    sum(live.values()))
-
-    def finish(self) -> None:
-        end = len(self.compiled._steps)
-        want = {s for s, (f, _) in self.compiled._blocks.items() if f < end}
-        if set(self.refs) != want:
-            names = self.compiled._names
-            raise BackendError(f"memory plan check: the call allocated "
-                               f"{sorted(names[s] for s in self.refs)}, the plan "
-                               f"{sorted(names[s] for s in want)}")
+_CPU = torch.device("cpu")
 
 
 def compile_program(program: LoopProgram, plan=None) -> CompiledProgram:
@@ -792,12 +615,15 @@ def compile_program(program: LoopProgram, plan=None) -> CompiledProgram:
 def compile_graph(graph):
     """The ``cpp`` backend's factory: lower the graph for this code generator, fuse the
     kernels, run the memory passes (NOTE [memory passes]: in-place reuse, memory-aware
-    order, pool plan; each behind its config switch), compile them."""
+    order, collectives' overlap, pool plan; each behind its config switch), compile them."""
     from ..passes import memory
     from ..passes.fusion import fuse
     from ..passes.lowering import lower
 
-    program = fuse(lower(graph, supported_ops=CPP_OPS, supported_dtypes=CPP_DTYPES))
+    program = fuse(lower(graph, supported_ops=CPP_OPS, supported_dtypes=CPP_DTYPES,
+                         comm_buffers=True))
     program = memory.reuse(program) if config.inplace else program
     program = memory.reorder(program) if config.reorder else program
-    return CompiledProgram(program, memory.plan(program, pool=config.plan_memory))
+    program = memory.overlap(program) if config.overlap else program
+    return CompiledProgram(program, memory.plan(program, pool=config.plan_memory,
+                                                 comm_reuse=config.comm_pool_reuse))

@@ -53,7 +53,6 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-import attrs
 import sympy
 import torch
 
@@ -62,7 +61,6 @@ from ..errors import BackendError, CheckError
 from ..graph.loops import (
     Apply,
     Constant,
-    Extern,
     IndexValue,
     Kernel,
     Load,
@@ -72,8 +70,7 @@ from ..graph.loops import (
     is_inner,
     walk,
 )
-from .codegen import (CompiledKernel, IndexPrinter, extern_results, extern_text, identifier,
-                      levels)
+from .codegen import CompiledKernel, IndexPrinter, Wrapper, extern_text, identifier, levels
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64",
               torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
@@ -744,31 +741,18 @@ def load_module(source: str):
 # ---------------------------------------------------------------------------------------
 # The compiled program
 # ---------------------------------------------------------------------------------------
-@attrs.frozen
-class _Step:
-    call: object                  # a launcher (kernel, grid, options), or an Extern
-    args: tuple[int, ...]         # slots: a kernel's parameters; an Extern's inputs
-    outs: tuple[int, ...]         # an Extern's output slots
-    allocate: tuple[tuple, ...]   # (slot, shape, dtype) to allocate before the step
-    free: tuple[int, ...]         # slots dead after the step
-    checks_error: bool = False
-
-
 class CompiledProgram:
-    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``."""
+    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``; its
+    wrapper (backends/codegen.py, NOTE [wrapper memory]) allocates on the inputs' device and
+    follows a ``MemoryPlan`` that pools no intermediates (by default; comm buffers always have
+    their pools)."""
 
-    def __init__(self, program: LoopProgram):
+    def __init__(self, program: LoopProgram, plan=None):
+        from ..passes import memory
+
         self.program = program
-        names = list(program.buffers)
-        slot = {b: i for i, b in enumerate(names)}
+        self.plan = plan = plan or memory.plan(program, pool=False)
         types = {b: buf.type for b, buf in program.buffers.items()}
-        bound = set(program.inputs) | set(program.constants)
-        first: dict[str, int] = {}
-        last: dict[str, int] = {}
-        for i, k in enumerate(program.kernels):
-            for b in (*k.reads, *k.writes):
-                first.setdefault(b, i)
-                last[b] = i
         taken = {"triton", "tl", "libdevice"}
         writers, parts, self.kernels = {}, [prelude()], []
         for i, k in enumerate(program.kernels):
@@ -782,47 +766,30 @@ class CompiledProgram:
         self.triton_source = "\n\n\n".join(parts) + "\n"
         module = load_module(self.triton_source)
 
-        keep = set(program.outputs)
-        self._steps, listing = [], []
-        for i, k in enumerate(program.kernels):
-            fresh = [b for b in (*k.reads, *k.writes) if first[b] == i and b not in bound
-                     and not (isinstance(k, Extern) and b in k.outputs)]
-            allocate = tuple((slot[b], tuple(types[b].shape), types[b].dtype)
-                             for b in dict.fromkeys(fresh))
-            free = tuple(slot[b] for b in dict.fromkeys((*k.reads, *k.writes))
-                         if last[b] == i and b not in keep)
-            listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype}, device=device)"
-                        for s, shape, dtype in allocate]
-            listing += ["# " + line for line in program.describe(k)]
-            if isinstance(k, Kernel):
-                w = writers[i]
-                grid, options = w.launch_args()
-                launch = (getattr(module, w.fname), grid, options) if w.numel else None
-                step = _Step(launch, tuple(slot[b] for b in w.buffers), (), allocate, free,
-                             w.checks_error)
-                opts = ", ".join(f"{n}={v}" for n, v in options.items())
-                listing.append(f"{w.fname}[{grid}]({', '.join(w.buffers)}"
-                               f"{', err' * w.checks_error}, {opts})")
-            else:
-                step = _Step(k, tuple(slot[b] for b in k.inputs),
-                             tuple(slot[b] for b in k.outputs), allocate, free)
-                listing.append(extern_text(k))
-            if free:
-                listing.append("del " + ", ".join(names[s] for s in free))
-            self._steps.append(step)
-        self._size = len(names)
-        self._inputs = tuple(slot[b] for b in program.inputs)
-        self._constants = tuple((slot[b], t) for b, t in program.constants.items())
+        def launch(i, k, slot):
+            w = writers[i]
+            grid, options = w.launch_args()
+            fn, args = getattr(module, w.fname), tuple(slot[b] for b in w.buffers)
+
+            def run(env, device):
+                if not w.numel:
+                    return
+                tensors = [env[s] for s in args]
+                if w.checks_error:
+                    err = torch.zeros(1, dtype=torch.int32, device=device)
+                    tensors.append(err)
+                fn[grid](*tensors, **options)
+                if w.checks_error and err.item():
+                    raise CheckError("ZeroDivisionError: integer division or remainder by zero")
+
+            opts = ", ".join(f"{n}={v}" for n, v in options.items())
+            return run, (f"{w.fname}[{grid}]({', '.join(w.buffers)}"
+                         f"{', err' * w.checks_error}, {opts})")
+
+        self._wrapper = Wrapper(program, plan, launch)
+        self._constants = tuple((self._wrapper.slot[b], t) for b, t in program.constants.items())
         self._on_device: dict = {}  # device -> constants there
-        self._unbound_outputs = tuple(  # outputs nothing produces: empty buffers
-            (slot[b], tuple(types[b].shape), types[b].dtype)
-            for b in dict.fromkeys(program.outputs) if b not in bound and b not in first)
-        self._outputs = tuple(slot[b] for b in program.outputs)
-        listing += [f"{names[s]} = torch.empty({shape}, dtype={dtype}, device=device)"
-                    for s, shape, dtype in self._unbound_outputs]
-        listing.append(f"return ({', '.join(program.outputs)}{',' if program.outputs else ''})")
-        self.wrapper_source = "\n".join(
-            ["def run(" + ", ".join(program.inputs) + "):"] + ["    " + s for s in listing])
+        self.wrapper_source = self._wrapper.source
         self.source = (self.triton_source + '\n\n"""Python wrapper:\n' + self.wrapper_source
                        + '\n"""\n')
 
@@ -838,49 +805,25 @@ class CompiledProgram:
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         device = self._device(inputs)
-        env: list = [None] * self._size
-        for s, t in zip(self._inputs, inputs):
-            env[s] = t.contiguous()
         if device not in self._on_device:
             self._on_device[device] = [(s, t.to(device)) for s, t in self._constants]
-        for s, t in self._on_device[device]:
-            env[s] = t
-        err = None
-        for step in self._steps:
-            for s, shape, dtype in step.allocate:
-                env[s] = torch.empty(shape, dtype=dtype, device=device)
-            if isinstance(step.call, Extern):
-                self._call_extern(step, env)
-            elif step.call is not None:
-                fn, grid, options = step.call
-                args = [env[s] for s in step.args]
-                if step.checks_error:
-                    err = torch.zeros(1, dtype=torch.int32, device=device)
-                    args.append(err)
-                fn[grid](*args, **options)
-                if step.checks_error and err.item():
-                    raise CheckError("ZeroDivisionError: integer division or remainder by zero")
-            for s in step.free:
-                env[s] = None
-        for s, shape, dtype in self._unbound_outputs:
-            env[s] = torch.empty(shape, dtype=dtype, device=device)
-        return [env[s] for s in self._outputs]
-
-    def _call_extern(self, step: _Step, env: list) -> None:
-        for s, t in zip(step.outs, extern_results(step.call, [env[s] for s in step.args],
-                                                  self.program)):
-            env[s] = t
+        return self._wrapper(inputs, device, self._on_device[device])
 
 
-def compile_program(program: LoopProgram) -> CompiledProgram:
-    return CompiledProgram(program)
+def compile_program(program: LoopProgram, plan=None) -> CompiledProgram:
+    return CompiledProgram(program, plan)
 
 
 def compile_graph(graph):
     """The ``triton`` backend's factory: lower the graph for this code generator (its ops:
-    ``supported_ops()``), fuse the kernels, generate and load them."""
+    ``supported_ops()``), fuse the kernels, start collectives early and wait late (NOTE
+    [overlap]), plan the comm buffers' pools, generate and load the kernels."""
+    from ..passes import memory
     from ..passes.fusion import fuse
     from ..passes.lowering import lower
 
-    return compile_program(fuse(lower(graph, supported_ops=supported_ops(),
-                                      supported_dtypes=TRITON_DTYPES)))
+    program = fuse(lower(graph, supported_ops=supported_ops(), supported_dtypes=TRITON_DTYPES,
+                         comm_buffers=True))
+    program = memory.overlap(program) if config.overlap else program
+    return compile_program(program, memory.plan(program, pool=False,
+                                                comm_reuse=config.comm_pool_reuse))

@@ -26,7 +26,9 @@ Every node knows its dtype. Nodes are frozen and compare by value, so a DAG shar
 subexpressions and code generators can emit each once. Loads are always in bounds: lowering
 clamps the indices of a branch that ``where`` discards (padding, concatenation). An
 ``Extern`` runs a torch function on whole buffers (a library call such as a matmul, or a
-primitive with no loop form).
+primitive with no loop form); a collective is an Extern marked ``collective``, and a ``Wait``
+completes one that was only started (NOTE [overlap] in passes/memory.py). A ``Buffer`` with a
+``comm`` kind is a communication buffer (NOTE [comm buffers] in tracer/collectives.py).
 """
 from __future__ import annotations
 
@@ -45,9 +47,19 @@ def loop_vars(prefix: str, n: int) -> tuple[sympy.Symbol, ...]:
 
 
 @attrs.frozen
+class CommKind:
+    """What a communication buffer is for: its type (a key of
+    ``tracer.collectives.COMM_BUFFER_TYPES``) and the process group it talks to."""
+
+    type: str
+    group: str
+
+
+@attrs.frozen
 class Buffer:
     name: str
     type: TensorType
+    comm: CommKind | None = None  # a communication buffer: planned in its (type, group) pool
 
 
 @attrs.frozen(cache_hash=True)
@@ -136,6 +148,13 @@ class Extern:
     params: tuple  # sorted (name, value) pairs passed as keyword arguments
     label: str     # what it calls, for printing
     origins: frozenset = frozenset()
+    # Communicates with the other ranks: every rank must issue its collectives in one order,
+    # so no pass reorders collectives against each other (compute may move across them).
+    collective: bool = False
+    # (start, wait) of a collective that can be issued and waited for apart: ``start`` takes
+    # the inputs (and params) and returns the pending results, ``wait`` completes one; ``fn``
+    # does both. passes.memory.overlap splits such an Extern into its start and a ``Wait``.
+    split: tuple | None = None
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -147,11 +166,35 @@ class Extern:
 
 
 @attrs.frozen
+class Wait:
+    """Completes the collective that the Extern ``start`` issued: each of its ``outputs``
+    becomes ``fn(pending, **params)``. It also reads the collective's ``inputs``: the
+    collective may read them until it is done, so they stay alive (and unwritten) until here."""
+
+    name: str
+    fn: Callable[..., Any]
+    start: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: tuple
+    label: str
+    origins: frozenset = frozenset()
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.inputs, *self.outputs)))
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return ()
+
+
+@attrs.frozen
 class LoopProgram:
     buffers: dict  # name -> Buffer
     inputs: tuple[str, ...]     # graph inputs, in order
     constants: dict             # buffer name -> torch.Tensor (contiguous)
-    kernels: tuple              # Kernel | Extern, in execution order
+    kernels: tuple              # Kernel | Extern | Wait, in execution order
     outputs: tuple[str, ...]    # graph outputs, in order (may repeat or name inputs)
     # graph node -> "primitive  aten op  file:line", for the kernels' origins
     provenance: dict = attrs.field(factory=dict)
@@ -195,11 +238,11 @@ def program_stats(program: LoopProgram) -> dict[str, int]:
     each buffer it reads once and writes each buffer once; the peak is the largest sum of
     live bytes (``passes.memory.liveness``: a storage lives from the kernel that writes it to
     the last that uses it or an in-place alias of it; inputs and constants all along, outputs
-    to the end)."""
+    to the end). A Wait moves no data."""
     from ..passes.memory import liveness  # the analysis is a pass; the stats are reported here
 
     size = {n: b.type.nbytes for n, b in program.buffers.items()}
-    kernels = program.kernels
+    kernels = [k for k in program.kernels if not isinstance(k, Wait)]
     return {"kernels": sum(isinstance(k, Kernel) for k in kernels),
             "externs": sum(isinstance(k, Extern) for k in kernels),
             "bytes_read": sum(size[n] for k in kernels for n in k.reads),

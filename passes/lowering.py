@@ -13,6 +13,20 @@ gather, scatter, sort, scans, linalg, FFTs, opaque ops, ...) is an Extern over b
 any op or dtype the code generator cannot express (``supported_ops``, ``supported_dtypes``).
 A buffer that no kernel writes has no elements: the runtime allocates it empty. A node that a
 control edge orders gets a kernel of its own, fenced: fusion leaves it alone.
+
+NOTE [lowering collectives]
+A collective is an Extern marked ``collective`` and, where it can be waited for apart, with
+its (start, wait) pair (``tracer.collectives.SPLIT``; NOTE [overlap] in passes/memory.py).
+torch's functional collectives work along dim 0: another ``dim`` is moved there and back by
+views, so the copies are kernels that fuse with their neighbours and the collective's buffers
+are its own. With ``comm_buffers`` (a backend that plans them), a sum all_reduce whose operand
+may become a communication buffer (``tracer.collectives.comm_buffer_type``: symmetric memory
+enabled for the group, a small CUDA tensor) realizes that operand as one and calls the comm
+type's all-reduce instead (NOTE [comm buffers]). Its layout must still be free: a lazy value
+(stored by a kernel of ours; a view of an argument is copied that way in either path) or a
+buffer one of our kernels writes; an input, constant or extern result as it is (memory not
+ours to place) takes the regular collective. A graph output that is a comm buffer is copied
+out.
 """
 from __future__ import annotations
 
@@ -24,8 +38,9 @@ import torch
 
 from ..graph import Graph, TensorType, Value
 from ..graph.types import contiguous_strides
-from ..graph.loops import (Apply, Buffer, Constant, Extern, IndexValue, Kernel, Load,
+from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, loop_vars, walk)
+from ..tracer import collectives
 from ..tracer.primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                                  UNARY_PREDICATES, get_primitive)
 
@@ -96,10 +111,12 @@ RECOMPUTE_MAX_READS = 2
 
 class _Lowering:
     def __init__(self, graph: Graph, supported_ops: Iterable[str],
-                 supported_dtypes: Iterable[torch.dtype]):
+                 supported_dtypes: Iterable[torch.dtype], comm_buffers: bool):
         self.graph = graph
         self.ops, self.dtypes = frozenset(supported_ops), frozenset(supported_dtypes)
+        self.comm_buffers = comm_buffers
         self.buffers: dict[str, Buffer] = {}
+        self.stored: set[str] = set()  # the buffers our kernels write
         self.constants: dict[str, torch.Tensor] = {}
         self.kernels: list = []
         self.values: dict[Value, Lazy] = {}
@@ -112,9 +129,9 @@ class _Lowering:
         self.ordered = {n for edge in graph.control_edges() for n in edge}
 
     # -- buffers ---------------------------------------------------------------------------
-    def new_buffer(self, prefix: str, type: TensorType) -> str:
+    def new_buffer(self, prefix: str, type: TensorType, comm: CommKind | None = None) -> str:
         name = f"{prefix}{len(self.buffers)}"
-        self.buffers[name] = Buffer(name, type)
+        self.buffers[name] = Buffer(name, type, comm)
         return name
 
     def in_memory(self, name: str) -> Lazy:
@@ -125,15 +142,25 @@ class _Lowering:
         """The buffer holding ``v`` (a pointwise kernel stores it first if it is lazy, or
         into a ``fresh`` buffer of its own)."""
         lazy = self.values[v]
-        if lazy.buffer is not None and self.buffers[lazy.buffer].type.shape == lazy.type.shape \
-                and not (fenced or fresh):
+        if self.held(lazy) and not (fenced or fresh):
             return lazy.buffer
-        name = self.new_buffer("buf", lazy.type)
+        name = self.store(lazy, fenced)
+        self.values[v] = self.in_memory(name)
+        return name
+
+    def held(self, lazy: Lazy) -> bool:
+        """Is ``lazy`` a whole buffer as it is (nothing to store)?"""
+        return lazy.buffer is not None and \
+            self.buffers[lazy.buffer].type.shape == lazy.type.shape
+
+    def store(self, lazy: Lazy, fenced: bool = False, comm: CommKind | None = None) -> str:
+        """A new buffer that a pointwise kernel stores ``lazy`` into."""
+        name = self.new_buffer("buf", lazy.type, comm)
         xs, sizes = _loops(lazy.type.shape, "x")
         self.kernels.append(Kernel(f"kernel{len(self.kernels)}", sizes, (),
                                    (Store(name, flat(xs, lazy.type.shape), lazy.at(xs)),),
                                    fenced, lazy.origins))
-        self.values[v] = self.in_memory(name)
+        self.stored.add(name)
         return name
 
     # -- nodes -----------------------------------------------------------------------------
@@ -163,6 +190,9 @@ class _Lowering:
                 continue
             operands = g.operands(n)
             types = [g.type_of(v) for v in operands]
+            if node.prim in collectives.SPLIT:
+                self.collective(n, node, operands[0], outs[0])
+                continue
             if not self.loopable(node, types):
                 self.extern(n, node, operands, outs)
                 continue
@@ -180,8 +210,10 @@ class _Lowering:
             elif self.uses.get(outs[0], 0) > 1 and self.worth_storing(lazy):
                 self.realize(outs[0])
         outputs: list[str] = []
-        for v in g.outputs:  # outputs never alias: a value returned twice is stored twice
-            outputs.append(self.realize(v, fresh=self.realize(v) in outputs))
+        for v in g.outputs:  # outputs never alias: a value returned twice is stored twice,
+            b = self.realize(v)  # and a comm buffer is copied out
+            outputs.append(self.realize(v, fresh=True) if b in outputs or self.buffers[b].comm
+                           else b)
         provenance = {n: "  ".join(filter(None, (g.node(n).prim, g.node(n).provenance.aten,
                                                  g.node(n).provenance.source)))
                       for n in g.order}
@@ -211,6 +243,42 @@ class _Lowering:
                                    tuple(names), results, node.params, label, frozenset({n})))
         for v, name in zip(outs, results):
             self.values[v] = self.in_memory(name)
+
+    def collective(self, n, node, v: Value, out: Value):
+        """NOTE [lowering collectives]."""
+        params, x = node.kwargs, self.values[v]
+        ours = x.type.dtype in self.dtypes  # kernels can store it (move it, compute it)
+        dim = (params.get("dim") or 0) if ours else 0
+        result = self.new_buffer("buf", _moved_type(node.out_types[0], dim, 0) if dim
+                                 else node.out_types[0])
+        kind = collectives.comm_buffer_type(node.prim, params, x.type) \
+            if self.comm_buffers and ours else None
+        if kind is not None and (not self.held(x) or x.buffer in self.stored):
+            comm = collectives.COMM_BUFFER_TYPES[kind]
+            operand = self.comm_buffer(v, CommKind(kind, params["group_name"]))
+            extern = Extern("", _one_shot(comm.all_reduce), (operand,), (result,),
+                            (("group_name", params["group_name"]),), comm.label)
+        else:  # another dtype along another dim: the impl moves it, start and wait in one
+            operand = self.store(_moved(x, dim, 0)) if dim else self.realize(v)
+            extern = Extern("", _as_tuple(get_primitive(node.prim)), (operand,), (result,),
+                            tuple(sorted({**params, **({"dim": 0} if dim else {})}.items())),
+                            node.prim, split=collectives.SPLIT[node.prim]
+                            if ours or not params.get("dim") else None)
+        self.kernels.append(attrs.evolve(extern, name=f"extern{len(self.kernels)}",
+                                         origins=frozenset({n}), collective=True))
+        self.values[out] = _moved(self.in_memory(result), 0, dim) if dim else \
+            self.in_memory(result)
+
+    def comm_buffer(self, v: Value, kind: CommKind) -> str:
+        """``v`` in a comm buffer of ``kind``: the buffer our kernel wrote, or a new one a
+        kernel stores it into (a buffer already of another kind is copied)."""
+        lazy = self.values[v]
+        if self.held(lazy) and self.buffers[lazy.buffer].comm in (None, kind):
+            self.buffers[lazy.buffer] = attrs.evolve(self.buffers[lazy.buffer], comm=kind)
+            return lazy.buffer
+        name = self.store(lazy, comm=kind)
+        self.values[v] = self.in_memory(name)  # its other users read it there
+        return name
 
     def _transposed_buffer(self, v: Value):
         """A matmul operand that is a transpose of a buffer: the buffer and the permutation,
@@ -245,11 +313,32 @@ class _Lowering:
         for d, v in zip(dims, rs):
             index[d] = v
         name = self.new_buffer("buf", t)
+        self.stored.add(name)
         self.kernels.append(Kernel(
             f"kernel{len(self.kernels)}", sizes, reduction_sizes,
             (Store(name, flat(xs, t.shape), Reduce(node.prim, x.at(tuple(index)), t.dtype)),),
             fenced, x.origins | {n}))
         self.values[out] = self.in_memory(name)
+
+
+def _moved_type(t: TensorType, source: int, destination: int) -> TensorType:
+    order = list(range(t.ndim))
+    order.insert(destination, order.pop(source))  # the result's dim i is dim order[i]
+    return attrs.evolve(t, shape=[t.shape[d] for d in order])
+
+
+def _moved(x: Lazy, source: int, destination: int) -> Lazy:
+    """``x`` with dim ``source`` moved to ``destination`` (a view: an index rewrite)."""
+    def at(idx):
+        idx = list(idx)
+        idx.insert(source, idx.pop(destination))
+        return x.at(tuple(idx))
+
+    return Lazy(_moved_type(x.type, source, destination), at, origins=x.origins)
+
+
+def _one_shot(all_reduce):
+    return lambda x, *, group_name: (all_reduce(x, group_name),)
 
 
 def _origins(n: int, args) -> frozenset:
@@ -354,7 +443,9 @@ _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
 def lower(graph: Graph, supported_ops: Iterable[str] = ELEMENTWISE,
           supported_dtypes: Iterable[torch.dtype] = (
               torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
-              torch.uint8, torch.bool)) -> LoopProgram:
-    return _Lowering(graph, supported_ops, supported_dtypes).lower()
+              torch.uint8, torch.bool), comm_buffers: bool = False) -> LoopProgram:
+    """``comm_buffers``: the backend plans communication buffers (NOTE [lowering
+    collectives])."""
+    return _Lowering(graph, supported_ops, supported_dtypes, comm_buffers).lower()
 
 

@@ -1,8 +1,10 @@
-"""Memory passes over LoopPrograms: liveness, in-place reuse, memory-aware order, pool planning.
+"""Memory passes over LoopPrograms: liveness, in-place reuse, memory-aware order, collectives'
+overlap, pool planning.
 
 NOTE [memory passes]
-The C++ backend runs them after fusion: ``reuse -> reorder -> plan`` (each behind its switch in
-``plait.config``: ``inplace``, ``reorder``, ``plan_memory``).
+The C++ backend runs them after fusion: ``reuse -> reorder -> overlap -> plan`` (each behind
+its switch in ``plait.config``: ``inplace``, ``reorder``, ``overlap``, ``plan_memory``); the
+Triton backend runs ``overlap`` and a plan that pools only comm buffers.
 
 * ``liveness``: a *storage* is a buffer together with the in-place aliases that took it over
   (``LoopProgram.aliases``: new buffer -> the buffer whose memory it writes into). A storage
@@ -10,29 +12,57 @@ The C++ backend runs them after fusion: ``reuse -> reorder -> plan`` (each behin
   along, storages holding an output to the end) and is counted once; the peak is the largest
   sum of live bytes during one kernel (its inputs and outputs both live).
 * ``reuse``: a kernel's store takes over a buffer it reads when that buffer has the same numel
-  and dtype, no kernel after this one reads it, it is not a (non-donated) input, constant or output, and the
-  kernel reads it only at the index it stores at. That is read-before-write per element in the
-  generated code: reductions run over the whole row before any store of the row, a store's
-  value is computed before it is written, and other stores of the same pass that come later
-  must not read the buffer (their loads would see the new values). An extern's output is fine
-  to take over (the wrapper copies an extern's result that shares memory with its inputs, so
-  every buffer owns its memory); an extern never writes into an input. A graph input is taken
-  over only when the caller donated it (``jit(..., donate_argnums=...)``): its storage is the
-  caller's, live on entry, so an output written into it costs no bytes of its own.
-* ``reorder``: kernels depend on the writers of what they read and, for a takeover, the
-  taking kernel on every other reader of the storage it takes. Fenced kernels (control edges)
-  and effectful externs (checks, random draws) are barriers: nothing moves across them, so
-  effects keep their traced order. Several topological orders are tried (the given one, two
-  greedy ones with a heap, BFS and DFS), each O(E log V) at most, and the one with the lowest
-  peak wins; the given order stays unless another is strictly better.
-* ``plan``: the storages that kernels write and that hold no output (outputs are handed to the
-  caller: they get allocations of their own; extern results are allocated by torch) get slots
-  of a per-call pool: a slot is reused by a later storage of the same or smaller size once its
-  storages are dead, best fit first, but only where holding the slot (idle between its users,
-  and its excess over a smaller user) keeps every kernel's live bytes within the liveness peak:
-  the plan never raises the peak. Slots are allocated at their first user and freed after their
-  last (not kept across calls: concurrent calls stay independent, and an idle pool would hold
-  memory between calls).
+  and dtype, no kernel after this one reads it, it is not a (non-donated) input, constant or
+  output, and the kernel reads it only at the index it stores at. That is read-before-write
+  per element in the generated code: reductions run over the whole row before any store of
+  the row, a store's value is computed before it is written, and other stores of the same
+  pass that come later must not read the buffer (their loads would see the new values). An
+  extern's output is fine to take over (the wrapper copies an extern's result that shares
+  memory with its inputs, so every buffer owns its memory); an extern never writes into an
+  input. A graph input is taken over only when the caller donated it (``jit(...,
+  donate_argnums=...)``): its storage is the caller's, live on entry, so an output written
+  into it costs no bytes of its own. Comm buffers never take over nor are taken over (they
+  live in their pools), and neither is a collective's operand (the collective may read it
+  until its wait, placed later by ``overlap``).
+* ``reorder``: kernels depend on the writers of what they read, for a takeover the taking
+  kernel on every other reader of the storage it takes, and the readers of a collective's
+  results on its Wait. Fenced kernels (control edges) and effectful externs (checks, random
+  draws) are barriers: nothing moves across them, so effects keep their traced order.
+  Collectives are chained instead: each after the one before (every rank issues them in one
+  order) and between the barriers around it, while compute moves across them. Several
+  topological orders are tried (the given one, two greedy ones with a heap, BFS and DFS),
+  each O(E log V) at most, and the one with the lowest peak wins; the given order stays unless
+  another is strictly better.
+* ``overlap``: NOTE [overlap].
+* ``plan``: first the comm pools: one per (comm buffer type, group), holding its comm buffers
+  (NOTE [comm buffers]) at offsets placed first-fit, in order of first use, at the lowest
+  multiple of ``COMM_ALIGN`` free over the buffer's lifetime, so buffers whose lifetimes do
+  not overlap share offsets; the plan depends on the program alone, so every rank gets the
+  same one. A pool is held at its full size from its first comm buffer's first kernel to its
+  last one's last kernel (those bytes replace its buffers' in the live bytes). With
+  ``comm_reuse`` (``config.comm_pool_reuse``) an intermediate whose lifetime lies within a
+  pool's and that fits in a range free throughout it takes that offset: its bytes leave the
+  live bytes (never raising the peak; lowering it where that storage was live at the peak).
+  Then the other storages that kernels write and that hold no output (outputs are handed to
+  the caller: they get allocations of their own; extern results are allocated by torch) get
+  slots of a per-call pool: a slot is reused by a later storage of the same or smaller size
+  once its storages are dead, best fit first, but only where holding the slot (idle between
+  its users, and its excess over a smaller user) keeps every kernel's live bytes within the
+  peak so far: slots never raise the peak. Slots are allocated at their first user and freed
+  after their last (not kept across calls: concurrent calls stay independent, and an idle
+  pool would hold memory between calls).
+
+NOTE [overlap]
+A collective runs as two steps where it can (``Extern.split``): its start issues it (torch's
+functional collectives return a pending result at once) and a ``Wait`` completes it. The
+start moves up, past compute it does not depend on, to just after the last step it must
+follow: a writer of its operands, the collective before it, a barrier; one whose operand is
+another collective's result stays where it is (moving it up would pull that one's wait up
+with it). The wait goes just before the first step that reads a result, or the next barrier,
+or the end. Compute in between runs while the collective communicates (NCCL on its own
+stream, gloo on its threads). The wait also reads the collective's operands, so liveness
+keeps them alive, unwritten and out of reused slots until the collective is done.
+Collectives keep their order: a start never moves past another collective.
 """
 from __future__ import annotations
 
@@ -44,7 +74,7 @@ import attrs
 import sympy
 import torch
 
-from ..graph.loops import Kernel, Load, LoopProgram, is_inner, walk
+from ..graph.loops import Extern, Kernel, Load, LoopProgram, Wait, is_inner, walk
 
 
 # ---------------------------------------------------------------------------------------
@@ -124,7 +154,10 @@ def reuse(program: LoopProgram) -> LoopProgram:
     passes]). Kernels after the taker that still read the buffer, and depend on nothing from
     the taker on, are moved to just before it, so the takeover can happen."""
     kernels = list(program.kernels)
-    kept = {*(set(program.inputs) - program.donated), *program.constants, *program.outputs}
+    # a collective may read its operands until its wait (NOTE [overlap]), which comes later
+    kept = {*(set(program.inputs) - program.donated), *program.constants, *program.outputs,
+            *(b for k in kernels if isinstance(k, Extern) and k.collective for b in k.reads),
+            *(b for b, buf in program.buffers.items() if buf.comm)}
     aliases = dict(program.aliases)
     taken = set(aliases.values())  # a buffer's memory goes to one new buffer
     types = {n: b.type for n, b in program.buffers.items()}
@@ -133,8 +166,8 @@ def reuse(program: LoopProgram) -> LoopProgram:
         k = kernels[i]
         for position, store in enumerate(k.stores if isinstance(k, Kernel) else ()):
             out = types[store.buffer]
-            if store.buffer in aliases:
-                continue
+            if store.buffer in aliases or program.buffers[store.buffer].comm:
+                continue  # a comm buffer lives in its pool
             # a donated input first: the caller holds its memory anyway, the other one dies
             for b in sorted(k.reads, key=lambda b: b not in program.donated):
                 if b in kept or b in taken or b in k.writes or \
@@ -171,29 +204,46 @@ def _hoistable(kernels: list, i: int, later: list[int], aliases: dict) -> bool:
 # Memory-aware order
 # ---------------------------------------------------------------------------------------
 def _barrier(k) -> bool:
-    """Does nothing move across it: a fenced kernel, or an extern with effects (a check with
-    no result, an effectful primitive, a random ATen op)?"""
+    """Does nothing move across it: a fenced kernel, or an extern with effects other than
+    communicating (a check with no result, an effectful primitive, a random ATen op)?"""
     from ..tracer.primitives import PRIMITIVES
 
     if isinstance(k, Kernel):
         return k.fenced
+    if isinstance(k, Wait) or k.collective:
+        return False
     op = dict(k.params).get("op")
     return not k.outputs or getattr(PRIMITIVES.get(k.label), "effectful", False) or (
         isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags)
 
 
+def _collective(k) -> bool:
+    return isinstance(k, Extern) and k.collective
+
+
 def _successors(program: LoopProgram) -> list[set[int]]:
+    """Each kernel's successors: the readers of what it writes, the kernel taking over a
+    buffer after that buffer's readers, the readers of a collective's results after its
+    wait, each collective after the one before (every rank issues them in one order), and
+    everything across a barrier."""
     kernels = program.kernels
     writer = {b: i for i, k in enumerate(kernels) for b in k.writes}
     taker = {b: writer[out] for out, b in program.aliases.items() if out in writer}
+    done = {b: i for i, k in enumerate(kernels) if isinstance(k, Wait) for b in k.outputs}
     succ: list[set[int]] = [set() for _ in kernels]
-    previous, segment = None, []
+    previous, segment, collective = None, [], None
     for i, k in enumerate(kernels):
         for b in k.reads:
             if writer.get(b, i) != i:
                 succ[writer[b]].add(i)
             if taker.get(b, i) != i:  # read before the taking kernel overwrites it
                 succ[i].add(taker[b])
+            if done.get(b, i) != i:  # completed before it is read
+                succ[done[b]].add(i)
+        if _collective(k):
+            if collective is not None:
+                succ[collective].add(i)
+            collective = i
         if _barrier(k):
             for j in segment + ([previous] if previous is not None else []):
                 succ[j].add(i)
@@ -317,6 +367,37 @@ def reorder(program: LoopProgram) -> LoopProgram:
 
 
 # ---------------------------------------------------------------------------------------
+# Communication overlap
+# ---------------------------------------------------------------------------------------
+def overlap(program: LoopProgram) -> LoopProgram:
+    """Each collective that can be waited for apart starts right after the last step it must
+    follow and is waited for right before the first step that needs it (NOTE [overlap])."""
+    kernels: list = []
+    for k in program.kernels:
+        i, needs = len(kernels), set(k.reads)
+        # an operand that another collective computes is ready at that one's wait, which
+        # comes as late as it can: here
+        if isinstance(k, Extern) and k.split and not any(
+                _collective(p) and needs & set(p.writes) for p in kernels):
+            while i and not (_barrier(kernels[i - 1]) or _collective(kernels[i - 1])
+                             or needs & set(kernels[i - 1].writes)):
+                i -= 1
+        kernels.insert(i, k)
+    i = 0
+    while i < len(kernels):
+        k = kernels[i]
+        if isinstance(k, Extern) and k.split:
+            (start, wait), outputs = k.split, set(k.outputs)
+            kernels[i] = attrs.evolve(k, fn=start, split=None)
+            end = next((j for j in range(i + 1, len(kernels)) if _barrier(kernels[j])
+                        or outputs & set(kernels[j].reads)), len(kernels))
+            kernels.insert(end, Wait(f"wait_{k.name}", wait, k.name, k.inputs, k.outputs,
+                                     k.params, k.label, k.origins))
+        i += 1
+    return attrs.evolve(program, kernels=tuple(kernels))
+
+
+# ---------------------------------------------------------------------------------------
 # Pool planning
 # ---------------------------------------------------------------------------------------
 @attrs.frozen
@@ -327,12 +408,33 @@ class Slot:
     last: int   # the kernel after which it is freed
 
 
+# Every storage in a comm pool starts at a multiple of this many bytes (vector loads).
+COMM_ALIGN = 256
+
+
+@attrs.frozen
+class CommPool:
+    """The pool of one (comm buffer type, group): allocated before kernel ``first`` and
+    released after ``last``; ``offsets``: storage -> byte offset, its comm buffers (``comm``)
+    and intermediates placed in its free ranges (``config.comm_pool_reuse``)."""
+
+    type: str
+    group: str
+    nbytes: int
+    offsets: dict
+    comm: tuple[str, ...]
+    first: int
+    last: int
+
+
 @attrs.frozen
 class MemoryPlan:
     liveness: Liveness
     slots: tuple[Slot, ...]
     slot_of: dict  # pooled storage -> slot index
-    live: tuple    # planned live bytes during each kernel (at most the liveness peak)
+    live: tuple    # planned live bytes during each kernel
+    comm_pools: tuple[CommPool, ...] = ()
+    comm_of: dict = attrs.field(factory=dict)  # storage in a comm pool -> the pool's index
 
     @property
     def peak(self) -> int:
@@ -340,24 +442,85 @@ class MemoryPlan:
 
     def blocks(self) -> dict:
         """Every allocation a call makes -> (first, last) kernel: the storages neither pooled
-        nor bound on entry (by name) and the pool slots (by index)."""
+        nor bound on entry (by name), the pool slots (``("slot", j)``) and the comm pools
+        (``("comm", j)``)."""
         lv = self.liveness
         return {**{s: span for s, span in lv.span.items()
-                   if span[0] >= 0 and s not in self.slot_of},
-                **{j: (slot.first, slot.last) for j, slot in enumerate(self.slots)}}
+                   if span[0] >= 0 and s not in self.slot_of and s not in self.comm_of},
+                **{("slot", j): (slot.first, slot.last) for j, slot in enumerate(self.slots)},
+                **{("comm", j): (p.first, p.last) for j, p in enumerate(self.comm_pools)}}
 
 
-def plan(program: LoopProgram, pool: bool = True) -> MemoryPlan:
-    """Pool slots for the storages kernels write that hold no output (NOTE [memory passes]);
-    with ``pool=False`` every storage is allocated on its own."""
+def _first_fit(span: tuple, need: int, placed: list, limit: int | None = None) -> int | None:
+    """The lowest aligned offset where ``need`` bytes over the kernels ``span`` overlap none
+    of the ``placed`` (offset, bytes, span) live at the same time; None past ``limit``."""
+    offset = 0
+    for lo, n in sorted((o, n) for o, n, (f, l) in placed if f <= span[1] and span[0] <= l):
+        if offset + need <= lo:
+            break
+        offset = max(offset, -(-(lo + n) // COMM_ALIGN) * COMM_ALIGN)
+    return offset if limit is None or offset + need <= limit else None
+
+
+def _comm_pools(program: LoopProgram, lv: Liveness, live: list) -> list[CommPool]:
+    """One pool per (type, group) of the comm buffers, each at the lowest offset free over its
+    lifetime, in order of first use (a plan every rank computes alike); ``live`` gains each
+    pool's bytes over its lifetime in place of its comm buffers'."""
+    members = collections.defaultdict(list)
+    for s in sorted(lv.span, key=lambda s: (lv.span[s], s)):
+        if (kind := program.buffers[s].comm) is not None:
+            members[(kind.type, kind.group)].append(s)
+    pools = []
+    for (kind, group), storages in sorted(members.items()):
+        placed, offsets = [], {}
+        for s in storages:
+            offsets[s] = _first_fit(lv.span[s], lv.nbytes[s], placed)
+            placed.append((offsets[s], lv.nbytes[s], lv.span[s]))
+        nbytes = max(o + n for o, n, _ in placed)
+        first, last = min(lv.span[s][0] for s in storages), max(lv.span[s][1] for s in storages)
+        for i in range(first, last + 1):
+            live[i] += nbytes - sum(lv.nbytes[s] for s in storages
+                                    if lv.span[s][0] <= i <= lv.span[s][1])
+        pools.append(CommPool(kind, group, nbytes, offsets, tuple(storages), first, last))
+    return pools
+
+
+def _into_comm_pools(pools: list, candidates: list, lv: Liveness, live: list) -> list:
+    """Intermediates placed in the pools' free ranges where they fit over their lifetimes
+    (their bytes leave ``live``: the pool holds them already); the pools with them."""
+    placed = [[(o, lv.nbytes[s], lv.span[s]) for s, o in p.offsets.items()] for p in pools]
+    offsets = [dict(p.offsets) for p in pools]
+    for s in candidates:
+        (f, l), need = lv.span[s], lv.nbytes[s]
+        for j, p in enumerate(pools):
+            if p.first <= f and l <= p.last and \
+                    (o := _first_fit((f, l), need, placed[j], p.nbytes)) is not None:
+                offsets[j][s] = o
+                placed[j].append((o, need, (f, l)))
+                for i in range(f, l + 1):
+                    live[i] -= need
+                break
+    return [attrs.evolve(p, offsets=o) for p, o in zip(pools, offsets)]
+
+
+def plan(program: LoopProgram, pool: bool = True, comm_reuse: bool = False) -> MemoryPlan:
+    """The comm pools (NOTE [memory passes]), then, with ``comm_reuse``, intermediates in
+    their free ranges, then pool slots for the other storages kernels write that hold no
+    output; with ``pool=False`` those are allocated on their own."""
     lv = liveness(program)
+    live = list(lv.live)
+    comm_pools = _comm_pools(program, lv, live)
     writer = {b: k for k in program.kernels for b in k.writes}
     outputs = {lv.storage[b] for b in program.outputs}
     poolable = sorted((s for s, (f, l) in lv.span.items()
-                       if pool and isinstance(writer.get(s), Kernel) and s not in outputs
-                       and lv.nbytes[s] and l < len(program.kernels)),
+                       if isinstance(writer.get(s), Kernel) and s not in outputs
+                       and lv.nbytes[s] and l < len(program.kernels)
+                       and program.buffers[s].comm is None),
                       key=lambda s: (lv.span[s], s))
-    live, peak = list(lv.live), lv.peak
+    if comm_reuse:
+        comm_pools = _into_comm_pools(comm_pools, poolable, lv, live)
+    comm_of = {s: j for j, p in enumerate(comm_pools) for s in p.offsets}
+    peak = max(live, default=lv.peak)  # the pools' idle bytes count: slots never raise it
     slots: list[dict] = []
     slot_of = {}
 
@@ -366,7 +529,9 @@ def plan(program: LoopProgram, pool: bool = True) -> MemoryPlan:
         return max(idle, default=0) + slot["nbytes"] <= peak and \
             max(used) + slot["nbytes"] - need <= peak
 
-    for s in poolable:
+    for s in poolable if pool else ():
+        if s in comm_of:
+            continue
         (f, l), need = lv.span[s], lv.nbytes[s]
         free = sorted((j for j, slot in enumerate(slots)
                        if slot["last"] < f and slot["nbytes"] >= need),
@@ -383,17 +548,23 @@ def plan(program: LoopProgram, pool: bool = True) -> MemoryPlan:
         slots[j]["last"] = l
         slot_of[s] = j
     return MemoryPlan(lv, tuple(Slot(d["nbytes"], tuple(d["storages"]), d["first"], d["last"])
-                                for d in slots), slot_of, tuple(live))
+                                for d in slots), slot_of, tuple(live), tuple(comm_pools),
+                      comm_of)
 
 
 def report(program: LoopProgram, memory_plan: MemoryPlan) -> dict:
     """``Lowered.memory``: each buffer's bytes, lifetime (first and last kernel using it) and
-    storage; the in-place pairs (buffer, the buffer it took over); the pool slots; the peak."""
+    storage; the in-place pairs (buffer, the buffer it took over); the pool slots; the comm
+    pools (type, group, bytes, each storage's offset, which of them are comm buffers, the
+    kernels they are held over); the peak."""
     lv = memory_plan.liveness
     return {
         "buffers": {b: {"bytes": program.buffers[b].type.nbytes, "first": f, "last": l,
                         "storage": lv.storage[b]} for b, (f, l) in lv.uses.items()},
         "inplace": tuple(program.aliases.items()),
         "pool": tuple({"bytes": s.nbytes, "storages": s.storages} for s in memory_plan.slots),
+        "comm_pools": tuple({"type": p.type, "group": p.group, "bytes": p.nbytes,
+                             "offsets": dict(p.offsets), "comm": p.comm, "first": p.first,
+                             "last": p.last} for p in memory_plan.comm_pools),
         "peak_bytes": memory_plan.peak,
     }

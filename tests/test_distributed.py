@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import plait
 from plait.errors import DistributedError
+from plait.graph.loops import Extern, Wait
 
 W = 2  # ranks
 CHECKS: dict = {}
@@ -285,6 +286,86 @@ def collectives_keep_program_order():
     assert externs == expected, lowered.source
     got = plait.jit(f, backend="cpp")(x, y)
     torch.testing.assert_close(got, f(x, y))
+
+
+def _overlapped(x, w):
+    """Collectives with compute that needs none of their results in between."""
+    pd = plait.distributed
+    a = pd.all_reduce(x * 2)
+    g = pd.all_gather(x.exp(), dim=1)
+    h = torch.sin(w @ w).sum()
+    return a + h, g * 2, pd.reduce_scatter(a, op="avg")
+
+
+@check
+def compute_runs_between_a_collectives_start_and_wait():
+    """Compiled, each collective starts before, and is waited for after, compute that does
+    not need it; the results are eager's, on both compiling backends."""
+    rank = dist.get_rank()
+    x, w = make_input(rank), make_input(rank + W)[:, :4]
+    a = torch_distributed(x * 2, "all_reduce", {"op": "sum"})
+    h = torch.sin(w @ w).sum()
+    expected = [a + h, torch_distributed(x.exp(), "all_gather", {"dim": 1}) * 2,
+                torch_distributed(a, "reduce_scatter", {"op": "avg", "dim": 0})]
+    for backend in ("cpp", "triton"):
+        lowered = plait.jit(_overlapped, backend=backend).lower(x, w)
+        kernels = lowered.compiled.program.kernels
+        starts = {k.name: i for i, k in enumerate(kernels) if getattr(k, "collective", False)}
+        waits = {k.start: i for i, k in enumerate(kernels) if isinstance(k, Wait)}
+        assert set(starts) == set(waits) and len(starts) == 3, lowered.compiled.wrapper_source
+        overlapped = [n for n in starts if any(  # compute while it communicates
+            not isinstance(k, Wait) and not getattr(k, "collective", False)
+            for k in kernels[starts[n] + 1:waits[n]])]
+        assert len(overlapped) >= 2, lowered.compiled.wrapper_source
+        compare({f"{backend} {i}": (g, e) for i, (g, e) in enumerate(
+            zip(plait.jit(_overlapped, backend=backend)(x, w), expected, strict=True))})
+
+
+@check
+def comm_buffers_are_planned_alike_on_every_rank():
+    """A comm buffer type that runs on gloo (a plain allocation, the regular all-reduce)
+    stands in for symmetric memory: the operand is computed into the pool, every rank plans
+    the same pools and offsets, and the results are eager's."""
+    from plait.tracer import collectives
+
+    def all_reduce(x, group_name):
+        return torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(x, "sum", group_name))
+
+    def f(x):
+        pd = plait.distributed
+        return pd.all_reduce(x * 2), pd.all_reduce(x.sum(0)), pd.all_reduce(x, op="max")
+
+    x = make_input(dist.get_rank())
+    collectives.COMM_BUFFER_TYPES["fake"] = collectives.CommBufferType(
+        "fake", lambda group, t: True,
+        lambda nbytes, device, group, alloc_id: torch.empty(nbytes, dtype=torch.uint8),
+        all_reduce, "fake_all_reduce")
+    try:
+        lowered = plait.jit(f, backend="cpp").lower(x)
+        got = lowered.compiled([x])  # compiled while the type is there
+    finally:
+        del collectives.COMM_BUFFER_TYPES["fake"]
+    (pool,) = lowered.memory["comm_pools"]
+    assert len(pool["comm"]) == 2 and pool["type"] == "fake", pool
+    plans = [None] * W
+    dist.all_gather_object(plans, (lowered.compiled.wrapper_source, pool))
+    assert plans[0] == plans[1]
+    compare({str(i): (g, torch_distributed(e, "all_reduce", {"op": op})) for i, (g, e, op) in
+             enumerate(zip(got, (x * 2, x.sum(0), x), ("sum", "sum", "max")))})
+
+
+@check
+def symmetric_memory_falls_back_on_gloo():
+    """Symmetric memory enabled for the group: on CPU tensors the regular collective runs."""
+    plait.distributed.enable_symmetric_memory()
+    x = make_input(dist.get_rank())
+    lowered = plait.jit(lambda x: plait.distributed.all_reduce(x * 2), backend="cpp").lower(x)
+    assert lowered.memory["comm_pools"] == ()
+    assert [k.label for k in lowered.compiled.program.kernels if isinstance(k, Extern)] == \
+        ["all_reduce"]
+    compare({"sum": (lowered.compiled([x])[0], torch_distributed(x * 2, "all_reduce",
+                                                                  {"op": "sum"}))})
 
 
 @check

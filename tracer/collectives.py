@@ -9,15 +9,18 @@ zeros elsewhere) exists as broadcast's transpose. Every one takes one tensor, an
 name its process group (``group_name``, as the ``torch.ops._c10d_functional`` ops take it, and
 ``group_size``, so shapes are inferred without a live group) and its options (``op``,
 ``dim``: the functional ops work along dim 0 and the impl moves ``dim`` there and back,
-``src``/``dst``: ranks within the group). The impl calls the functional op and waits for it,
-so every backend runs a collective as it runs any library call (an extern, when lowered).
+``src``/``dst``: ranks within the group). Each has a ``start`` (issue the functional op along
+dim 0: its pending result) and a ``wait`` (complete it), in ``SPLIT``; the impl runs both, so
+every backend runs a collective as it runs any library call (an extern, when lowered), and
+the compiled wrappers run compute between the two (NOTE [overlap] in passes/memory.py).
 
 Order. Every rank must issue the same collectives in the same order, or they deadlock or
 mix up data. Collectives are effectful: ``Trace._chain_effect`` chains each to the one before
 by a control edge (so the eager backend's topological order keeps program order), simplify
 never removes, merges or folds one (an unused result still communicates: the other ranks
-wait for it), fusion never merges an extern, and the memory-aware order treats effectful
-externs as barriers. Ranks trace the same program, so they get the same chain as long as no
+wait for it), fusion never merges an extern, and the memory passes keep collectives in their
+order (compute may move across them, never one collective past another). Ranks trace the
+same program, so they get the same chain as long as no
 rule depends on the rank: broadcast's transpose is the ``reduce`` primitive, which zeroes the
 other ranks' results when it runs, and every rule below returns a cotangent, never None.
 
@@ -35,12 +38,34 @@ Tracing: the ``_c10d_functional`` ops (single and ``_coalesced``) map to these p
 ``wait_tensor`` and ``_wrap_tensor_autograd`` are identities (the impl has waited). Every
 other c10d op reaching a tracer (in place, such as ``torch.distributed.all_reduce(t)``, or
 point-to-point) raises ``DistributedError`` naming the functional form to use.
+
+NOTE [comm buffers]
+Communication libraries copy user data into buffers of their own that peers can reach;
+kernels that read peers' memory directly (a one-shot all-reduce over symmetric memory) avoid
+the copy, but every rank must use the same allocation, at the same offset, in every call.
+plait meets that at lowering time: a ``CommBufferType`` (``COMM_BUFFER_TYPES``; the real one
+is ``symm_mem``) says when a sum all_reduce may use it (``usable``: for ``symm_mem``, a CUDA
+float32/bfloat16 operand of at most ``config.symm_mem_max_bytes`` over a group that
+``plait.distributed.enable_symmetric_memory`` enabled), how to allocate a pool
+(``allocate``) and the all-reduce that reads it. Lowering then computes the operand straight
+into a buffer marked ``CommKind(type, group)`` and calls that all-reduce (NOTE [lowering
+collectives] in passes/lowering.py); everywhere else (CPU tensors and gloo, other ops,
+larger operands, operands that are arguments) the regular collective runs. The memory plan
+puts each (type, group)'s comm buffers at offsets of one pool, the same on every rank (NOTE
+[memory passes]); the wrapper allocates it with an id derived from the program, which
+``symm_mem`` uses to hand back the same memory (and its rendezvous) every call, and releases
+it before returning. The one-shot kernel synchronizes the ranks before it reads and after,
+so a comm buffer's offset is free for another once it has run.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import attrs
 import torch
 import torch.distributed as dist
 
+from ..config import config
 from ..errors import DistributedError
 from ..graph import TensorType
 from .aten import alias, handles, type_of
@@ -132,41 +157,52 @@ def _infer(name: str, resize=None, divides: bool = False):
     return infer
 
 
-def _impl(run):
-    """Call the functional collective ``run`` and wait for it; those work along dim 0, so a
-    ``dim`` moves there and back."""
-    def impl(x, *, group_name, group_size, dim=None, **options):
+def _wait(out, **params):
+    return _c10d.wait_tensor(out)
+
+
+def _reduce_wait(out, *, group_name, dst, **params):
+    """Every rank takes part in the sum; the rank is read when it runs, so all ranks trace
+    one graph."""
+    out = _c10d.wait_tensor(out)
+    return out if process_group(group_name).rank() == dst else out.zero_()
+
+
+# name -> (start, wait): ``start(x, **params)`` issues the collective along dim 0 (lowering
+# moves ``dim`` there by views) and returns its pending result; ``wait(pending, **params)``
+# completes it. The impl runs both; the compiled wrappers may run compute between them
+# (NOTE [overlap] in passes/memory.py).
+SPLIT: dict = {}
+
+
+def _define(name: str, run, wait=_wait, **shape) -> None:
+    def start(x, *, group_name, group_size, dim=0, **options):
+        assert not dim, "a collective starts along dim 0"
+        return run(x.contiguous(), group_name, group_size, **options)
+
+    def impl(x, *, dim=None, **params):
         x = x if dim is None else x.movedim(dim, 0)
-        out = _c10d.wait_tensor(run(x.contiguous(), group_name, group_size, **options))
+        out = wait(start(x, **params), **params)
         return out if dim is None else out.movedim(0, dim)
 
-    return impl
+    define(name, _infer(name, **shape), impl, effectful=True)
+    SPLIT[name] = (start, wait)
+
+
+_define("all_reduce", lambda x, name, size, *, op: _c10d.all_reduce(x, op, name))
+_define("all_gather", lambda x, name, size: _c10d.all_gather_into_tensor(x, size, name),
+        resize=lambda n, size: n * size)
+_define("reduce_scatter", lambda x, name, size, *, op: _c10d.reduce_scatter_tensor(
+    x, op, size, name), resize=lambda n, size: n // size, divides=True)
+_define("all_to_all", lambda x, name, size: _c10d.all_to_all_single(
+    x, _equal_split(x, size), _equal_split(x, size), name),
+        resize=lambda n, size: n, divides=True)
+_define("broadcast", lambda x, name, size, *, src: _c10d.broadcast(x, src, name))
+_define("reduce", lambda x, name, size, *, dst: _c10d.all_reduce(x, "sum", name), _reduce_wait)
 
 
 def _equal_split(x, group_size):
     return [x.shape[0] // group_size] * group_size
-
-
-def _reduce_impl(x, *, group_name, group_size, dst):
-    """Every rank takes part in the sum; the rank is read when it runs, so all ranks trace
-    one graph."""
-    out = _all_reduce_impl(x, group_name=group_name, group_size=group_size, op="sum")
-    return out if process_group(group_name).rank() == dst else torch.zeros_like(out)
-
-
-_all_reduce_impl = _impl(lambda x, name, size, *, op: _c10d.all_reduce(x, op, name))
-for _name, _run, _shape in (
-        ("all_reduce", _all_reduce_impl, {}),
-        ("all_gather", _impl(lambda x, name, size: _c10d.all_gather_into_tensor(x, size, name)),
-         {"resize": lambda n, size: n * size}),
-        ("reduce_scatter", _impl(lambda x, name, size, *, op: _c10d.reduce_scatter_tensor(
-            x, op, size, name)), {"resize": lambda n, size: n // size, "divides": True}),
-        ("all_to_all", _impl(lambda x, name, size: _c10d.all_to_all_single(
-            x, _equal_split(x, size), _equal_split(x, size), name)),
-         {"resize": lambda n, size: n, "divides": True}),
-        ("broadcast", _impl(lambda x, name, size, *, src: _c10d.broadcast(x, src, name)), {}),
-        ("reduce", _reduce_impl, {})):
-    define(_name, _infer(_name, **_shape), _run, effectful=True)
 
 
 def _group(params: dict) -> dict:
@@ -224,6 +260,62 @@ def _all_reduce_jvp(operands, tangents, outs, *, op, **group):
 
 _attach_shifted(["all_reduce", "broadcast", "reduce"])
 _attach_shifted(["all_gather", "reduce_scatter", "all_to_all"], "dim")
+
+
+# ---------------------------------------------------------------------------------------
+# Communication buffers
+# ---------------------------------------------------------------------------------------
+@attrs.frozen
+class CommBufferType:
+    """A kind of communication buffer and the all-reduce that reads one (NOTE [comm
+    buffers])."""
+
+    name: str
+    # (group name, the sum all-reduce's operand) -> may it take this path?
+    usable: Callable[[str, TensorType], bool]
+    # (bytes, device, group name, allocation id) -> a uint8 pool; every rank makes the same
+    # calls, so every rank gets the same allocation
+    allocate: Callable[[int, torch.device, str, int], torch.Tensor]
+    # (operand: a view of a pool, group name) -> the sum over the group's ranks, a new tensor
+    all_reduce: Callable[[torch.Tensor, str], torch.Tensor]
+    label: str  # what ``all_reduce`` calls, for printing
+
+
+def _symm_mem_usable(group_name: str, t: TensorType) -> bool:
+    from torch.distributed import _symmetric_memory as symm
+
+    # one_shot_all_reduce dispatches on float32 and bfloat16
+    return (t.device.startswith("cuda") and t.dtype in (torch.float32, torch.bfloat16)
+            and 0 < t.nbytes <= config.symm_mem_max_bytes
+            and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
+            and symm.is_symm_mem_enabled_for_group(group_name))
+
+
+def _symm_mem_allocate(nbytes: int, device, group_name: str, alloc_id: int) -> torch.Tensor:
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    # an allocation id makes it persistent: the same memory (and its rendezvous) each call
+    return _SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8, device, group_name,
+                                              alloc_id)
+
+
+# The types lowering may choose from, first usable first.
+COMM_BUFFER_TYPES: dict[str, CommBufferType] = {"symm_mem": CommBufferType(
+    "symm_mem", _symm_mem_usable, _symm_mem_allocate,
+    lambda x, group_name: torch.ops.symm_mem.one_shot_all_reduce(x, "sum", group_name),
+    "symm_mem.one_shot_all_reduce")}
+
+
+def comm_buffer_type(node_prim: str, params: dict, operand: TensorType) -> str | None:
+    """The comm buffer type a collective's operand may become (NOTE [comm buffers]): for a
+    sum all_reduce, the first type usable for its group and operand; else None."""
+    if node_prim != "all_reduce" or params["op"] != "sum":
+        return None
+    return next((name for name, kind in COMM_BUFFER_TYPES.items()
+                 if kind.usable(params["group_name"], operand)), None)
 
 
 # ---------------------------------------------------------------------------------------
