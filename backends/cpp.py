@@ -620,10 +620,5 @@ def compile_graph(graph):
     from ..passes.fusion import fuse
     from ..passes.lowering import lower
 
-    program = fuse(lower(graph, supported_ops=CPP_OPS, supported_dtypes=CPP_DTYPES,
-                         comm_buffers=True))
-    program = memory.reuse(program) if config.inplace else program
-    program = memory.reorder(program) if config.reorder else program
-    program = memory.overlap(program) if config.overlap else program
-    return CompiledProgram(program, memory.plan(program, pool=config.plan_memory,
-                                                 comm_reuse=config.comm_pool_reuse))
+    return CompiledProgram(*memory.optimize(fuse(lower(
+        graph, supported_ops=CPP_OPS, supported_dtypes=CPP_DTYPES, comm_buffers=True))))

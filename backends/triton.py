@@ -816,14 +816,12 @@ def compile_program(program: LoopProgram, plan=None) -> CompiledProgram:
 
 def compile_graph(graph):
     """The ``triton`` backend's factory: lower the graph for this code generator (its ops:
-    ``supported_ops()``), fuse the kernels, start collectives early and wait late (NOTE
-    [overlap]), plan the comm buffers' pools, generate and load the kernels."""
+    ``supported_ops()``), fuse the kernels, run the memory passes as the cpp backend does
+    (``memory.optimize``), generate and load the kernels."""
     from ..passes import memory
     from ..passes.fusion import fuse
     from ..passes.lowering import lower
 
-    program = fuse(lower(graph, supported_ops=supported_ops(), supported_dtypes=TRITON_DTYPES,
-                         comm_buffers=True))
-    program = memory.overlap(program) if config.overlap else program
-    return compile_program(program, memory.plan(program, pool=False,
-                                                comm_reuse=config.comm_pool_reuse))
+    return compile_program(*memory.optimize(fuse(lower(
+        graph, supported_ops=supported_ops(), supported_dtypes=TRITON_DTYPES,
+        comm_buffers=True))))

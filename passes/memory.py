@@ -2,9 +2,9 @@
 overlap, pool planning.
 
 NOTE [memory passes]
-The C++ backend runs them after fusion: ``reuse -> reorder -> overlap -> plan`` (each behind
-its switch in ``plait.config``: ``inplace``, ``reorder``, ``overlap``, ``plan_memory``); the
-Triton backend runs ``overlap`` and a plan that pools only comm buffers.
+Both compiling backends (cpp, triton) run them after fusion (``optimize``): ``reuse ->
+reorder -> overlap -> plan``, each behind its switch in ``plait.config`` (``inplace``,
+``reorder``, ``overlap``, ``plan_memory``).
 
 * ``liveness``: a *storage* is a buffer together with the in-place aliases that took it over
   (``LoopProgram.aliases``: new buffer -> the buffer whose memory it writes into). A storage
@@ -501,6 +501,17 @@ def _into_comm_pools(pools: list, candidates: list, lv: Liveness, live: list) ->
                     live[i] -= need
                 break
     return [attrs.evolve(p, offsets=o) for p, o in zip(pools, offsets)]
+
+
+def optimize(program: LoopProgram) -> tuple[LoopProgram, "MemoryPlan"]:
+    """The memory passes as a compiling backend runs them, each behind its config switch:
+    in-place reuse, memory-aware order, the collectives' overlap, then the plan."""
+    from ..config import config
+
+    program = reuse(program) if config.inplace else program
+    program = reorder(program) if config.reorder else program
+    program = overlap(program) if config.overlap else program
+    return program, plan(program, pool=config.plan_memory, comm_reuse=config.comm_pool_reuse)
 
 
 def plan(program: LoopProgram, pool: bool = True, comm_reuse: bool = False) -> MemoryPlan:

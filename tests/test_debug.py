@@ -498,7 +498,7 @@ def test_memory_timeline(tmp_path):
 
 
 def test_memory_timeline_without_a_memory_plan(tmp_path):
-    """Backends that plan no memory (loops, triton) allocate each storage on its own: the
+    """A backend that plans no memory (loops) allocates each storage on its own: the
     chart is liveness alone, its peak stats["peak_bytes"]."""
     with plait.config.patch(debug_dir=str(tmp_path)):
         plait.jit(_pooled, backend="loops")(*_pooled_args())
