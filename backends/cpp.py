@@ -55,13 +55,15 @@ import tempfile
 import warnings
 from collections.abc import Sequence
 
+import sympy
 import torch
 
 from ..config import config
 from ..errors import BackendError, CheckError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, LoopProgram,
-                           Reduce, children, is_inner)
-from .codegen import CompiledKernel, IndexPrinter, Wrapper, extern_text, identifier, levels
+                           Reduce, children, is_inner, loop_vars, walk)
+from .codegen import (CompiledKernel, IndexPrinter, Wrapper, extern_text, identifier, levels,
+                      reduces)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -339,6 +341,7 @@ class _KernelWriter:
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
         taken: set = set()
         self.params = {b: identifier(b, taken) for b in self.buffers}
+        self.columns = _column_wise(kernel)
 
     def param(self, buffer: str) -> str:
         return self.params[buffer]
@@ -362,7 +365,12 @@ class _KernelWriter:
             if i == 0 and parallel and n_parallel:
                 collapse = f" collapse({n_parallel})" if n_parallel > 1 else ""
                 lines.append(f"{indent}#pragma omp parallel for{collapse}")
-            lines.append(f"{indent}for (int64_t {x} = 0; {x} < {_int(n)}; ++{x}) {{")
+            if self.columns and i == len(xs) - 1:  # NOTE [column-wise reductions]
+                lines += [f"{indent}for (int64_t xb = 0; xb < {_int(n)}; xb += {_COLUMNS}) {{",
+                          f"{indent}  const int64_t xe = std::min<int64_t>(xb + {_COLUMNS}, "
+                          f"{_int(n)});"]
+            else:
+                lines.append(f"{indent}for (int64_t {x} = 0; {x} < {_int(n)}; ++{x}) {{")
             indent += "  "
         for s in k.stores:
             if s.value.dtype != buffer_types[s.buffer].dtype:
@@ -374,11 +382,18 @@ class _KernelWriter:
         inner = [s for s in k.stores if is_inner(s)]
         if inner:  # one more pass over the rows, storing per point
             self._row_loop(lines, indent, bound, inner, parallel and not xs)
-        scope = _Scope(self, lines, indent, bound)
-        for s in k.stores:
-            if not is_inner(s):
-                lines.append(f"{indent}{self.params[s.buffer]}[{_index(s.index)}] = "
-                             f"{scope.value(s.value)};")
+        outer = [s for s in k.stores if not is_inner(s)]
+        body = indent
+        if self.columns and outer:
+            lines.append(f"{indent}#pragma omp simd")
+            lines.append(f"{indent}for (int64_t {xs[-1]} = xb; {xs[-1]} < xe; ++{xs[-1]}) {{")
+            body += "  "
+        scope = _Scope(self, lines, body, bound)
+        for s in outer:
+            lines.append(f"{body}{self.params[s.buffer]}[{_index(s.index)}] = "
+                         f"{scope.value(s.value)};")
+        if self.columns and outer:
+            lines.append(f"{indent}}}")
         for _ in xs:
             indent = indent[:-2]
             lines.append(f"{indent}}}")
@@ -392,17 +407,27 @@ class _KernelWriter:
         for i, (r, n) in enumerate(zip(rows, k.reduction_sizes)):
             if i == 0 and parallel:
                 lines.append(f"{inner}#pragma omp parallel for")
-            elif i == len(rows) - 1:  # each point is stored independently: vectorize
+            elif i == len(rows) - 1 and not self.columns:  # points stored independently
                 lines.append(f"{inner}#pragma omp simd")
             lines.append(f"{inner}for (int64_t {r} = 0; {r} < {_int(n)}; ++{r}) {{")
             inner += "  "
+        inner = self._point_loop(lines, inner)
         scope = _Scope(self, lines, inner, bound)
         for s in stores:
             lines.append(f"{inner}{self.params[s.buffer]}[{_index(s.index)}] = "
                          f"{scope.value(s.value)};")
-        for _ in k.reduction_sizes:
+        for _ in range(len(k.reduction_sizes) + bool(self.columns)):
             inner = inner[:-2]
             lines.append(f"{inner}}}")
+
+    def _point_loop(self, lines: list, indent: str) -> str:
+        """In column mode, the loop over the chunk's points, innermost and vectorized."""
+        if not self.columns:
+            return indent
+        x = f"x{len(self.kernel.sizes) - 1}"
+        lines += [f"{indent}#pragma omp simd",
+                  f"{indent}for (int64_t {x} = xb; {x} < xe; ++{x}) {{"]
+        return indent + "  "
 
     def _reduction(self, reduces: list, bound: dict, lines: list, indent: str,
                    parallel: bool) -> dict:
@@ -414,6 +439,9 @@ class _KernelWriter:
         rs = _row_vars(k)
         flat = " + ".join(f"{r} * {_int(math.prod(k.reduction_sizes[i + 1:]))}"
                           for i, r in enumerate(rs))
+        # column mode: one accumulator per point of the chunk, indexed by the point loop
+        point = f"[x{len(k.sizes) - 1} - xb]" if self.columns else ""
+        array = f"[{_COLUMNS}]" if self.columns else ""
         for i, red in enumerate(reduces):
             if red.op not in _REDUCTIONS:
                 raise BackendError(f"kernel {k.name}: unknown reduction {red.op!r}")
@@ -422,12 +450,15 @@ class _KernelWriter:
             acc_t = "double" if red.body.dtype == torch.float32 and red.op in (
                 "sum", "prod") else body_t
             init, update = _REDUCTIONS[red.op]
-            lines.append(f"{indent}{acc_t} {acc} = {init.format(T=acc_t)};")
+            lines.append(f"{indent}{acc_t} {acc}[{_COLUMNS}];" if array else
+                         f"{indent}{acc_t} {acc} = {init.format(T=acc_t)};")
+            if array:
+                lines.append(f"{indent}std::fill_n({acc}, {_COLUMNS}, {init.format(T=acc_t)});")
             if red.op.startswith("arg"):
                 lines.append(f"{indent}int64_t {acc}_index = 0;")
                 results[red] = f"{acc}_index"
             else:
-                results[red] = f"static_cast<{_ctype(red.dtype)}>({acc})"
+                results[red] = f"static_cast<{_ctype(red.dtype)}>({acc}{point})"
             if red.op in ("amax", "amin") and acc_t != "bool":
                 # NOTE [vectorized extrema]: a plain max/min (which the compiler vectorizes)
                 # and a separate "saw a NaN" flag, instead of a NaN-propagating combine
@@ -435,18 +466,19 @@ class _KernelWriter:
                          "? {v} : {acc};"
                 clauses.setdefault("max" if red.op == "amax" else "min", []).append(acc)
                 if red.body.dtype.is_floating_point:
-                    lines.append(f"{indent}bool {acc}_nan = false;")
-                    update += " {acc}_nan |= ({v} != {v});"
+                    lines.append(f"{indent}bool {acc}_nan{array} = {{}};")
+                    update += " {nan} |= ({v} != {v});"
                     clauses.setdefault("||", []).append(f"{acc}_nan")
-                    results[red] = (f"static_cast<{_ctype(red.dtype)}>({acc}_nan ? "
-                                    f"std::numeric_limits<{acc_t}>::quiet_NaN() : {acc})")
+                    results[red] = (f"static_cast<{_ctype(red.dtype)}>({acc}_nan{point} ? "
+                                    f"std::numeric_limits<{acc_t}>::quiet_NaN() : "
+                                    f"{acc}{point})")
             updates.append((red, acc, update))
             if red.op in _SIMD_REDUCTIONS and acc_t != "bool":
                 clauses.setdefault(_SIMD_REDUCTIONS[red.op], []).append(acc)
         # simd/parallel reduction clauses only if every accumulator has one
         covered = {a.removesuffix("_nan") for accs in clauses.values() for a in accs}
         clause = " ".join(f"reduction({op}:{', '.join(a)})" for op, a in clauses.items()) \
-            if len(covered) == len(reduces) else ""
+            if len(covered) == len(reduces) and not self.columns else ""
         inner = indent
         for i, (r, n) in enumerate(zip(rs, k.reduction_sizes)):
             last = i == len(rs) - 1
@@ -456,12 +488,16 @@ class _KernelWriter:
                 lines.append(f"{inner}#pragma omp simd {clause}")
             lines.append(f"{inner}for (int64_t {r} = 0; {r} < {_int(n)}; ++{r}) {{")
             inner += "  "
+        inner = self._point_loop(lines, inner)
         body = _Scope(self, lines, inner, bound)
         for red, acc, update in updates:
-            lines.append(inner + update.format(acc=acc, v=body.value(red.body), r=flat))
-        for _ in rs:
+            lines.append(inner + update.format(acc=acc + point, nan=f"{acc}_nan{point}",
+                                               v=body.value(red.body), r=flat))
+        for _ in range(len(rs) + bool(self.columns)):
             inner = inner[:-2]
             lines.append(f"{inner}}}")
+        if self.columns:  # the results are read per point, in the later point loops
+            return results
         for red, acc, _ in updates:  # each result once, as a local of its own
             lines.append(f"{indent}const {_ctype(red.dtype)} {acc}_out = {results[red]};")
             results[red] = f"{acc}_out"
@@ -470,6 +506,36 @@ class _KernelWriter:
 
 def _row_vars(kernel) -> list[str]:
     return [f"r{i}" for i in range(len(kernel.reduction_sizes))]
+
+
+# NOTE [column-wise reductions]
+# A reduction over a strided dim whose points are contiguous along the last kept dim (the
+# column sums of a bias gradient: rows of stride n, points of stride 1) would read memory
+# with a stride in its vectorized reduction loop. Such a kernel instead runs chunks of
+# _COLUMNS points of the last kept dim: per chunk, one accumulator per point (arrays), the
+# reduction loops outside and the point loop inside, contiguous and vectorized; later passes
+# and the stores loop over the chunk's points the same way.
+_COLUMNS = 64
+
+
+def _column_wise(kernel: Kernel) -> bool:
+    if not kernel.sizes or not kernel.reduction_sizes:
+        return False
+    body = [s.value for s in kernel.stores]
+    if any(r.op not in ("sum", "prod", "amax", "amin") for r in reduces(*body)):
+        return False
+    x = loop_vars("x", len(kernel.sizes))[-1]
+    r = loop_vars("r", len(kernel.reduction_sizes))[-1]
+    strides = []
+    for e in walk(*body):
+        if isinstance(e, Load):
+            index = sympy.expand(e.index)
+            if not index.is_polynomial(x, r) or sympy.degree(index, x) > 1 \
+                    or sympy.degree(index, r) > 1:
+                return False
+            strides.append((index.coeff(x, 1), index.coeff(r, 1)))
+    return bool(strides) and all(sx in (0, 1) for sx, _ in strides) \
+        and any(sr not in (0, 1) for _, sr in strides)
 
 
 # ---------------------------------------------------------------------------------------

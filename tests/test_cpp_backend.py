@@ -496,3 +496,23 @@ def test_cpp_ops_are_elementwise_primitives():
     assert left_out == {"bessel_i0", "bessel_i0e", "bessel_i1", "bessel_i1e", "bessel_j0",
                         "bessel_j1", "digamma", "erf_inv", "erfcx", "ndtri",
                         "spherical_bessel_j0", "igamma", "igammac", "zeta"}
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.sum(0),
+    lambda x: (x * 2).prod(0),
+    lambda x: x.amax(0),
+    lambda x: x.amin(-2),
+    lambda x: torch.softmax(x, 0),
+    lambda x: torch.nn.functional.layer_norm(x.t(), (x.shape[0],)),
+    lambda x: (x.sum(0), x - x.mean(0)),
+], ids=["sum", "prod", "amax", "amin", "softmax", "layer_norm_t", "centered"])
+def test_column_reductions_run_points_innermost(fn):
+    """NOTE [column-wise reductions]: reductions over a strided dim (here dim 0 of [70, 150],
+    150 points: two full chunks of 64 and a ragged one) run their point loop innermost, and
+    give eager's results, NaN included."""
+    x = torch.randn(70, 150, dtype=torch.float64)
+    x[3, 5] = float("nan")
+    jitted = plait.jit(fn, backend="cpp")
+    torch.testing.assert_close(jitted(x), fn(x), equal_nan=True)
+    assert "xb += 64" in jitted.lower(x).kernels[0].source
