@@ -169,12 +169,15 @@ def _check(got, want, what: str) -> None:
 
 @contextlib.contextmanager
 def _empty_caches():
-    """Both compilers' caches empty: plait's disk cache in a fresh folder, inductor's off."""
+    """Both compilers' caches empty: plait's disk cache and Triton's kernel cache (plait's
+    kernels are compiled by Triton's JIT) in fresh folders, inductor's off."""
     import torch._inductor.config
 
     with tempfile.TemporaryDirectory(prefix="plait-gpu-") as plait_dir, \
             tempfile.TemporaryDirectory(prefix="inductor-gpu-") as inductor_dir, \
-            unittest.mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir), \
+            tempfile.TemporaryDirectory(prefix="triton-gpu-") as triton_dir, \
+            unittest.mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir,
+                                     TRITON_CACHE_DIR=triton_dir), \
             torch._inductor.config.patch(force_disable_caches=True), \
             plait.config.patch(cache_dir=plait_dir):
         yield
