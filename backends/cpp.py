@@ -377,9 +377,11 @@ class _KernelWriter:
                 raise BackendError(f"kernel {k.name} stores a {s.value.dtype} value into "
                                    f"{s.buffer} of {buffer_types[s.buffer].dtype}")
         bound: dict = {}
-        for level in levels(*(s.value for s in k.stores)):  # each a pass over the rows
-            bound |= self._reduction(level, bound, lines, indent, parallel and not xs)
+        passes = levels(*(s.value for s in k.stores))
         inner = [s for s in k.stores if is_inner(s)]
+        self.stashes = self._stashes(passes, inner)
+        for level in passes:  # each a pass over the rows
+            bound |= self._reduction(level, bound, lines, indent, parallel and not xs)
         if inner:  # one more pass over the rows, storing per point
             self._row_loop(lines, indent, bound, inner, parallel and not xs)
         outer = [s for s in k.stores if not is_inner(s)]
@@ -412,13 +414,44 @@ class _KernelWriter:
             lines.append(f"{inner}for (int64_t {r} = 0; {r} < {_int(n)}; ++{r}) {{")
             inner += "  "
         inner = self._point_loop(lines, inner)
-        scope = _Scope(self, lines, inner, bound)
+        kept = {}
+        for red, s in self.stashes.items():  # read back before any store overwrites them
+            kept[red.body] = f"t{self.count}"
+            self.count += 1
+            lines.append(f"{inner}const {_ctype(red.body.dtype)} {kept[red.body]} = "
+                         f"{self.params[s.buffer]}[{_index(s.index)}];")
+        scope = _Scope(self, lines, inner, bound | kept)
         for s in stores:
             lines.append(f"{inner}{self.params[s.buffer]}[{_index(s.index)}] = "
                          f"{scope.value(s.value)};")
         for _ in range(len(k.reduction_sizes) + bool(self.columns)):
             inner = inner[:-2]
             lines.append(f"{inner}}}")
+
+    def _stashes(self, passes: list, inner: list) -> dict:
+        """NOTE [stashed reduction bodies]: a row store whose value uses the body of a
+        reduction over the same points (softmax's exp(x - max), summed and then divided) can
+        keep that body in its own output during the reduction's pass and read it back in the
+        storing pass, instead of computing it again, where the body is costly (a math
+        function) and the output buffer is this store's alone: written by no other store,
+        read by no load, sharing no memory with the kernel's other buffers. Reduction ->
+        the store that stashes its body."""
+        k = self.kernel
+        loaded = {e.buffer for s in k.stores for e in walk(s.value) if isinstance(e, Load)}
+        writes = [s.buffer for s in k.stores]
+        stashes: dict = {}
+        for s in inner:
+            if s.buffer in loaded or s.buffer in self.shared or writes.count(s.buffer) > 1:
+                continue
+            nodes = set(walk(s.value))
+            costly = [red for level in passes for red in level
+                      if red.body in nodes and red not in stashes
+                      and red.body.dtype == s.value.dtype
+                      and any(isinstance(e, Apply) and e.op in _STD_MATH + ["pow"]
+                              for e in walk(red.body))]
+            if costly:
+                stashes[max(costly, key=lambda red: len(walk(red.body)))] = s
+        return stashes
 
     def _point_loop(self, lines: list, indent: str) -> str:
         """In column mode, the loop over the chunk's points, innermost and vectorized."""
@@ -493,6 +526,10 @@ class _KernelWriter:
         for red, acc, update in updates:
             lines.append(inner + update.format(acc=acc + point, nan=f"{acc}_nan{point}",
                                                v=body.value(red.body), r=flat))
+            if red in self.stashes:  # NOTE [stashed reduction bodies]
+                s = self.stashes[red]
+                lines.append(f"{inner}{self.params[s.buffer]}[{_index(s.index)}] = "
+                             f"{body.value(red.body)};")
         for _ in range(len(rs) + bool(self.columns)):
             inner = inner[:-2]
             lines.append(f"{inner}}}")

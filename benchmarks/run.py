@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -502,6 +503,21 @@ def print_table(title: str, rows: list[tuple[str, str, str]]) -> None:
     print()
 
 
+def _steady_allocator() -> str:
+    """Tell glibc's malloc to keep freed memory (no unmapping or trimming of large blocks), as
+    a long-running process effectively gets: otherwise whether a call's 16 MiB results land on
+    fresh, page-faulting memory depends on the order of earlier allocations in the process,
+    which swung one case's time by 10x between runs. Applies to eager, torch.compile and
+    plait alike."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
+        return "kept (glibc mallopt)" if ok else "default (mallopt refused)"
+    except OSError:
+        return "default (no glibc)"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu",
@@ -536,10 +552,12 @@ def main(argv=None) -> int:
         parser.error(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: "
                      f"{', '.join(CASES)}")
 
+    allocator = _steady_allocator() if args.device == "cpu" else "default"
     print(f"plait {plait.__version__}, torch {torch.__version__}, python "
           f"{platform.python_version()}, device {args.device}, backend "
           f"{plait.config.backend}, repeat {args.repeat}, threads "
-          f"{torch.get_num_threads()}, cpus {os.cpu_count()}\n")
+          f"{torch.get_num_threads()}, cpus {os.cpu_count()}, freed memory "
+          f"{allocator}\n")
 
     if args.memory_only:
         if args.device != "cpu":

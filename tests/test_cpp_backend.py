@@ -516,3 +516,20 @@ def test_column_reductions_run_points_innermost(fn):
     jitted = plait.jit(fn, backend="cpp")
     torch.testing.assert_close(jitted(x), fn(x), equal_nan=True)
     assert "xb += 64" in jitted.lower(x).kernels[0].source
+
+
+@pytest.mark.parametrize("fn, exps", [
+    (lambda x: torch.softmax(x, -1), 1),
+    (lambda x: torch.softmax(x, 0), 1),  # column-wise too
+    (lambda x: torch.log_softmax(x, -1), 1),  # its store does not use the exp: nothing kept
+    # the kept exp is read back before the softmax store overwrites it
+    (lambda x: (torch.softmax(x, -1), torch.exp(x - x.amax(-1, keepdim=True))), 1),
+], ids=["softmax", "softmax_dim0", "log_softmax", "two_stores"])
+def test_stashed_reduction_bodies(fn, exps):
+    """NOTE [stashed reduction bodies]: softmax computes each exp once, keeping it in its
+    output between the sum and the division."""
+    x = torch.randn(33, 70, dtype=torch.float64)
+    x[2, 3] = float("inf")
+    jitted = plait.jit(fn, backend="cpp")
+    torch.testing.assert_close(jitted(x), fn(x), equal_nan=True)
+    assert jitted.lower(x).kernels[0].source.count("std::exp(") == exps
