@@ -417,6 +417,24 @@ def _identity(op: str, dtype: torch.dtype) -> str:
     return str(info.min if low else info.max)
 
 
+def _online_pairs(passes: list) -> dict:
+    """NOTE [online softmax]: a looped row reduction that takes the max of a body B and,
+    in the next pass, sums exp(B - max) (softmax's and logsumexp's denominators) reads the
+    row once instead of twice: the sum is kept rescaled to the running max. Max -> sum."""
+    pairs = {}
+    for level, after in zip(passes, passes[1:]):
+        for top in level:
+            for total in after:
+                e = total.body
+                if top.op == "amax" and total.op == "sum" and top.body.dtype.is_floating_point \
+                        and isinstance(e, Apply) and e.op == "exp" \
+                        and isinstance(e.args[0], Apply) and e.args[0].op == "sub" \
+                        and e.args[0].args == (top.body, top) and top not in pairs \
+                        and total.dtype == _acc_dtype(top) == e.dtype:
+                    pairs[top] = total
+    return pairs
+
+
 def _acc_dtype(red: Reduce) -> torch.dtype:
     """The accumulator's dtype: the body's, but a bool body is counted in the result's dtype
     (sum, prod) or compared as int8, and a half-precision one in float32."""
@@ -624,15 +642,28 @@ class _KernelWriter:
             for s in inner:
                 self.store(rows, s)
             return
+        online = _online_pairs(passes)
         for level in passes:
+            level = [red for red in level if red not in online.values()]
+            if not level:  # all of it summed online in the pass before
+                continue
             accs = [self._accumulate(top, red, lines, ind) for red in level]
+            sums = {red: self._accumulate(top, online[red], lines, ind)
+                    for red in level if red in online}
             body: list[str] = []
             rows = self._loop(top, body, ind)
             for red, acc in zip(level, accs):
-                self._update(rows, red, acc)
+                if red in sums:
+                    self._update_online(rows, red, acc, sums[red])
+                else:
+                    self._update(rows, red, acc)
             lines += body
             for red, acc in zip(level, accs):
-                top.names[red] = self._finish(top, red, acc)
+                if red in sums:
+                    top.names[red], top.names[online[red]] = self._finish_online(
+                        top, red, online[red], acc, sums[red])
+                else:
+                    top.names[red] = self._finish(top, red, acc)
         if inner:
             body = []
             rows = self._loop(top, body, ind)
@@ -688,6 +719,27 @@ class _KernelWriter:
         else:
             v = self._masked_body(rows, red, _identity(red.op, _acc_dtype(red)))
             rows.emit(f"{acc} = _{self._combine(red)}({acc}, {v})")
+
+    def _update_online(self, rows: _Scope, top: Reduce, acc: str, total: str) -> None:
+        """NOTE [online softmax]: the running max and the sum of exp(v - max) rescaled to
+        it, in one pass (lanes whose max is still -inf add nothing and do not rescale)."""
+        v = self._masked_body(rows, top, "_NEG_INF")
+        new = self.local("m")
+        rows.emit(f"{new} = _maximum({acc}, {v})")
+        rows.emit(f"{total} = {total} * tl.where({acc} == {new}, 1.0, tl.exp({acc} - {new})) "
+                  f"+ tl.where({new} == _NEG_INF, 0.0, tl.exp({v} - {new}))")
+        rows.emit(f"{acc} = {new}")
+
+    def _finish_online(self, top: _Scope, red: Reduce, total_red: Reduce, acc: str,
+                       total: str) -> tuple[str, str]:
+        m, s = self.local("red"), self.local("red")
+        top.emit(f"{m} = tl.reduce({acc}, 1, _maximum)[:, None]")
+        top.emit(f"{s} = tl.sum(tl.where({acc} == _NEG_INF, 0.0, {total} * tl.exp({acc} - "
+                 f"{m})), 1)[:, None]")
+        # a row of -inf only: eager's exp(-inf - -inf) is NaN
+        top.emit(f"{s} = tl.where({m} == _NEG_INF, _NAN, {s}).to({_tl(total_red.dtype)})")
+        top.emit(f"{m} = {m}.to({_tl(red.dtype)})")
+        return m, s
 
     def _finish(self, top: _Scope, red: Reduce, acc: str) -> str:
         name = self.local("red")

@@ -345,3 +345,18 @@ def test_half_precision_is_one_kernel_computed_in_float32(fn, dtype):
     torch.testing.assert_close(got, want, rtol=2 * eps, atol=4 * eps * want.abs().max().item())
     stats = jitted.lower(x, w, b).stats
     assert stats["externs"] == 0 and stats["kernels"] <= 2
+
+
+@pytest.mark.parametrize("fn, passes", [
+    (lambda x: torch.softmax(x, -1), 2),  # max and sum together, then the stores
+    (lambda x: torch.log_softmax(x, -1), 2),
+    (lambda x: torch.exp(x - x.amax(-1, keepdim=True)).sum(-1), 1),
+], ids=["softmax", "log_softmax", "sum_exp"])
+def test_online_softmax_reads_long_rows_once_before_storing(fn, passes, monkeypatch):
+    """NOTE [online softmax]: rows too long for one tile take the max and the sum of
+    exponentials in one pass, with eager's results on rows of -inf, NaN and +inf too."""
+    monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
+    monkeypatch.setattr(triton_backend, "LOOPED_RBLOCK", 4)
+    x = torch.randn(6, 37)
+    x[1], x[2, 3], x[3, 5], x[4, :10] = float("-inf"), float("nan"), float("inf"), float("-inf")
+    assert jitted(fn, x).kernels[0].source.count("for roff") == passes
