@@ -122,7 +122,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-_NAN = tl.constexpr(float("nan"))
+# (no NaN global: Triton checks at each launch that a kernel's globals still equal what it was
+# compiled with, and NaN equals nothing; NaN is written _INF - _INF)
 _INF = tl.constexpr(float("inf"))
 _NEG_INF = tl.constexpr(float("-inf"))
 
@@ -395,7 +396,7 @@ def _literal(value, dtype: torch.dtype) -> str:
     """A typed 0-d constant (a bare Python number would be promoted by Triton's rules)."""
     if dtype.is_floating_point:
         value = float(value)
-        v = "_NAN" if math.isnan(value) else ("_INF" if value > 0 else "_NEG_INF") \
+        v = "_INF - _INF" if math.isnan(value) else ("_INF" if value > 0 else "_NEG_INF") \
             if math.isinf(value) else repr(value)
     else:
         v = repr(bool(value)) if dtype == torch.bool else str(int(value))
@@ -737,7 +738,7 @@ class _KernelWriter:
         top.emit(f"{s} = tl.sum(tl.where({acc} == _NEG_INF, 0.0, {total} * tl.exp({acc} - "
                  f"{m})), 1)[:, None]")
         # a row of -inf only: eager's exp(-inf - -inf) is NaN
-        top.emit(f"{s} = tl.where({m} == _NEG_INF, _NAN, {s}).to({_tl(total_red.dtype)})")
+        top.emit(f"{s} = tl.where({m} == _NEG_INF, {m} - {m}, {s}).to({_tl(total_red.dtype)})")
         top.emit(f"{m} = {m}.to({_tl(red.dtype)})")
         return m, s
 

@@ -360,3 +360,13 @@ def test_online_softmax_reads_long_rows_once_before_storing(fn, passes, monkeypa
     x = torch.randn(6, 37)
     x[1], x[2, 3], x[3, 5], x[4, :10] = float("-inf"), float("nan"), float("inf"), float("-inf")
     assert jitted(fn, x).kernels[0].source.count("for roff") == passes
+
+
+def test_kernel_globals_equal_themselves():
+    """Triton (compiled, not interpreted) refuses to launch a kernel whose globals no longer
+    equal what it was compiled with, by ==: a NaN constexpr global would fail every launch."""
+    import triton.language as tl
+
+    module = triton_backend.load_module(triton_backend.prelude())
+    constants = {n: v for n, v in vars(module).items() if isinstance(v, tl.constexpr)}
+    assert constants and all(v == v for v in constants.values())
