@@ -71,7 +71,8 @@ from ..graph.loops import (
     is_inner,
     walk,
 )
-from .codegen import CompiledKernel, IndexPrinter, Wrapper, extern_text, identifier, levels
+from .codegen import (CompiledKernel, IndexPrinter, Wrapper, extern_text, identifier, levels,
+                      reduces)
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64",
               torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
@@ -644,6 +645,9 @@ class _KernelWriter:
                 self.store(rows, s)
             return
         online = _online_pairs(passes)
+        # row stores that need no reduction are written in the first pass, not a last one
+        early = [s for s in inner if not reduces(s.value)]
+        inner = [s for s in inner if s not in early]
         for level in passes:
             level = [red for red in level if red not in online.values()]
             if not level:  # all of it summed online in the pass before
@@ -658,6 +662,9 @@ class _KernelWriter:
                     self._update_online(rows, red, acc, sums[red])
                 else:
                     self._update(rows, red, acc)
+            for s in early:
+                self.store(rows, s)
+            early = []
             lines += body
             for red, acc in zip(level, accs):
                 if red in sums:
@@ -665,6 +672,7 @@ class _KernelWriter:
                         top, red, online[red], acc, sums[red])
                 else:
                     top.names[red] = self._finish(top, red, acc)
+        inner = early + inner  # early: still there if no pass ran
         if inner:
             body = []
             rows = self._loop(top, body, ind)

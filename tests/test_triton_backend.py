@@ -370,3 +370,16 @@ def test_kernel_globals_equal_themselves():
     module = triton_backend.load_module(triton_backend.prelude())
     constants = {n: v for n, v in vars(module).items() if isinstance(v, tl.constexpr)}
     assert constants and all(v == v for v in constants.values())
+
+
+def test_row_stores_that_need_no_reduction_share_its_pass(monkeypatch):
+    """Long rows: the loop-ordering example's x / 10 is stored in the pass that sums x, so x
+    is read once."""
+    monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
+    monkeypatch.setattr(triton_backend, "LOOPED_RBLOCK", 4)
+
+    def f(x):
+        return x.sum(-1), x / 10, (x / 10).t().contiguous().t()
+
+    source = jitted(f, torch.randn(5, 37)).kernels[0].source
+    assert source.count("for roff") == 1 and source.count("tl.load") == 1
