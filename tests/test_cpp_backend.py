@@ -1,5 +1,6 @@
 """The C++ backend on hand-built LoopPrograms, against eager torch: code generation,
-reductions, externs, buffer lifetimes, the disk cache, and every op of CPP_OPS."""
+reductions, externs, buffer lifetimes, the disk cache, and every op of CPP_OPS; and the
+wrapper both code generators share, for each."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ import pytest
 import sympy
 import torch
 from plait.backends import available_backends, cpp
+from plait.backends import triton as triton_backend
 from plait.backends.cpp import CPP_DTYPES, CPP_OPS, compile_program
 from plait.errors import BackendError, CheckError
 from plait.graph import TensorType
@@ -273,7 +275,13 @@ def test_buffers_are_freed_after_their_last_use():
     assert run.wrapper_source.index("a = torch.empty") < run.wrapper_source.index("k0(x, a)")
 
 
-def test_outputs_repeat_or_name_inputs_and_unwritten_empty_buffers():
+# Behaviour of the wrapper both code generators share (backends/codegen.py), for each.
+WRAPPED = pytest.mark.parametrize("compile_program", [
+    compile_program, triton_backend.compile_program], ids=["cpp", "triton"])
+
+
+@WRAPPED
+def test_outputs_repeat_or_name_inputs_and_unwritten_empty_buffers(compile_program):
     x = torch.randn(3)
     k = Kernel("k", (3,), (), (Store("y", x0, ap("sin", load("x", x0))),))
     run = compile_program(program({"x": ((3,), F32), "y": ((3,), F32), "e": ((0, 2), F32)},
@@ -292,7 +300,8 @@ def test_constants_and_noncontiguous_inputs():
     torch.testing.assert_close(run([x])[0], x + c)
 
 
-def test_integer_division_by_zero_raises_like_eager():
+@WRAPPED
+def test_integer_division_by_zero_raises_like_eager(compile_program):
     k = Kernel("k", (3,), (), (Store("y", x0, ap("div", load("a", x0, I64), load("b", x0, I64))),))
     run = compile_program(program({"a": ((3,), I64), "b": ((3,), I64), "y": ((3,), I64)},
                                   ["a", "b"], [k], ["y"]))
