@@ -14,7 +14,7 @@ import networkx as nx
 import torch
 
 from ..config import config
-from ..graph import Constant, Graph, GraphBuilder, Value
+from ..graph import Constant, Graph, GraphBuilder, TensorType, Value
 from ..tracer.primitives import get_primitive, is_effectful
 from .lowering import ELEMENTWISE as _ELEMENTWISE
 
@@ -109,9 +109,21 @@ def fold_constants(graph: Graph) -> Graph:
     return rewrite(graph, visit)
 
 
+_NEUTRAL_RIGHT = {"div": 1, "sub": 0}  # x / 1 and x - 0 are x (x + 0 is not: -0.0 + 0.0)
+
+
 def _is_full(b: GraphBuilder, v: Value, value) -> bool:
     node = b.node(v.node)
     return node.prim == "full" and node.kwargs["value"] == value
+
+
+def _does_nothing(prim: str, params: dict, source: TensorType, result: TensorType) -> bool:
+    """Is this view or conversion of a ``source`` value that value itself?"""
+    if prim not in ("reshape", "transpose", "broadcast_in_dim", "convert") or source != result:
+        return False
+    identity = tuple(range(result.ndim))
+    return (prim != "transpose" or params["permutation"] == identity) and (
+        prim != "broadcast_in_dim" or params["broadcast_dimensions"] == identity)
 
 
 def _compose(outer: tuple, inner: tuple) -> tuple:
@@ -178,10 +190,10 @@ def _gathered(b: GraphBuilder, v: Value, index: Value, dim: int, provenance) -> 
             full = node.out_types[0].shape
             if sizes.get(dim, 1) == 1 and all(shape[d] == full[d] or n == 1
                                               for d, n in sizes.items() if d != dim):
-                if b.type_of(y) == out and dims == tuple(range(len(shape))):
+                params = node.kwargs | {"shape": shape}
+                if _does_nothing("broadcast_in_dim", params, b.type_of(y), out):
                     return y
-                return b.add_node("broadcast_in_dim", (y,), node.kwargs | {"shape": shape},
-                                  (out,), node.provenance)[0]
+                return b.add_node("broadcast_in_dim", (y,), params, (out,), node.provenance)[0]
     return b.add_node("gather", (v, index), {"dim": dim}, (out,), provenance)[0]
 
 
@@ -210,14 +222,10 @@ def algebra(graph: Graph) -> Graph:
             for x, one in (operands, operands[::-1]):
                 if _is_full(b, one, 1) and same(x):
                     return [x]
-        if node.prim in ("div", "sub") and _is_full(b, operands[1], node.prim == "div") \
+        if node.prim in _NEUTRAL_RIGHT and _is_full(b, operands[1], _NEUTRAL_RIGHT[node.prim]) \
                 and same(operands[0]):
             return [operands[0]]
-        if node.prim in ("reshape", "transpose", "broadcast_in_dim", "convert") \
-                and same(operands[0]) and (node.prim != "transpose" or kw["permutation"] == tuple(
-                    range(len(kw["permutation"])))) and (
-                node.prim != "broadcast_in_dim" or kw["broadcast_dimensions"] == tuple(
-                    range(len(node.out_types[0].shape)))):
+        if operands and _does_nothing(node.prim, kw, b.type_of(operands[0]), node.out_types[0]):
             return [operands[0]]
         inner = b.node(operands[0].node) if operands else None
         if node.prim == "reshape" and inner.prim == "reshape":
