@@ -29,9 +29,15 @@ def _positions(argnums: Sequence[int] | int) -> tuple[int, ...]:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
+def _picked(argnums: Sequence[int], n: int) -> set[int]:
+    """The positions of ``n`` positional arguments that ``argnums`` names (negative ones count
+    from the end)."""
+    return {i % n for i in argnums if -n <= i < n}
+
+
 def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
     """Split a call into its leaves and a hashable signature (the cache key)."""
-    static = {i % len(args) for i in static_argnums if -len(args) <= i < len(args)}
+    static = _picked(static_argnums, len(args))
     args = tuple(Static(a) if i in static else a for i, a in enumerate(args))
     leaves, tree = pytree.tree_flatten((args, kwargs))
     signature = [tree]
@@ -133,7 +139,8 @@ class _Compiled:
         for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
             with torch.no_grad():
                 tensors[i].copy_(outs[k])
-        kept = [t for i, t in enumerate(tensors) if i not in self._donated]
+        kept = [t for i, t in enumerate(tensors) if i not in self._donated] \
+            if self._donated else tensors
         results = _distinct(outs[:len(outs) - len(self._mutated)], kept)
         leaves = [results[x] if isinstance(x, int) else x.value for x in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_tree)
@@ -144,14 +151,14 @@ def _distinct(outs: list, inputs: list) -> list:
     or one value returned twice) become copies: the graph's outputs are values, and a later
     in-place write to one must not show through another. An argument returned as is stays."""
     taken = {t.untyped_storage().data_ptr(): t for t in inputs if t.numel()}
-    result = []
+    result, returned = [], set()
     for out in outs:
         ptr = out.untyped_storage().data_ptr() if out.numel() else None
-        if ptr is not None and ptr in taken and (taken[ptr] is not out or any(
-                r is out for r in result)):
+        if ptr is not None and ptr in taken and (taken[ptr] is not out or id(out) in returned):
             out = out.clone()
         elif ptr is not None:
             taken[ptr] = out
+        returned.add(id(out))
         result.append(out)
     return result
 
@@ -187,23 +194,26 @@ class Jitted:
         functools.update_wrapper(self, fn)
 
     def _key(self, args, kwargs):
-        """The call's leaves, their tree, the cache key, and the backend that compiles it."""
+        """The call's leaves, their tree, its tensors, the cache key, and the backend that
+        compiles it."""
         leaves, tree, signature = _flatten(args, kwargs, self.static_argnums)
-        backend = get_backend(resolve_backend(self.backend or config.backend, [
-            x for x in leaves if isinstance(x, torch.Tensor)]))
-        return leaves, tree, (signature, backend.cache_key(), config.cache_key()), backend.name
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        backend = get_backend(resolve_backend(self.backend or config.backend, tensors))
+        key = (signature, backend.cache_key(), config.cache_key())
+        return leaves, tree, tensors, key, backend.name
 
     def lower(self, *args, **kwargs) -> Lowered:
-        leaves, tree, _, backend = self._key(args, kwargs)
+        leaves, tree, _, _, backend = self._key(args, kwargs)
         return self._lower(leaves, tree, backend, self._donated(args))
 
     def _donated(self, args: tuple) -> frozenset[int]:
         """The graph inputs (tensor leaves, in order) that the donated arguments hold."""
-        donate = {i % len(args) for i in self.donate_argnums if -len(args) <= i < len(args)}
+        donate = _picked(self.donate_argnums, len(args))
+        static = _picked(self.static_argnums, len(args))
         positions, start = set(), 0
         for i, a in enumerate(args):
-            n = 0 if i in self.static_argnums or i - len(args) in self.static_argnums else sum(
-                isinstance(x, torch.Tensor) for x in pytree.tree_leaves(a))
+            n = 0 if i in static else sum(isinstance(x, torch.Tensor)
+                                          for x in pytree.tree_leaves(a))
             if i in donate:
                 positions.update(range(start, start + n))
             start += n
@@ -222,8 +232,7 @@ class Jitted:
         return lowered
 
     def __call__(self, *args, **kwargs):
-        leaves, tree, key, backend = self._key(args, kwargs)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        leaves, tree, tensors, key, backend = self._key(args, kwargs)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             raise TraceError(
                 "an argument requires grad, but a plait.jit function is not recorded by "
