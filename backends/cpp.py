@@ -385,11 +385,7 @@ class _KernelWriter:
         if inner:  # one more pass over the rows, storing per point
             self._row_loop(lines, indent, bound, inner, parallel and not xs)
         outer = [s for s in k.stores if not is_inner(s)]
-        body = indent
-        if self.columns and outer:
-            lines.append(f"{indent}#pragma omp simd")
-            lines.append(f"{indent}for (int64_t {xs[-1]} = xb; {xs[-1]} < xe; ++{xs[-1]}) {{")
-            body += "  "
+        body = self._point_loop(lines, indent) if outer else indent
         scope = _Scope(self, lines, body, bound)
         for s in outer:
             lines.append(f"{body}{self.params[s.buffer]}[{_index(s.index)}] = "

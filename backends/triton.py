@@ -246,21 +246,13 @@ def _floor(a):  # rounding an integer is the identity
 
 
 @triton.jit
-def _ceil(a):
-    if a.dtype.is_floating():
-        r = tl.ceil(a)
-    else:
-        r = a
-    return r
+def _ceil(a):  # exact, signed zeros and integer wrap-around included
+    return -_floor(-a)
 
 
 @triton.jit
 def _trunc(a):
-    if a.dtype.is_floating():
-        r = tl.where(a < 0, tl.ceil(a), tl.floor(a))
-    else:
-        r = a
-    return r
+    return tl.where(a < 0, _ceil(a), _floor(a))
 
 
 @triton.jit
