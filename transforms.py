@@ -6,12 +6,17 @@ inside ``jit`` or another transform: tracers of enclosing traces that the functi
 become extra graph inputs), transforms that graph with a pass (``passes/autodiff.py``,
 ``passes/batching.py``) and inlines the result into the enclosing trace. Called on real
 tensors, a transformed function runs through ``jit`` (so it is traced once per signature and
-cached). Inside a traced function the user holds ``functionalize`` wrappers; a transform
-unwraps them to tracers on entry and wraps its results again on exit.
+cached). The one-shot forms (``jvp(f, ...)``, ``vjp(f, ...)``, ``vmap(f)(...)``) keep that
+jit per function and options (``_staged_for``), so calling them again on the same function
+reuses its compilations, as calling ``grad(f)`` again does. Inside a traced function the
+user holds ``functionalize`` wrappers; a transform unwraps them to tracers on entry and wraps
+its results again on exit.
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,6 +50,25 @@ def _staged(body: Callable) -> Callable:
             return jitted(*args, **kwargs)
 
     return run
+
+
+_BUILTIN_BODIES: dict = {}  # builtin function -> {key: staged body} (builtins live forever)
+
+
+def _staged_for(func: Callable, key: tuple, make: Callable[[], Callable]) -> Callable:
+    """``_staged(make())``, made once per (``func``, ``key``): ``key`` names everything else
+    the body depends on. They are kept on the function itself, so they go with it (the body
+    refers to ``func``: kept anywhere else, they would keep it alive); a bound method, made
+    anew at each access and sharing its function's attributes, is not cached."""
+    if isinstance(func, types.BuiltinFunctionType):
+        bodies = _BUILTIN_BODIES.setdefault(func, {})
+    elif hasattr(func, "__dict__") and not inspect.ismethod(func):
+        bodies = vars(func).setdefault("_plait_staged", {})
+    else:
+        return _staged(make())
+    if key not in bodies:
+        bodies[key] = _staged(make())
+    return bodies[key]
 
 
 class _Traced:
@@ -180,7 +204,6 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
     argnums = tuple(range(len(primals)))
     main, aux = _split_aux(_forward(func, primals), has_aux, "vjp")
 
-    @_staged
     def backward(primal_args, cotangents):
         def seeds(main_slots, types):
             slots, tree = pytree.tree_flatten(main_slots)
@@ -198,20 +221,21 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
         return tuple(pytree.tree_unflatten(g, pytree.tree_structure(p))
                      for g, p in zip(grouped, primal_args))
 
+    staged = _staged_for(func, ("vjp", len(primals), has_aux), lambda: backward)
+
     def vjp_fn(cotangents):
-        return backward(primals, cotangents)
+        return staged(primals, cotangents)
 
     return (main, vjp_fn, aux) if has_aux else (main, vjp_fn)
 
 
 def _forward(func: Callable, primals: tuple):
     """func(*primals), traced and inlined (or jitted at top level) like a transform's."""
-    @_staged
     def run(*p):
         t = _Traced(func, p, {})
         return t.outputs(inline(t.graph, t.inputs))
 
-    return run(*primals)
+    return _staged_for(func, ("forward",), lambda: run)(*primals)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,7 +248,6 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, has_aux: bool = False):
     if pytree.tree_structure(primals) != pytree.tree_structure(tangents):
         raise TraceError("jvp: tangents must have the structure of primals")
 
-    @_staged
     def body(primal_args, tangent_args):
         t = _Traced(func, primal_args, {})
         leaves = pytree.tree_leaves(tangent_args)
@@ -240,7 +263,7 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, has_aux: bool = False):
         tangent_out, _ = _split_aux(t.outputs(results[n:]), has_aux, "jvp")
         return (out, tangent_out, aux) if has_aux else (out, tangent_out)
 
-    return body(primals, tangents)
+    return _staged_for(func, ("jvp", has_aux), lambda: body)(primals, tangents)
 
 
 def _broadcast_prefix(prefix, tree, what: str) -> list:
@@ -286,7 +309,6 @@ def vmap(func: Callable, in_dims=0, out_dims=0, randomness: str = "error",
 def _vmapped(func, dims, out_dims, randomness, args, kwargs):
     from .passes import batching
 
-    @_staged
     def body(args, kwargs):
         leaves, tree = pytree.tree_flatten(args)
         sizes = set()
@@ -324,7 +346,8 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
                 placed.append(r.movedim(0, d))
         return pytree.tree_unflatten(placed, pytree.tree_structure(out))
 
-    return body(args, kwargs)
+    key = ("vmap", tuple(dims), repr(out_dims), randomness)
+    return _staged_for(func, key, lambda: body)(args, kwargs)
 
 
 # ---------------------------------------------------------------------------------------

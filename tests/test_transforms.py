@@ -210,3 +210,28 @@ def test_scatter_reduce_gradients_match_autograd(reduce, include_self):
     leaves = [x.clone().requires_grad_(), src.clone().requires_grad_()]
     expected = torch.autograd.grad(f(*leaves), leaves)
     torch.testing.assert_close(plait.grad(f, argnums=(0, 1))(x, src), expected)
+
+
+def test_one_shot_transforms_reuse_their_compilation(monkeypatch):
+    """NOTE [how a transform runs]: jvp, vjp and vmap called again on the same function trace
+    it once, as grad(f) does; a new function (here a lambda made per call) traces anew."""
+    from plait import api
+
+    lowered = []
+    original = api.Jitted._lower
+    monkeypatch.setattr(api.Jitted, "_lower", lambda self, *a, **k: lowered.append(1) or
+                        original(self, *a, **k))
+    x = torch.randn(5)
+
+    def f(x):
+        return (x.sin() * 2).sum()
+
+    for run, traces in [(lambda: plait.vmap(torch.sin)(torch.randn(3, 4)), 1),
+                        (lambda: plait.jvp(f, (x,), (x,)), 1),
+                        (lambda: plait.vjp(f, x)[1](torch.tensor(1.0)), 2),  # fwd, bwd
+                        (lambda: plait.jvp(lambda x: x.exp(), (x,), (x,)), 3)]:
+        lowered.clear()
+        for _ in range(3):
+            run()
+        assert len(lowered) == traces
+    torch.testing.assert_close(plait.jvp(f, (x,), (x,))[1], torch.func.jvp(f, (x,), (x,))[1])
