@@ -824,25 +824,24 @@ class CompiledProgram:
             w = writers[i]
             grid, options = w.launch_args()
             fn, args = getattr(module, w.fname), tuple(slot[b] for b in w.buffers)
+            opts = ", ".join(f"{n}={v}" for n, v in options.items())
+            text = f"{w.fname}[{grid}]({', '.join(w.buffers)}{', err' * w.checks_error}, {opts})"
 
             def run(env, device):
-                if not w.numel:
-                    return
                 tensors = [env[s] for s in args]
-                if w.checks_error:
-                    err = torch.zeros(1, dtype=torch.int32, device=device)
-                    tensors.append(err)
+                if w.checks_error:  # NOTE [integer division by zero]
+                    tensors.append(self._error_flag(device))
                 fn[grid](*tensors, **options)
-                if w.checks_error and err.item():
+                if w.checks_error and device.type == "cpu" and tensors[-1].item():
+                    tensors[-1].zero_()
                     raise CheckError("ZeroDivisionError: integer division or remainder by zero")
 
-            opts = ", ".join(f"{n}={v}" for n, v in options.items())
-            return run, (f"{w.fname}[{grid}]({', '.join(w.buffers)}"
-                         f"{', err' * w.checks_error}, {opts})")
+            return (run if w.numel else lambda env, device: None), text
 
         self._wrapper = Wrapper(program, plan, launch)
         self._constants = tuple((self._wrapper.slot[b], t) for b, t in program.constants.items())
         self._on_device: dict = {}  # device -> constants there
+        self._error_flags: dict = {}  # device -> the flag dividing kernels set
         self._writers, self._module, self._types = writers, module, types
         self.wrapper_source = self._wrapper.source
         self.source = (self.triton_source + '\n\n"""Python wrapper:\n' + self.wrapper_source
@@ -857,6 +856,15 @@ class CompiledProgram:
             raise BackendError("the triton backend runs on GPU tensors (or on CPU tensors "
                                "under TRITON_INTERPRET=1); use backend='cpp' on the CPU")
         return device
+
+    def _error_flag(self, device: torch.device) -> torch.Tensor:
+        """NOTE [integer division by zero]: a kernel dividing integers sets this flag where a
+        divisor is 0. Eager raises there on the CPU (the interpreter's device), so the flag is
+        read after each such launch; on CUDA eager does not raise, and reading the flag would
+        wait for the GPU after every launch, so it is not read."""
+        if device not in self._error_flags:
+            self._error_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._error_flags[device]
 
     def _compile_kernels(self, device: torch.device) -> None:
         """Compile every kernel for ``device`` at once, in threads, instead of one by one at
