@@ -133,7 +133,7 @@ def write_report(lowered, folder, title: str, extra: Sequence[Section] = ()) -> 
         table, drawings = [], []
         for i, s in enumerate(stages(lowered)):
             base = f"{i:02d}-{s.name}"
-            svg = to_svg(s.graph, s.groups)
+            svg = to_svg(s.graph, s.groups, engine="python")  # ids and data-* of our own
             files[f"{base}.txt"], files[f"{base}.svg"] = s.graph.as_text() + "\n", svg
             table.append(f'<tr><td><a href="#{base}">{html.escape(s.name)}</a></td>'
                          f"<td>{len(s.graph)}</td><td><a href=\"{base}.txt\">text</a></td>"

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import plait
+from run import _reason  # benchmarks/ is on the path: this script's folder, or run.py's
 
 BF16 = torch.bfloat16
 
@@ -79,6 +80,15 @@ def _mlp_args(quick):
             _randn(d, h, dtype=BF16, scale=h ** -0.5)]
 
 
+def _mlp_train_args(quick):
+    x, w1, w2 = _mlp_args(quick)
+    return [w1, w2, x, _randn(*x.shape, dtype=BF16)]
+
+
+def _mlp_flops(x, w1, w2) -> int:
+    return 2 * x.shape[0] * (w1.numel() + w2.numel())
+
+
 def _rows(quick):
     return (1024, 512) if quick else (32768, 4096)
 
@@ -105,12 +115,10 @@ CASES = {c.name: c for c in [
          lambda q: [_randn(*((2, 2, 128, 64) if q else (8, 16, 2048, 64)), dtype=BF16)
                     for _ in range(3)],
          lambda q, k, v: 4 * q.numel() * k.shape[-2]),
-    Case("mlp", mlp, mlp, _mlp_args,
-         lambda x, w1, w2: 2 * x.shape[0] * w1.numel() + 2 * x.shape[0] * w2.numel()),
+    Case("mlp", mlp, mlp, _mlp_args, lambda x, w1, w2: _mlp_flops(x, w1, w2)),
     Case("mlp_train", torch.func.grad(mlp_loss, argnums=(0, 1)),
-         plait.grad(mlp_loss, argnums=(0, 1)),
-         lambda q: [*_mlp_args(q)[1:], *_mlp_args(q)[:1], _mlp_args(q)[0]],
-         lambda w1, w2, x, y: 3 * (2 * x.shape[0] * w1.numel() + 2 * x.shape[0] * w2.numel())),
+         plait.grad(mlp_loss, argnums=(0, 1)), _mlp_train_args,
+         lambda w1, w2, x, y: 3 * _mlp_flops(x, w1, w2)),  # forward, and two per backward
 ]}
 
 
@@ -232,7 +240,7 @@ def run(cases: list[str], quick: bool, repeat: int) -> dict:
             try:
                 results[name] = bench(CASES[name], quick, repeat, rates)
             except Exception as e:  # reported, not fatal: the table shows what ran
-                results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"[:150]}
+                results[name] = {"error": _reason(e)}
     header = ("case", "bound", "eager ms", "tc ms", "plait ms", "floor ms", "plait/floor",
               "tc/floor", "plait vs tc", "tc cold s", "plait cold s", "eager MiB", "tc MiB",
               "plait MiB", "kernels+externs")

@@ -530,9 +530,10 @@ def main(argv=None) -> int:
                              "(default 2000, 200 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="small shapes in (c), and fewer repetitions: a smoke test")
-    parser.add_argument("--cases", default=",".join(CASES),
-                        help=f"comma-separated cases of (c), of {', '.join(CASES)} "
-                             "(default all; empty for none)")
+    parser.add_argument("--cases",
+                        help=f"comma-separated cases of (c), of {', '.join(CASES)} on the CPU "
+                             "or of benchmarks/gpu.py's on CUDA (default all; empty for "
+                             "none)")
     parser.add_argument("--memory-only", action="store_true",
                         help="run only section (d), peak memory, on the cases of --cases")
     # Internal: the new process whose first call bench_compilers times as the warm start.
@@ -541,16 +542,21 @@ def main(argv=None) -> int:
     if args.warm_start:
         warm_start(CASES[args.warm_start], args.quick)
         return 0
-    args.repeat = args.repeat or (2 if args.quick else 7)
-    args.calls = args.calls or (200 if args.quick else 2000)
-    cases = [c for c in args.cases.split(",") if c]
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
         parser.error("--device cuda was asked for, but torch.cuda.is_available() is False")
+    if cuda:  # (c) and (d) on the GPU are benchmarks/gpu.py's, with its own cases
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu
+    known = gpu.CASES if cuda else CASES
+    cases = list(known) if args.cases is None else [c for c in args.cases.split(",") if c]
+    args.repeat = args.repeat or (2 if args.quick else 30 if cuda else 7)
+    args.calls = args.calls or (200 if args.quick else 2000)
     if args.repeat < 1 or args.calls < 1:
         parser.error("--repeat and --calls must be at least 1")
-    if set(cases) - set(CASES):
-        parser.error(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: "
-                     f"{', '.join(CASES)}")
+    if set(cases) - set(known):
+        parser.error(f"unknown case(s) {sorted(set(cases) - set(known))}; known: "
+                     f"{', '.join(known)}")
 
     allocator = _steady_allocator() if args.device == "cpu" else "default"
     print(f"plait {plait.__version__}, torch {torch.__version__}, python "
@@ -584,11 +590,8 @@ def main(argv=None) -> int:
                     ("jit / eager", f"{o['jit_us'] / o['eager_us']:.1f}", "x"),
                 ])
 
-    if args.device != "cpu":  # (c) and (d) on the GPU: benchmarks/gpu.py, its own cases
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import gpu
-
-        gpu.run(list(gpu.CASES), args.quick, 5 if args.quick else 30)
+    if cuda:
+        gpu.run(cases, args.quick, args.repeat)
     elif cases:
         print_compilers(bench_compilers([CASES[c] for c in cases], args.quick, args.repeat),
                         args.quick, args.repeat)
