@@ -41,11 +41,8 @@ from ..graph.types import contiguous_strides
 from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, loop_vars, walk)
 from ..tracer import collectives
-from ..tracer.primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
-                                 UNARY_PREDICATES, get_primitive)
+from ..tracer.primitives import ELEMENTWISE, get_primitive
 
-ELEMENTWISE = frozenset(UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS)
-                        + SPECIAL_UNARY + SPECIAL_BINARY + ["polygamma", "where", "convert"])
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
                    "concatenate", "stop_gradient", "after"))

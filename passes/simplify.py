@@ -15,8 +15,7 @@ import torch
 
 from ..config import config
 from ..graph import Constant, Graph, GraphBuilder, TensorType, Value
-from ..tracer.primitives import get_primitive, is_effectful
-from .lowering import ELEMENTWISE as _ELEMENTWISE
+from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
 
 
 def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...], tuple[int, ...]],
@@ -178,7 +177,7 @@ def _gathered(b: GraphBuilder, v: Value, index: Value, dim: int, provenance) -> 
     node, shape = b.node(v.node), b.type_of(index).shape
     out = attrs.evolve(node.out_types[0], shape=shape)
     if not b.ordered(v.node) and not is_effectful(node):
-        if node.prim in _ELEMENTWISE:
+        if node.prim in ELEMENTWISE:
             args = [_gathered(b, o, index, dim, provenance) for o in b.operands(v.node)]
             return b.add_node(node.prim, args, node.kwargs, (out,), node.provenance)[0]
         if node.prim == "full":
@@ -249,7 +248,7 @@ def algebra(graph: Graph) -> Graph:
         if node.prim == "gather" and b.type_of(operands[1]).numel < b.type_of(operands[0]).numel:
             x, index = operands
             inner_node = b.node(x.node)
-            if inner_node.prim in (*_ELEMENTWISE, "full", "broadcast_in_dim"):
+            if inner_node.prim in (*ELEMENTWISE, "full", "broadcast_in_dim"):
                 return [_gathered(b, x, index, kw["dim"], node.provenance)]
         return None
 

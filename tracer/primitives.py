@@ -218,6 +218,10 @@ SPECIAL_BINARY = ("chebyshev_polynomial_t chebyshev_polynomial_u chebyshev_polyn
 for _name in SPECIAL_UNARY + SPECIAL_BINARY:
     define(_name, _elementwise_infer(_name, None), getattr(torch.special, _name))
 
+# Every primitive computed point by point from operands of its result's shape.
+ELEMENTWISE = frozenset(UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS)
+                        + SPECIAL_UNARY + SPECIAL_BINARY + ["polygamma", "where", "convert"])
+
 
 def _polygamma_infer(x, *, n):
     return (x,)
@@ -990,9 +994,8 @@ def _attach_shifted(names, *keys):
         PRIMITIVES[name].batch = rule
 
 
-_attach_shifted(UNARY + BINARY + list(UNARY_PREDICATES) + list(COMPARISONS) + SPECIAL_UNARY
-                + SPECIAL_BINARY + ["polygamma", "where", "convert", "complex", "real",
-                                    "imag", "conj", "frexp", "stop_gradient", "after"])
+_attach_shifted([*ELEMENTWISE, "complex", "real", "imag", "conj", "frexp", "stop_gradient",
+                 "after"])
 _attach_shifted(list(REDUCTIONS) + ["argmax", "argmin", "rev"], "dims")
 _attach_shifted(list(SCANS) + ["sort", "topk", "gather", "scatter", "concatenate"], "dim")
 
