@@ -11,8 +11,9 @@ A ``Primitive`` holds, next to each other:
   * ``impl``: the eager implementation on torch tensors (the reference semantics);
   * ``vjp`` / ``jvp``: the reverse- and forward-mode derivative rules (a missing ``jvp`` is
     derived from ``vjp`` by transposition);
-  * ``batch``: the vmap rule (a primitive without one is batched by a loop);
-  * ``lower``: the lowering rule, for the compiling backends.
+  * ``batch``: the vmap rule (a primitive without one is batched by a loop).
+How the compiling backends lower a primitive is lowering's business (``passes/lowering.py``:
+a loop expression for elementwise ops and views, an extern for everything else).
 Elementwise families are tables: one row per primitive, one shared rule per family.
 """
 from __future__ import annotations
@@ -40,7 +41,6 @@ class Primitive:
     vjp: Callable | None = None    # reverse-mode rule (NOTE [autodiff], passes/autodiff.py)
     jvp: Callable | None = None    # forward-mode rule (derived from vjp where missing)
     batch: Callable | None = None  # vmap rule (NOTE [batching], passes/batching.py)
-    lower: Callable | None = None
 
     def __repr__(self) -> str:
         return f"<primitive {self.name}>"
