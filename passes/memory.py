@@ -307,10 +307,11 @@ class _Greedy:
         return bool(self.ready)
 
 
-def _schedule(program: LoopProgram, succ, frontier_of: Callable) -> list[int]:
+def _schedule(program: LoopProgram, lv: Liveness, succ, frontier_of: Callable) -> list[int]:
     """A topological order picking ready kernels from the frontier, with the storage
-    bookkeeping that greedy frontiers read (bytes each kernel allocates and would free)."""
-    kernels, lv = program.kernels, liveness(program)
+    bookkeeping that greedy frontiers read (bytes each kernel allocates and would free;
+    ``lv``: the program's liveness, in its given order)."""
+    kernels = program.kernels
     touches = [{lv.storage[b] for b in (*k.reads, *k.writes)} for k in kernels]
     users = collections.defaultdict(list)
     for i, ss in enumerate(touches):
@@ -356,10 +357,10 @@ STRATEGIES = {
 def reorder(program: LoopProgram) -> LoopProgram:
     """The kernels in the order, among the strategies' topological orders, with the lowest
     estimated peak; the given order unless another is strictly lower."""
-    succ = _successors(program)
-    best, best_peak = program, liveness(program).peak
+    succ, lv = _successors(program), liveness(program)
+    best, best_peak = program, lv.peak
     for strategy in STRATEGIES.values():
-        order = _schedule(program, succ, strategy)
+        order = _schedule(program, lv, succ, strategy)
         candidate = attrs.evolve(program, kernels=tuple(program.kernels[i] for i in order))
         if (peak := liveness(candidate).peak) < best_peak:
             best, best_peak = candidate, peak
