@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
 import re
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -14,7 +16,7 @@ import sympy
 import torch
 
 from ..config import config
-from ..errors import BackendError
+from ..errors import BackendError, CheckError
 from ..graph.loops import Extern, Kernel, LoopProgram, Reduce, Wait, children
 from ..tracer.collectives import COMM_BUFFER_TYPES
 
@@ -127,6 +129,38 @@ def reduces(*exprs) -> list:
     for e in exprs:
         visit(e)
     return out
+
+
+# Binary ops that both target languages write as the same infix operator.
+INFIX = {"add": "+", "sub": "-", "mul": "*", "bitwise_and": "&", "bitwise_or": "|",
+         "bitwise_xor": "^", "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+# Ops that raise in eager on an integer division by zero (generated kernels set a flag).
+INT_DIVISIONS = ("div", "fmod", "remainder")
+
+
+def division_by_zero() -> CheckError:
+    return CheckError("ZeroDivisionError: integer division or remainder by zero")
+
+
+_warned_dirs: set[str] = set()
+
+
+def cache_folder(kind: str) -> str | None:
+    """``<config.cache_dir>/<kind>``, where generated code is kept across processes, or None
+    (with one warning per folder) where it cannot be written."""
+    directory = os.path.join(os.path.expanduser(config.cache_dir), kind)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+        raise PermissionError(f"{directory} is not writable")
+    except OSError as e:
+        if directory not in _warned_dirs:
+            _warned_dirs.add(directory)
+            warnings.warn(f"plait cannot write its compilation cache ({e}); compiling into a "
+                          "temporary folder instead. Set plait.config.cache_dir "
+                          "(PLAIT_CACHE_DIR) to a writable folder to reuse builds.")
+        return None
 
 
 @attrs.frozen
@@ -430,3 +464,41 @@ class _Tracker:
             raise BackendError(f"memory plan check: the call allocated "
                                f"{sorted(names[s] for s in self.refs)}, the plan "
                                f"{sorted(names[s] for s in want)}")
+
+
+# ---------------------------------------------------------------------------------------
+# A compiled program
+# ---------------------------------------------------------------------------------------
+class CompiledProgram:
+    """A LoopProgram compiled by a code generator: ``run(inputs) -> outputs``, with
+    ``.kernels`` (one CompiledKernel per step), ``.source`` (the generated code, then the
+    wrapper's listing), ``.wrapper_source`` and ``.plan`` (by default one without a pool). A
+    generator subclasses it with ``reserved`` (names its kernels must not take),
+    ``write(kernel, name) -> (writer, text)``, ``load(texts) -> code`` (builds or imports the
+    kernels' code), ``launch`` (a ``Launcher``), ``listing(wrapper source)`` and ``__call__``."""
+
+    reserved: frozenset = frozenset()
+
+    def __init__(self, program: LoopProgram, plan=None):
+        from ..passes import memory
+
+        self.program = program
+        self.plan = plan = plan or memory.plan(program, pool=False)
+        taken = set(self.reserved)
+        self.writers, texts, self.kernels = {}, [], []
+        for i, k in enumerate(program.kernels):
+            if isinstance(k, Kernel):
+                self.writers[i], text = self.write(k, identifier(k.name, taken))
+                texts.append(text)
+            else:
+                text = extern_text(k)
+            self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
+        code = self.load(texts)
+        self._wrapper = Wrapper(program, plan, self.launch)
+        self._constants = tuple((self._wrapper.slot[b], t) for b, t in program.constants.items())
+        self.wrapper_source = self._wrapper.source
+        self.source = code + self.listing(self.wrapper_source)
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        return self._wrapper.measured_peak_bytes

@@ -52,18 +52,17 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import warnings
 from collections.abc import Sequence
 
 import sympy
 import torch
 
 from ..config import config
-from ..errors import BackendError, CheckError
-from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, LoopProgram,
-                           Reduce, children, is_inner, loop_vars, walk)
-from .codegen import (CompiledKernel, IndexPrinter, Wrapper, extern_text, identifier, levels,
-                      reduces)
+from ..errors import BackendError
+from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children, is_inner, loop_vars, walk)
+from . import codegen
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, division_by_zero,
+                      identifier, levels, reduces)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -76,15 +75,12 @@ _STD_MATH = ("acos acosh asin asinh atan atanh cbrt cos cosh erf erfc exp exp2 e
 _UNARY_HELPERS = "abs bitwise_not ceil floor trunc round sign".split()
 _BINARY_HELPERS = ("div fmax fmin gcd maximum minimum fmod remainder pow shift_left "
                    "shift_right_arithmetic").split()
-_INFIX = {"add": "+", "sub": "-", "mul": "*", "bitwise_and": "&", "bitwise_or": "|",
-          "bitwise_xor": "^", "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">",
-          "ge": ">="}
 CPP_OPS: dict[str, str] = {
     **{op: f"std::{op}({{0}})" for op in _STD_MATH + ["isfinite", "signbit"]},
     **{op: f"std::{op}({{0}}, {{1}})" for op in ("atan2", "hypot", "nextafter")},
     **{op: f"plait_{op}({{0}})" for op in _UNARY_HELPERS},
     **{op: f"plait_{op}({{0}}, {{1}})" for op in _BINARY_HELPERS},
-    **{op: f"({{0}} {sym} {{1}})" for op, sym in _INFIX.items()},
+    **{op: f"({{0}} {sym} {{1}})" for op, sym in INFIX.items()},
     "neg": "(-{0})",
     "reciprocal": "({T}(1) / {0})",
     "rsqrt": "({T}(1) / std::sqrt({0}))",
@@ -95,7 +91,6 @@ CPP_OPS: dict[str, str] = {
 # computes differently (digamma, polygamma, erf_inv, erfcx, ndtri, the Bessel and other
 # special functions, igamma/igammac, zeta).
 
-_INT_DIVISIONS = ("div", "fmod", "remainder")
 
 _PRELUDE = r"""// plait C++ kernels: elementwise semantics follow eager PyTorch (see backends/cpp.py).
 #include <algorithm>
@@ -320,7 +315,7 @@ class _Scope:
                 raise BackendError(f"the cpp backend has no C++ form of {e.op!r}; lowering "
                                    "should have made it an extern")
             code = CPP_OPS[e.op].format(*args, T=t)
-            if e.op in _INT_DIVISIONS and not e.dtype.is_floating_point:
+            if e.op in INT_DIVISIONS and not e.dtype.is_floating_point:
                 self.kernel.checks_error = True
         else:
             raise BackendError(f"unknown loop IR node {e!r}")
@@ -574,9 +569,6 @@ def _column_wise(kernel: Kernel) -> bool:
 # ---------------------------------------------------------------------------------------
 # Building and caching the library
 # ---------------------------------------------------------------------------------------
-_warned_dirs: set[str] = set()
-
-
 def _compiler() -> str:
     path = shutil.which(config.cpp_compiler)
     if path is None:
@@ -585,23 +577,6 @@ def _compiler() -> str:
             "on PATH. Install one (e.g. `apt-get install g++`), point "
             "plait.config.cpp_compiler (PLAIT_CPP_COMPILER) at one, or use backend='eager'.")
     return path
-
-
-def _writable_cache() -> str | None:
-    """The cache folder of built libraries, or None (with one warning) if it is unwritable."""
-    directory = os.path.join(os.path.expanduser(config.cache_dir), "cpp")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        if os.access(directory, os.W_OK):
-            return directory
-        raise PermissionError(f"{directory} is not writable")
-    except OSError as e:
-        if directory not in _warned_dirs:
-            _warned_dirs.add(directory)
-            warnings.warn(f"plait cannot write its compilation cache ({e}); compiling into a "
-                          "temporary folder instead. Set plait.config.cache_dir "
-                          "(PLAIT_CACHE_DIR) to a writable folder to reuse builds.")
-        return None
 
 
 def _load(path: str, symbols: Sequence[str]) -> ctypes.CDLL | None:
@@ -622,7 +597,7 @@ def build(source: str, symbols: Sequence[str]) -> ctypes.CDLL:
     st = os.stat(compiler)
     key = hashlib.sha256("\0".join([source, *command, str(st.st_size),
                                     str(st.st_mtime_ns)]).encode()).hexdigest()[:40]
-    cache = _writable_cache()
+    cache = cache_folder("cpp")
     if cache is not None:
         target = os.path.join(cache, key + ".so")
         if os.path.exists(target) and (lib := _load(target, symbols)) is not None:
@@ -654,51 +629,35 @@ def build(source: str, symbols: Sequence[str]) -> ctypes.CDLL:
 # ---------------------------------------------------------------------------------------
 # The compiled program
 # ---------------------------------------------------------------------------------------
-class CompiledProgram:
-    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``; its
-    wrapper (backends/codegen.py, NOTE [wrapper memory]) follows a ``MemoryPlan``
-    (passes/memory.py; by default one without a pool)."""
+class CompiledProgram(codegen.CompiledProgram):
+    """A LoopProgram as one C++ library and the shared wrapper (backends/codegen.py, NOTE
+    [wrapper memory]) that calls its kernels through ctypes."""
 
-    def __init__(self, program: LoopProgram, plan=None):
-        from ..passes import memory
+    def write(self, kernel: Kernel, name: str):
+        w = _KernelWriter(kernel, name, self.program.aliases)
+        return w, w.source({b: self.program.buffers[b].type for b in w.buffers})
 
-        self.program = program
-        self.plan = plan = plan or memory.plan(program, pool=False)
-        taken: set = set()
-        writers, c_parts, self.kernels = {}, [_PRELUDE + _INDEX_HELPERS], []
-        for i, k in enumerate(program.kernels):
-            if isinstance(k, Kernel):
-                writers[i] = w = _KernelWriter(k, identifier(k.name, taken), program.aliases)
-                text = w.source({b: program.buffers[b].type for b in w.buffers})
-                c_parts.append(text)
-            else:
-                text = extern_text(k)
-            self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
-        self.cpp_source = "\n\n".join(c_parts) + "\n"
-        lib = build(self.cpp_source, [w.cname for w in writers.values()])
-        take_error = lib.plait_take_error
+    def load(self, texts: list[str]) -> str:
+        self.cpp_source = "\n\n".join([_PRELUDE + _INDEX_HELPERS, *texts]) + "\n"
+        self._lib = build(self.cpp_source, [w.cname for w in self.writers.values()])
+        return self.cpp_source
 
-        def launch(i, k, slot):
-            w = writers[i]
-            fn = getattr(lib, w.cname)
-            fn.argtypes, fn.restype = [ctypes.c_void_p] * len(w.buffers), None
-            args = tuple(slot[b] for b in w.buffers)
+    def launch(self, i: int, k: Kernel, slot: dict):
+        w, take_error = self.writers[i], self._lib.plait_take_error
+        fn = getattr(self._lib, w.cname)
+        fn.argtypes, fn.restype = [ctypes.c_void_p] * len(w.buffers), None
+        args = tuple(slot[b] for b in w.buffers)
 
-            def run(env, device):
-                fn(*[env[s].data_ptr() for s in args])
-                if w.checks_error and take_error():
-                    raise CheckError("ZeroDivisionError: integer division or remainder by zero")
+        def run(env, device):
+            fn(*[env[s].data_ptr() for s in args])
+            if w.checks_error and take_error():
+                raise division_by_zero()
 
-            return run, f"{w.cname}({', '.join(w.buffers)})"
+        return run, f"{w.cname}({', '.join(w.buffers)})"
 
-        self._wrapper = Wrapper(program, plan, launch)
-        self._constants = tuple((self._wrapper.slot[b], t) for b, t in program.constants.items())
-        self.wrapper_source = self._wrapper.source
-        self.source = self.cpp_source + "\n/* Python wrapper:\n" + self.wrapper_source + "\n*/\n"
-
-    @property
-    def measured_peak_bytes(self) -> int | None:
-        return self._wrapper.measured_peak_bytes
+    @staticmethod
+    def listing(wrapper_source: str) -> str:
+        return "\n/* Python wrapper:\n" + wrapper_source + "\n*/\n"
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self._wrapper(inputs, _CPU, self._constants)
@@ -707,8 +666,7 @@ class CompiledProgram:
 _CPU = torch.device("cpu")
 
 
-def compile_program(program: LoopProgram, plan=None) -> CompiledProgram:
-    return CompiledProgram(program, plan)
+compile_program = CompiledProgram
 
 
 def compile_graph(graph):

@@ -45,6 +45,7 @@ triton 3.6 and in the newest release.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import importlib.util
 import math
@@ -57,8 +58,7 @@ from collections.abc import Sequence
 import sympy
 import torch
 
-from ..config import config
-from ..errors import BackendError, CheckError
+from ..errors import BackendError
 from ..graph.loops import (
     Apply,
     Constant,
@@ -71,8 +71,9 @@ from ..graph.loops import (
     is_inner,
     walk,
 )
-from .codegen import (CompiledKernel, IndexPrinter, Wrapper, extern_text, identifier, levels,
-                      reduces)
+from . import codegen
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, division_by_zero,
+                      identifier, levels, reduces)
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64",
               torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
@@ -82,12 +83,9 @@ TRITON_DTYPES = frozenset(_TL_DTYPES)
 _HALF = (torch.bfloat16, torch.float16)
 
 # op -> Triton expression: {0}, {1}, {2} are the operands' locals, {T} the result's tl dtype.
-_INFIX = {"add": "+", "sub": "-", "mul": "*", "bitwise_and": "&", "bitwise_or": "|",
-          "bitwise_xor": "^", "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">",
-          "ge": ">="}
 _CORE_OPS: dict[str, str] = {
     **{op: f"tl.{op}({{0}})" for op in "exp exp2 log log2 sin cos sqrt rsqrt erf abs".split()},
-    **{op: f"({{0}} {sym} {{1}})" for op, sym in _INFIX.items()},
+    **{op: f"({{0}} {sym} {{1}})" for op, sym in INFIX.items()},
     **{op: f"_{op}({{0}})" for op in "ceil floor trunc round sign isfinite signbit".split()},
     **{op: f"_{op}({{0}}, {{1}})" for op in ("div fmod remainder maximum minimum fmax fmin "
                                              "shift_left shift_right_arithmetic").split()},
@@ -111,7 +109,6 @@ TRITON_OPS: dict[str, str] = {**_CORE_OPS, **_LIBDEVICE_OPS}
 
 # Triton's 1-bit integers wrap; torch's bool arithmetic saturates.
 _BOOL_OPS = {"add": "({0} | {1})", "mul": "({0} & {1})"}
-_INT_DIVISIONS = ("div", "fmod", "remainder")
 PERSISTENT_MAX = 4096   # rows up to this many points are reduced in one tile
 LOOPED_RBLOCK = 1024    # the chunk of longer rows
 TILE_MAX = 4096         # XBLOCK * RBLOCK of a reduction tile
@@ -485,7 +482,7 @@ class _Scope:
             code = (form or TRITON_OPS[e.op]).format(*args, T=result)
             if e.dtype in _HALF:
                 code = f"({code}).to({_tl(e.dtype)})"
-            if e.op in _INT_DIVISIONS and not e.dtype.is_floating_point:
+            if e.op in INT_DIVISIONS and not e.dtype.is_floating_point:
                 self.writer.checks_error = True
                 self.emit(f"_check_divisor(err, {args[1]}, {self.mask})")
         else:
@@ -761,15 +758,11 @@ class _KernelWriter:
 # ---------------------------------------------------------------------------------------
 # Loading the generated module
 # ---------------------------------------------------------------------------------------
-def _cache_folder() -> str:
-    directory = os.path.join(os.path.expanduser(config.cache_dir), "triton")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        if os.access(directory, os.W_OK):
-            return directory
-    except OSError:
-        pass
-    return tempfile.mkdtemp(prefix="plait-triton-")  # the source must be a real file
+@functools.cache
+def _scratch_folder() -> str:
+    """Where modules go when the cache folder cannot be written: Triton reads a kernel's
+    source from its file, so it must be a real one."""
+    return tempfile.mkdtemp(prefix="plait-triton-")
 
 
 def load_module(source: str):
@@ -779,7 +772,7 @@ def load_module(source: str):
     name = f"plait_triton_{key}"
     if name in sys.modules:
         return sys.modules[name]
-    path = os.path.join(_cache_folder(), key + ".py")
+    path = os.path.join(cache_folder("triton") or _scratch_folder(), key + ".py")
     if not (os.path.exists(path) and pathlib.Path(path).read_text() == source):
         fd, tmp = tempfile.mkstemp(suffix=".py", dir=os.path.dirname(path))
         with os.fdopen(fd, "w") as f:
@@ -795,57 +788,48 @@ def load_module(source: str):
 # ---------------------------------------------------------------------------------------
 # The compiled program
 # ---------------------------------------------------------------------------------------
-class CompiledProgram:
-    """``run(inputs) -> outputs`` of a LoopProgram, with ``.source`` and ``.kernels``; its
-    wrapper (backends/codegen.py, NOTE [wrapper memory]) allocates on the inputs' device and
-    follows a ``MemoryPlan`` that pools no intermediates (by default; comm buffers always have
-    their pools)."""
+class CompiledProgram(codegen.CompiledProgram):
+    """A LoopProgram as one module of ``@triton.jit`` kernels and the shared wrapper
+    (backends/codegen.py, NOTE [wrapper memory]), which allocates on the inputs' device."""
+
+    reserved = frozenset({"triton", "tl", "libdevice"})
 
     def __init__(self, program: LoopProgram, plan=None):
-        from ..passes import memory
-
-        self.program = program
-        self.plan = plan = plan or memory.plan(program, pool=False)
-        types = {b: buf.type for b, buf in program.buffers.items()}
-        taken = {"triton", "tl", "libdevice"}
-        writers, parts, self.kernels = {}, [prelude()], []
-        for i, k in enumerate(program.kernels):
-            if isinstance(k, Kernel):
-                writers[i] = w = _KernelWriter(k, identifier(k.name, taken), types)
-                text = w.source()
-                parts.append(text)
-            else:
-                text = extern_text(k)
-            self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
-        self.triton_source = "\n\n\n".join(parts) + "\n"
-        module = load_module(self.triton_source)
-
-        def launch(i, k, slot):
-            w = writers[i]
-            grid, options = w.launch_args()
-            fn, args = getattr(module, w.fname), tuple(slot[b] for b in w.buffers)
-            opts = ", ".join(f"{n}={v}" for n, v in options.items())
-            text = f"{w.fname}[{grid}]({', '.join(w.buffers)}{', err' * w.checks_error}, {opts})"
-
-            def run(env, device):
-                tensors = [env[s] for s in args]
-                if w.checks_error:  # NOTE [integer division by zero]
-                    tensors.append(self._error_flag(device))
-                fn[grid](*tensors, **options)
-                if w.checks_error and device.type == "cpu" and tensors[-1].item():
-                    tensors[-1].zero_()
-                    raise CheckError("ZeroDivisionError: integer division or remainder by zero")
-
-            return (run if w.numel else lambda env, device: None), text
-
-        self._wrapper = Wrapper(program, plan, launch)
-        self._constants = tuple((self._wrapper.slot[b], t) for b, t in program.constants.items())
+        self._types = {b: buf.type for b, buf in program.buffers.items()}
         self._on_device: dict = {}  # device -> constants there
         self._error_flags: dict = {}  # device -> the flag dividing kernels set
-        self._writers, self._module, self._types = writers, module, types
-        self.wrapper_source = self._wrapper.source
-        self.source = (self.triton_source + '\n\n"""Python wrapper:\n' + self.wrapper_source
-                       + '\n"""\n')
+        super().__init__(program, plan)
+
+    def write(self, kernel: Kernel, name: str):
+        w = _KernelWriter(kernel, name, self._types)
+        return w, w.source()
+
+    def load(self, texts: list[str]) -> str:
+        self.triton_source = "\n\n\n".join([prelude(), *texts]) + "\n"
+        self._module = load_module(self.triton_source)
+        return self.triton_source
+
+    def launch(self, i: int, k: Kernel, slot: dict):
+        w = self.writers[i]
+        grid, options = w.launch_args()
+        fn, args = getattr(self._module, w.fname), tuple(slot[b] for b in w.buffers)
+        opts = ", ".join(f"{n}={v}" for n, v in options.items())
+        text = f"{w.fname}[{grid}]({', '.join(w.buffers)}{', err' * w.checks_error}, {opts})"
+
+        def run(env, device):
+            tensors = [env[s] for s in args]
+            if w.checks_error:  # NOTE [integer division by zero]
+                tensors.append(self._error_flag(device))
+            fn[grid](*tensors, **options)
+            if w.checks_error and device.type == "cpu" and tensors[-1].item():
+                tensors[-1].zero_()
+                raise division_by_zero()
+
+        return (run if w.numel else lambda env, device: None), text
+
+    @staticmethod
+    def listing(wrapper_source: str) -> str:
+        return '\n\n"""Python wrapper:\n' + wrapper_source + '\n"""\n'
 
     def _device(self, inputs) -> torch.device:
         if inputs:
@@ -879,7 +863,7 @@ class CompiledProgram:
             grid, options = w.launch_args()
             getattr(self._module, w.fname).warmup(*args, grid=grid, **options)
 
-        writers = [w for w in self._writers.values() if w.numel]
+        writers = [w for w in self.writers.values() if w.numel]
         if len(writers) > 1 and not interpreting():
             with concurrent.futures.ThreadPoolExecutor(min(len(writers), 8)) as pool:
                 list(pool.map(warm_up, writers))
@@ -892,8 +876,7 @@ class CompiledProgram:
         return self._wrapper(inputs, device, self._on_device[device])
 
 
-def compile_program(program: LoopProgram, plan=None) -> CompiledProgram:
-    return CompiledProgram(program, plan)
+compile_program = CompiledProgram
 
 
 def compile_graph(graph):
