@@ -20,6 +20,14 @@ if not torch.cuda.is_available():
 plait.config.backend = "eager"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """Compiled code goes to a cache of the test session's own (equal programs across tests
+    are built once), never to the user's."""
+    with plait.config.patch(cache_dir=str(tmp_path_factory.mktemp("plait-cache"))):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_clean_config():
     """Every test starts from a fixed RNG seed and leaves plait.config as it found it."""

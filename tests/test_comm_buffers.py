@@ -31,12 +31,6 @@ F32 = torch.float32
 N = 100  # elements: 400 bytes, so a second buffer lands at the next 256-byte boundary
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(tmp_path_factory):
-    with plait.config.patch(cache_dir=str(tmp_path_factory.getbasetemp() / "plait-cache")):
-        yield
-
-
 # ---------------------------------------------------------------------------------------
 # Programs built by hand
 # ---------------------------------------------------------------------------------------

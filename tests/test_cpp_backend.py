@@ -43,18 +43,6 @@ x0, x1, x2 = loop_vars("x", 3)
 r0, r1 = loop_vars("r", 2)
 
 
-@pytest.fixture(scope="session")
-def shared_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("plait-cache"))
-
-
-@pytest.fixture(autouse=True)
-def _cache_dir(shared_cache):
-    """Builds go to a per-session cache (equal programs across tests are built once)."""
-    with plait.config.patch(cache_dir=shared_cache):
-        yield
-
-
 def load(buffer, index, dtype=F32):
     return Load(buffer, sympy.sympify(index), dtype)
 

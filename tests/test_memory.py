@@ -30,12 +30,6 @@ x0, x1 = loop_vars("x", 2)
 r0, = loop_vars("r", 1)
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(tmp_path_factory):
-    with plait.config.patch(cache_dir=str(tmp_path_factory.getbasetemp() / "plait-cache")):
-        yield
-
-
 def load(buffer, index):
     return Load(buffer, sympy.sympify(index), F32)
 

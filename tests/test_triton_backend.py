@@ -27,13 +27,6 @@ x0, x1, x2 = loop_vars("x", 3)
 r0, r1 = loop_vars("r", 2)
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(tmp_path_factory):
-    """Generated modules go to a per-session cache."""
-    with plait.config.patch(cache_dir=str(tmp_path_factory.getbasetemp() / "plait-cache")):
-        yield
-
-
 @pytest.fixture(params=["persistent", "looped"])
 def rows(request, monkeypatch):
     """Reductions as one tile per row, or looped in chunks of 4 (small rows exercise the
