@@ -16,6 +16,7 @@ from ..graph import Graph
 from ..graph.loops import (Apply, Constant, Extern, IndexValue, Load, LoopProgram, Reduce,
                            is_inner)
 from ..tracer.primitives import get_primitive
+from .codegen import extern_results
 
 
 def _index(expr, env: dict, shape):
@@ -110,8 +111,8 @@ def run_program(program: LoopProgram, inputs: Sequence[torch.Tensor]) -> list[to
     buffers |= program.constants
     for kernel in program.kernels:
         if isinstance(kernel, Extern):
-            outs = kernel.fn(*[buffers[n] for n in kernel.inputs], **dict(kernel.params))
-            buffers.update(zip(kernel.outputs, (o.contiguous() for o in outs)))
+            outs = extern_results(kernel, [buffers[n] for n in kernel.inputs], program)
+            buffers.update(zip(kernel.outputs, outs))
         else:
             _run_kernel(kernel, buffers, program)
     return [buffers[n] for n in program.outputs]
