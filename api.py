@@ -251,7 +251,8 @@ class Jitted:
                 self._cache.popitem(last=False)
                 _cache_log.debug("%s: evicted the oldest signature", name)
         else:
-            _cache_log.debug("hit %s", debug.function_name(self.fn))
+            if _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
+                _cache_log.debug("hit %s", debug.function_name(self.fn))
             self._cache.move_to_end(key)
         return compiled(tensors)
 
