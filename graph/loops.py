@@ -155,6 +155,9 @@ class Extern:
     # the inputs (and params) and returns the pending results, ``wait`` completes one; ``fn``
     # does both. passes.memory.overlap splits such an Extern into its start and a ``Wait``.
     split: tuple | None = None
+    # Runs where it was traced, nothing moving across it: it has an effect other than
+    # communicating (a check, a random draw) or a control edge orders it.
+    fenced: bool = False
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -179,6 +182,7 @@ class Wait:
     params: tuple
     label: str
     origins: frozenset = frozenset()
+    fenced = False  # a wait may move: as late as the first reader of its results
 
     @property
     def reads(self) -> tuple[str, ...]:

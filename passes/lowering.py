@@ -41,7 +41,7 @@ from ..graph.types import contiguous_strides
 from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, loop_vars, walk)
 from ..tracer import collectives
-from ..tracer.primitives import ELEMENTWISE, get_primitive
+from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
 
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
@@ -237,7 +237,8 @@ class _Lowering:
         prim = get_primitive(node.prim)
         label = str(node.kwargs["op"]) if node.prim == "opaque" else node.prim
         self.kernels.append(Extern(f"extern{len(self.kernels)}", _as_tuple(prim, views),
-                                   tuple(names), results, node.params, label, frozenset({n})))
+                                   tuple(names), results, node.params, label, frozenset({n}),
+                                   fenced=is_effectful(node) or n in self.ordered))
         for v, name in zip(outs, results):
             self.values[v] = self.in_memory(name)
 

@@ -72,7 +72,6 @@ from typing import Callable
 
 import attrs
 import sympy
-import torch
 
 from ..graph.loops import Extern, Kernel, Load, LoopProgram, Wait, is_inner, walk
 
@@ -204,17 +203,9 @@ def _hoistable(kernels: list, i: int, later: list[int], aliases: dict) -> bool:
 # Memory-aware order
 # ---------------------------------------------------------------------------------------
 def _barrier(k) -> bool:
-    """Does nothing move across it: a fenced kernel, or an extern with effects other than
-    communicating (a check with no result, an effectful primitive, a random ATen op)?"""
-    from ..tracer.primitives import PRIMITIVES
-
-    if isinstance(k, Kernel):
-        return k.fenced
-    if isinstance(k, Wait) or k.collective:
-        return False
-    op = dict(k.params).get("op")
-    return not k.outputs or getattr(PRIMITIVES.get(k.label), "effectful", False) or (
-        isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags)
+    """Does nothing move across it: a fenced kernel or extern (a control edge orders it, or
+    it has an effect other than communicating: lowering marks it)?"""
+    return k.fenced
 
 
 def _collective(k) -> bool:

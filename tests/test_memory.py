@@ -318,3 +318,17 @@ def test_donation_errors():
         plait.jit(sgd, static_argnums=0, donate_argnums=0)
     with pytest.raises(plait.errors.TraceError, match="donated .* shares memory"):
         plait.jit(sgd, backend="cpp", donate_argnums=0)(w, w[:])
+
+
+def test_lowering_fences_externs_with_effects():
+    """Lowering marks an extern with an effect (a random draw) fenced, so nothing moves
+    across it; a matmul is not."""
+    from plait.passes.fusion import fuse
+    from plait.passes.lowering import lower
+
+    def f(x, w):
+        return torch.rand_like(x) + x @ w
+
+    graph = plait.make_graph(f)(torch.randn(4, 4), torch.randn(4, 4))
+    externs = {k.label: k.fenced for k in fuse(lower(graph)).kernels if isinstance(k, Extern)}
+    assert externs == {"aten.rand_like.default": True, "dot_general": False}, externs
