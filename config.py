@@ -57,6 +57,9 @@ class Config:
     backend: str = attrs.field(factory=lambda: _env("backend", "auto", str))
     # Run the simplify passes (DCE, CSE, constant folding) before a backend sees a graph.
     simplify: bool = attrs.field(factory=lambda: _env("simplify", True, _to_bool))
+    # Softmax attention written out (softmax(q @ k.T * scale) @ v) runs as one fused attention
+    # kernel that never stores the scores (NOTE [attention fusion], passes/attention.py).
+    fuse_attention: bool = attrs.field(factory=lambda: _env("fuse_attention", True, _to_bool))
     # Constant folding evaluates nodes whose result has at most this many elements.
     fold_max_numel: int = attrs.field(factory=lambda: _env("fold_max_numel", 4096, int))
     # ATen ops with no decomposition run as opaque nodes that call torch; False raises instead.
@@ -79,6 +82,12 @@ class Config:
     cpp_compiler: str = attrs.field(factory=lambda: _env("cpp_compiler", "g++", str))
     cpp_flags: str = attrs.field(factory=lambda: _env(
         "cpp_flags", "-O3 -march=native -fopenmp -fwrapv -fno-math-errno -std=c++17 -lmvec", str))
+
+    # The triton backend times a few launch configurations of each kernel at its first launch
+    # and keeps the fastest, on disk beside the kernels (NOTE [autotuning], backends/triton.py).
+    # Not in the cache key: it changes no generated code, only how kernels are launched.
+    triton_autotune: bool = attrs.field(factory=lambda: _env("triton_autotune", False,
+                                                             _to_bool))
 
     # The memory passes of the compiling backends (passes/memory.py): kernels write into a
     # buffer they read where that is safe; kernels run in the order of least estimated peak;
@@ -107,7 +116,7 @@ class Config:
 
     def cache_key(self) -> tuple:
         """The knobs that change what a compiled function computes or how."""
-        return (self.simplify, self.fold_max_numel, self.allow_opaque, self.cpp_compiler,
+        return (self.simplify, self.fuse_attention, self.fold_max_numel, self.allow_opaque, self.cpp_compiler,
                 self.cpp_flags, self.inplace, self.reorder, self.plan_memory, self.overlap,
                 self.symm_mem_max_bytes, self.comm_pool_reuse)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
 import networkx as nx
@@ -221,3 +221,34 @@ class GraphBuilder:
 
     def build(self, outputs: Sequence[Value]) -> Graph:
         return Graph(self._g.copy(), self.inputs, outputs)
+
+
+def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...], tuple[int, ...]],
+                                          list[Value] | None] | None = None,
+            keep: set[int] | None = None) -> Graph:
+    """Rebuild ``graph`` node by node in topological order.
+
+    ``visit(builder, n, operands, control_preds)`` (operands and preds already remapped) may
+    return the values that replace node ``n``; returning None copies the node. Nodes outside
+    ``keep`` (when given) are dropped; input nodes are always kept.
+    """
+    b = GraphBuilder()
+    values: dict[Value, Value] = {}
+    ids: dict[int, int] = {}
+    for n in graph.order:
+        node = graph.node(n)
+        if keep is not None and n not in keep and node.prim != "input":
+            continue
+        operands = tuple(values[v] for v in graph.operands(n))
+        preds = tuple(ids[p] for p in graph.control_preds(n) if p in ids)
+        if node.prim == "input":
+            new = [b.add_input(node.out_types[0], node.kwargs.get("donated", False))]
+        else:
+            new = visit(b, n, operands, preds) if visit else None
+            if new is None:
+                new = b.add_node(node.prim, operands, node.kwargs, node.out_types,
+                                 node.provenance, after=preds)
+        for i, v in enumerate(new):
+            values[Value(n, i)] = v
+        ids[n] = new[0].node if new else b.last_node
+    return b.build([values[v] for v in graph.outputs])

@@ -1,4 +1,6 @@
 """Pure graph -> graph passes, each registered by name in ``PASSES``."""
+from .attention import fuse_attention
 from .simplify import PASSES, algebra, cse, dce, fold_constants, rewrite, simplify
 
-__all__ = ["PASSES", "algebra", "cse", "dce", "fold_constants", "rewrite", "simplify"]
+__all__ = ["PASSES", "algebra", "cse", "dce", "fold_constants", "fuse_attention", "rewrite",
+           "simplify"]

@@ -30,6 +30,7 @@ out.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable
 
 import attrs
@@ -98,6 +99,10 @@ def _loops(shape, prefix: str):
 def _clamp(e, n):
     return sympy.Max(0, sympy.Min(n - 1, e))
 
+
+# Externs whose implementations read strided operands as they are: a transposed operand is
+# passed as a view of its buffer, not copied.
+STRIDED_EXTERNS = frozenset(("dot_general", "attention"))
 
 # A value with several users is stored once rather than recomputed at each use when it costs
 # more than this many operations, or reads more than this many buffers of its own size
@@ -229,10 +234,9 @@ class _Lowering:
     def extern(self, n, node, operands, outs):
         names, views = [], []
         for v in operands:
-            name, permutation = self._transposed_buffer(v) if node.prim == "dot_general" \
-                else (None, None)
+            name, steps = self._buffer_view(v, strided=node.prim in STRIDED_EXTERNS)
             names.append(name or self.realize(v))
-            views.append(permutation)
+            views.append(steps)
         results = tuple(self.new_buffer("buf", t) for t in node.out_types)
         prim = get_primitive(node.prim)
         label = str(node.kwargs["op"]) if node.prim == "opaque" else node.prim
@@ -278,17 +282,20 @@ class _Lowering:
         self.values[v] = self.in_memory(name)  # its other users read it there
         return name
 
-    def _transposed_buffer(self, v: Value):
-        """A matmul operand that is a transpose of a buffer: the buffer and the permutation,
-        applied as a view when the extern runs (BLAS reads transposed operands as they are,
-        so no copy is stored)."""
-        node = self.graph.node(v.node)
-        if node.prim != "transpose":
-            return None, None
-        source = self.values[self.graph.operands(v.node)[0]]
-        if source.buffer is None or self.buffers[source.buffer].type.shape != source.type.shape:
-            return None, None
-        return source.buffer, node.kwargs["permutation"]
+    def _buffer_view(self, v: Value, strided: bool):
+        """An extern operand that is a view of a buffer: the buffer, and the view's steps
+        ((tensor method, argument), ...) that the extern applies when it runs, so no copy is
+        stored: a reshape of the whole buffer and, for an extern that reads strided
+        operands as they are (BLAS), a transpose of that. (None, ()) otherwise."""
+        steps = []
+        for prim, method, param in (("transpose", "permute", "permutation"),
+                                    ("reshape", "reshape", "shape")):
+            node = self.graph.node(v.node)
+            if node.prim == prim and (strided or prim == "reshape"):
+                steps.insert(0, (method, node.kwargs[param]))
+                (v,) = self.graph.operands(v.node)
+        source = self.values[v]
+        return (source.buffer, tuple(steps)) if steps and self.held(source) else (None, ())
 
     def reduction(self, n, node, x: Lazy, out: Value, fenced: bool):
         t = node.out_types[0]
@@ -344,10 +351,11 @@ def _origins(n: int, args) -> frozenset:
 
 
 def _as_tuple(prim, views=()):
-    """The primitive's eager implementation, always returning a tuple; operands with a
-    permutation in ``views`` are passed as that (strided) view of their buffer."""
+    """The primitive's eager implementation, always returning a tuple; each operand is
+    passed as the view of its buffer that its steps in ``views`` make."""
     def run(*tensors, **params):
-        tensors = [t.permute(p) if p else t for t, p in zip(tensors, views)] or tensors
+        tensors = [functools.reduce(lambda t, step: getattr(t, step[0])(step[1]), steps, t)
+                   for t, steps in zip(tensors, views)] or tensors
         out = prim.impl(*tensors, **params)
         return tuple(out) if prim.multiple_results else (out,)
 

@@ -14,39 +14,9 @@ import networkx as nx
 import torch
 
 from ..config import config
-from ..graph import Constant, Graph, GraphBuilder, TensorType, Value
+from ..graph import Constant, Graph, GraphBuilder, TensorType, Value, rewrite
 from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
-
-
-def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...], tuple[int, ...]],
-                                          list[Value] | None] | None = None,
-            keep: set[int] | None = None) -> Graph:
-    """Rebuild ``graph`` node by node in topological order.
-
-    ``visit(builder, n, operands, control_preds)`` (operands and preds already remapped) may
-    return the values that replace node ``n``; returning None copies the node. Nodes outside
-    ``keep`` (when given) are dropped; input nodes are always kept.
-    """
-    b = GraphBuilder()
-    values: dict[Value, Value] = {}
-    ids: dict[int, int] = {}
-    for n in graph.order:
-        node = graph.node(n)
-        if keep is not None and n not in keep and node.prim != "input":
-            continue
-        operands = tuple(values[v] for v in graph.operands(n))
-        preds = tuple(ids[p] for p in graph.control_preds(n) if p in ids)
-        if node.prim == "input":
-            new = [b.add_input(node.out_types[0], node.kwargs.get("donated", False))]
-        else:
-            new = visit(b, n, operands, preds) if visit else None
-            if new is None:
-                new = b.add_node(node.prim, operands, node.kwargs, node.out_types,
-                                 node.provenance, after=preds)
-        for i, v in enumerate(new):
-            values[Value(n, i)] = v
-        ids[n] = new[0].node if new else b.last_node
-    return b.build([values[v] for v in graph.outputs])
+from .attention import fuse_attention
 
 
 def dce(graph: Graph) -> Graph:
@@ -100,12 +70,27 @@ def fold_constants(graph: Graph) -> Graph:
         if node.prim in _SOURCES:  # keep the cheap generators as they are
             new = b.add_node(node.prim, operands, node.kwargs, node.out_types, node.provenance)
         else:
-            new = [b.add_node("constant", (), {"value": Constant(t.contiguous())}, (ty,),
-                              node.provenance)[0] for t, ty in zip(out, node.out_types)]
+            new = [_folded(b, t, ty, node.provenance) for t, ty in zip(out, node.out_types)]
         known.update(zip(new, out))
         return new
 
     return rewrite(graph, visit)
+
+
+def _folded(b: GraphBuilder, t: torch.Tensor, type: TensorType, provenance) -> Value:
+    """A folded value: a fill where every element is the same number, signed zeros told
+    apart (a broadcast scalar stays one number, which later passes recognize), else a
+    constant."""
+    t = t.contiguous()
+    if t.numel() and not t.is_complex():
+        value = t.reshape(-1)[0].item()
+        fill = torch.full_like(t, value)
+        if torch.equal(t, fill) and (not t.is_floating_point()
+                                     or torch.equal(t.signbit(), fill.signbit())):
+            return b.add_node("full", (), {"shape": type.shape, "dtype": type.dtype,
+                                           "device": type.device, "value": value}, (type,),
+                              provenance)[0]
+    return b.add_node("constant", (), {"value": Constant(t)}, (type,), provenance)[0]
 
 
 _NEUTRAL_RIGHT = {"div": 1, "sub": 0}  # x / 1 and x - 0 are x (x + 0 is not: -0.0 + 0.0)
@@ -128,6 +113,26 @@ def _does_nothing(prim: str, params: dict, source: TensorType, result: TensorTyp
 def _compose(outer: tuple, inner: tuple) -> tuple:
     """transpose(transpose(x, inner), outer) is transpose(x, _compose(outer, inner))."""
     return tuple(inner[i] for i in outer)
+
+
+def _reshape_before_transpose(b: GraphBuilder, v: Value, node) -> list | None:
+    """reshape(transpose(x)) as transpose(reshape(x)), where the transpose keeps x's leading
+    dims in place and the reshape changes only those (batched matmuls of transposed 4-D
+    operands are traced so; dot_general then absorbs the transpose)."""
+    (x,), p = b.operands(v.node), b.node(v.node).kwargs["permutation"]
+    moved = [d for d in range(len(p)) if p[d] != d]
+    kept = moved[0] if moved else len(p)  # p keeps dims [0, kept) in place
+    tail, shape = b.type_of(v).shape[kept:], node.out_types[0].shape
+    lead = len(shape) - len(tail)
+    if not moved or lead < 0 or tuple(shape[lead:]) != tuple(tail):
+        return None
+    t = node.out_types[0]
+    source_shape = (*shape[:lead], *b.type_of(x).shape[kept:])
+    (reshaped,) = b.add_node("reshape", (x,), {"shape": source_shape},
+                             (attrs.evolve(t, shape=source_shape),), node.provenance)
+    permutation = (*range(lead), *(lead + p[d] - kept for d in range(kept, len(p))))
+    return b.add_node("transpose", (reshaped,), {"permutation": permutation}, node.out_types,
+                      node.provenance)
 
 
 def _swapped_dot(b: GraphBuilder, dot: Value, permutation: tuple, node) -> list | None:
@@ -198,7 +203,8 @@ def _gathered(b: GraphBuilder, v: Value, index: Value, dim: int, provenance) -> 
 
 def algebra(graph: Graph) -> Graph:
     """Algebraic identities that leave fewer nodes and fewer copies for the compiler: x*1,
-    x/1, x-0; reshapes and transposes that do nothing or compose; a dot_general absorbs
+    x/1, x-0; reshapes and transposes that do nothing or compose; a reshape of the leading
+    dims moves before a transpose of the others; a dot_general absorbs
     transposed operands into its dimension numbers, and a transpose of a single-use
     dot_general that swaps its free dims swaps its operands instead. Every rule is exact in
     floating point (x+0 is not: -0.0 + 0.0 is +0.0).
@@ -228,8 +234,11 @@ def algebra(graph: Graph) -> Graph:
             return [operands[0]]
         inner = b.node(operands[0].node) if operands else None
         if node.prim == "reshape" and inner.prim == "reshape":
-            return b.add_node("reshape", b.operands(operands[0].node), kw, node.out_types,
-                              node.provenance)
+            (source,) = b.operands(operands[0].node)
+            return [source] if same(source) else b.add_node("reshape", (source,), kw,
+                                                            node.out_types, node.provenance)
+        if node.prim == "reshape" and inner.prim == "transpose":
+            return _reshape_before_transpose(b, operands[0], node)
         if node.prim == "transpose" and inner.prim == "transpose":
             p = _compose(kw["permutation"], inner.kwargs["permutation"])
             (source,) = b.operands(operands[0].node)
@@ -257,15 +266,16 @@ def algebra(graph: Graph) -> Graph:
 
 PASSES: dict[str, Callable[[Graph], Graph]] = {
     "dce": dce, "cse": cse, "fold_constants": fold_constants, "algebra": algebra,
+    "fuse_attention": fuse_attention,
 }
 
 
-PIPELINE = ("dce", "fold_constants", "algebra", "cse", "dce")
+PIPELINE = ("dce", "fold_constants", "fuse_attention", "algebra", "cse", "dce")
 
 
 def simplify(graph: Graph, on_pass: Callable[[str, Graph], None] | None = None) -> Graph:
-    """The default pipeline: DCE first (less to look at), then fold, algebraic identities, CSE,
-    and DCE again (the identities leave the nodes they bypass dead).
+    """The default pipeline: DCE first (less to look at), then fold, fuse attention, algebraic
+    identities, CSE, and DCE again (the rewrites leave the nodes they bypass dead).
 
     ``on_pass(name, graph)`` sees the graph after each pass (the debug report draws them)."""
     for name in PIPELINE:

@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 import plait
 from plait.graph import Graph
-from plait.passes import PASSES, algebra, cse, dce, fold_constants, simplify
+from plait.passes import PASSES, algebra, cse, dce, fold_constants, fuse_attention, simplify
 
 
 def prim_count(graph: Graph, prim: str) -> int:
@@ -26,7 +26,7 @@ def _run(graph: Graph, *inputs):
 
 def test_registry():
     assert PASSES == {"dce": dce, "cse": cse, "fold_constants": fold_constants,
-                      "algebra": algebra}
+                      "algebra": algebra, "fuse_attention": fuse_attention}
 
 
 # ---------------------------------------------------------------------------------------
@@ -174,6 +174,27 @@ def test_fold_constants_folds_ops_on_small_captured_constants():
     assert prim_count(final, "mul") == 0 and prim_count(final, "full") == 0
     assert prim_count(final, "constant") == 1
     assert_close(plait.jit(f)(x), f(x))
+
+
+@pytest.mark.parametrize("value", [2.5, -0.0, float("inf")])
+def test_fold_constants_keeps_a_uniform_result_a_fill(value):
+    """A folded value whose elements are all the same stays one number (a ``full``)."""
+    def f(x):
+        return x * (torch.ones_like(x) * value)
+
+    x = torch.randn(3)
+    folded = fold_constants(_traced(f, x)).validate()
+    fills = [folded.node(n) for n in folded.nx.nodes if folded.node(n).prim == "full"]
+    assert prim_count(folded, "constant") == 0
+    assert [n.out_types[0].shape for n in fills][-1] == (3,)
+    assert str(fills[-1].kwargs["value"]) == str(value)
+    assert_close(_run(folded, x)[0], f(x))
+
+
+def test_fold_constants_keeps_signed_zeros_apart():
+    c = torch.tensor([0.0, -0.0])
+    folded = fold_constants(_traced(lambda x: x + c * 1.0, torch.randn(2))).validate()
+    assert prim_count(folded, "constant") == 1 and prim_count(folded, "full") == 0
 
 
 def test_fold_constants_respects_fold_max_numel():

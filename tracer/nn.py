@@ -73,6 +73,23 @@ def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
 define("conv", _conv_infer, _conv_impl)
 
 
+# ---------------------------------------------------------------------------------------
+# The attention primitive: only the attention fusion pass makes one (NOTE [attention
+# fusion], passes/attention.py), after every transform, so it has no derivative or batching
+# rules; a backend runs it as an extern.
+# ---------------------------------------------------------------------------------------
+def _attention_infer(q, k, v, *, scale):
+    ok = (q.ndim == k.ndim == v.ndim >= 2 and q.dtype == k.dtype == v.dtype
+          and q.dtype.is_floating_point and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+          and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2])
+    _check(ok, "attention", "expected q [..., M, E], k [..., N, E], v [..., N, Ev]", q, k, v)
+    return (TensorType((*q.shape[:-1], v.shape[-1]), q.dtype, q.device),)
+
+
+define("attention", _attention_infer, lambda q, k, v, *, scale:
+       torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale))
+
+
 def _flipped_transpose(w, groups: int):
     """Kernel [groups * a, b, k...] -> [groups * b, a, k...], spatially flipped: within each
     group, inputs and outputs swap, which runs the convolution backwards."""
