@@ -1,7 +1,7 @@
 """The GPU benchmark of issues 5 and 6: plait's Triton backend against eager and
 torch.compile on a CUDA GPU, with each case's floor, cold compile times and peak memory.
 
-    python benchmarks/gpu.py [--quick] [--cases a,b] [--repeat N]
+    python benchmarks/gpu.py [--quick] [--cases a,b] [--repeat N] [--autotune]
     python benchmarks/run.py --device cuda       # sections (a), (b), then this
 
 Per case: eager, torch.compile (default mode) and plait times (median of CUDA-event timings
@@ -191,7 +191,7 @@ def _empty_caches():
         yield
 
 
-def bench(case: Case, quick: bool, repeat: int, rates: dict) -> dict:
+def bench(case: Case, quick: bool, repeat: int, rates: dict, tune: bool = False) -> dict:
     torch.manual_seed(0)
     args = case.make(quick)
     expected = case.torch_fn(*args)
@@ -203,6 +203,13 @@ def bench(case: Case, quick: bool, repeat: int, rates: dict) -> dict:
     row["plait_ms"], row["plait_mib"] = _time(jitted, args, repeat), _peak_mib(jitted, args)
     stats = jitted.lower(*args).stats
     row["kernels"] = f"{stats.get('kernels', 0)}+{stats.get('externs', 0)}"
+    if tune:  # NOTE [autotuning]: the same kernels, each launched as its fastest candidate
+        with plait.config.patch(triton_autotune=True):
+            tuned = plait.jit(case.plait_fn, backend="triton")
+            row["tune_s"] = _cold_s(tuned, args)
+            _check(tuned(*args), expected, "plait (autotuned)")
+            row["tuned_ms"] = _time(tuned, args, repeat)
+            row["tuned"] = tuned.lower(*args).compiled.tuned_launches
     torch._dynamo.reset()
     compiled = torch.compile(case.torch_fn)
     row["tc_cold_s"] = _cold_s(compiled, args)
@@ -216,12 +223,16 @@ def bench(case: Case, quick: bool, repeat: int, rates: dict) -> dict:
     return row
 
 
+def _mib(value: float) -> str:
+    return f"{value:.1f}" if value >= 10 else f"{value:.3f}"
+
+
 def _geomean(values) -> float:
     values = list(values)
     return math.exp(statistics.mean(map(math.log, values))) if values else float("nan")
 
 
-def run(cases: list[str], quick: bool, repeat: int) -> dict:
+def run(cases: list[str], quick: bool, repeat: int, tune: bool = False) -> dict:
     import torch._dynamo  # noqa: F401  (imported before anything is timed)
 
     rates = {"copy": _copy_rate(), "matmul": _matmul_rate()}
@@ -238,7 +249,7 @@ def run(cases: list[str], quick: bool, repeat: int) -> dict:
         torch.compile(lambda x: x.exp() + 1)(warm_up)
         for name in cases:
             try:
-                results[name] = bench(CASES[name], quick, repeat, rates)
+                results[name] = bench(CASES[name], quick, repeat, rates, tune)
             except Exception as e:  # reported, not fatal: the table shows what ran
                 results[name] = {"error": _reason(e)}
     header = ("case", "bound", "eager ms", "tc ms", "plait ms", "floor ms", "plait/floor",
@@ -252,9 +263,18 @@ def run(cases: list[str], quick: bool, repeat: int) -> dict:
         print(f"| {name} | {r['bound']} | {r['eager_ms']:.3f} | {r['tc_ms']:.3f} | "
               f"{r['plait_ms']:.3f} | {r['floor_ms']:.3f} | {r['plait_ms'] / r['floor_ms']:.2f} | "
               f"{r['tc_ms'] / r['floor_ms']:.2f} | {r['tc_ms'] / r['plait_ms']:.2f}x | "
-              f"{r['tc_cold_s']:.2f} | {r['plait_cold_s']:.2f} | {r['eager_mib']:.1f} | "
-              f"{r['tc_mib']:.1f} | {r['plait_mib']:.1f} | {r['kernels']} |")
+              f"{r['tc_cold_s']:.2f} | {r['plait_cold_s']:.2f} | {_mib(r['eager_mib'])} | "
+              f"{_mib(r['tc_mib'])} | {_mib(r['plait_mib'])} | {r['kernels']} |")
     done = [r for r in results.values() if "error" not in r]
+    if tune:
+        print("\n| case | plait ms | autotuned ms | tuned vs tc | tuning s | launches chosen |\n"
+              "|---|--:|--:|--:|--:|---|")
+        for name, r in results.items():
+            if "error" not in r:
+                chosen = "; ".join(f"{k.split()[0]}: X{c['XBLOCK']} R{c['RBLOCK']} "
+                                   f"w{c['num_warps']}" for k, c in sorted(r["tuned"].items()))
+                print(f"| {name} | {r['plait_ms']:.3f} | {r['tuned_ms']:.3f} | "
+                      f"{r['tc_ms'] / r['tuned_ms']:.2f}x | {r['tune_s']:.1f} | {chosen} |")
     print(f"\n  geometric mean, plait speedup over torch.compile: "
           f"{_geomean(r['tc_ms'] / r['plait_ms'] for r in done):.2f}x")
     print(f"  geometric mean, cold compile plait / torch.compile: "
@@ -268,6 +288,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, 5 repetitions")
     parser.add_argument("--repeat", type=int, help="timed repetitions (default 30)")
+    parser.add_argument("--autotune", action="store_true",
+                        help="also time plait with config.triton_autotune (NOTE [autotuning])")
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated, of {', '.join(CASES)}")
     opts = parser.parse_args(argv)
@@ -277,7 +299,7 @@ def main(argv=None) -> int:
     cases = [c for c in opts.cases.split(",") if c]
     if set(cases) - set(CASES):
         parser.error(f"unknown case(s) {sorted(set(cases) - set(CASES))}")
-    run(cases, opts.quick, opts.repeat or (5 if opts.quick else 30))
+    run(cases, opts.quick, opts.repeat or (5 if opts.quick else 30), opts.autotune)
     return 0
 
 

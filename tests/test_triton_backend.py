@@ -3,7 +3,9 @@ LoopPrograms (pointwise, persistent and looped reductions, externs, buffers), ev
 the interpreter's op set, plait.jit end to end with kernel counts, and an OpInfo sweep."""
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 
 import pytest
 
@@ -356,3 +358,60 @@ def test_row_stores_that_need_no_reduction_share_its_pass(monkeypatch):
 
     source = jitted(f, torch.randn(5, 37)).kernels[0].source
     assert source.count("for roff") == 1 and source.count("tl.load") == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Autotuning (NOTE [autotuning])
+# ---------------------------------------------------------------------------------------
+def _layer_norm_of_matmul(a, b):
+    return torch.nn.functional.layer_norm(torch.relu(a @ b) * 2, (b.shape[1],))
+
+
+AUTOTUNED = {
+    "pointwise": (lambda x: torch.exp(x) * 2 + 1, (torch.randn(33, 17),)),
+    "persistent_rows": (lambda x: torch.softmax(x, -1), (torch.randn(9, 40),)),
+    "looped_rows": (lambda x: torch.log_softmax(x, -1), (torch.randn(2, 4100),)),
+    "in_place": (_layer_norm_of_matmul, (torch.randn(6, 5), torch.randn(5, 24))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AUTOTUNED))
+def test_autotuning_keeps_the_fastest_launch_and_remembers_it(case, tmp_path, monkeypatch):
+    """Every candidate launch runs (on copies of the written buffers); the fastest is used,
+    written beside the kernels, and read back by a later compilation without timing."""
+    fn, args = AUTOTUNED[case]
+    clock = iter(range(1000, 0, -1))  # each candidate timed "faster" than the one before
+
+    def fake_time(launch, device):
+        launch()
+        return next(clock)
+
+    monkeypatch.setattr(triton_backend, "time_launch", fake_time)
+    with plait.config.patch(triton_autotune=True, cache_dir=str(tmp_path)):
+        jit = plait.jit(fn, backend="triton")
+        torch.testing.assert_close(jit(*args), fn(*args))
+        compiled = jit.lower(*args).compiled
+        assert bool(compiled.program.aliases) == (case == "in_place")
+        tuning = json.loads(pathlib.Path(compiled._tuning_path).read_text())
+        chosen = {w.fname: w.candidates()[-1] for w in compiled.writers.values()}
+        assert tuning == {f"{name} on interpreter": c for name, c in chosen.items()}
+        assert all(len(w.candidates()) > 4 for w in compiled.writers.values())
+
+        def no_timing(launch, device):
+            raise AssertionError("a tuned kernel was timed again")
+
+        monkeypatch.setattr(triton_backend, "time_launch", no_timing)
+        again = plait.jit(lambda *a: fn(*a), backend="triton")
+        torch.testing.assert_close(again(*args), fn(*args))
+        torch.testing.assert_close(jit(*args), fn(*args))
+
+
+def test_autotuning_reads_past_a_damaged_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(triton_backend, "time_launch", lambda launch, device: launch() or 1.0)
+    x = torch.randn(8, 8)
+    with plait.config.patch(triton_autotune=True, cache_dir=str(tmp_path)):
+        jit = plait.jit(lambda x: x.cos() + 1, backend="triton")
+        path = pathlib.Path(jit.lower(x).compiled._tuning_path)
+        path.write_text("{truncated")
+        torch.testing.assert_close(jit(x), x.cos() + 1)
+        assert json.loads(path.read_text())  # rewritten whole
