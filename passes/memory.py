@@ -30,9 +30,9 @@ reorder -> overlap -> plan``, each behind its switch in ``plait.config`` (``inpl
   draws) are barriers: nothing moves across them, so effects keep their traced order.
   Collectives are chained instead: each after the one before (every rank issues them in one
   order) and between the barriers around it, while compute moves across them. Several
-  topological orders are tried (the given one, two greedy ones with a heap, BFS and DFS),
-  each O(E log V) at most, and the one with the lowest peak wins; the given order stays unless
-  another is strictly better.
+  topological orders are tried (the given one, two greedy ones with a heap, BFS, and DFS from
+  the first root and from the last), each O(E log V) at most, and the one with the lowest
+  peak wins; the given order stays unless another is strictly better.
 * ``overlap``: NOTE [overlap].
 * ``plan``: first the comm pools: one per (comm buffer type, group), holding its comm buffers
   (NOTE [comm buffers]) at offsets placed first-fit, in order of first use, at the lowest
@@ -254,10 +254,17 @@ class _Fifo(collections.deque):
 
 
 class _Lifo(list):
+    """A depth-first walk from the first root (``last_root``: from the last; which root a
+    walk should start from depends on the program, so both are tried)."""
+
     push = list.append
 
-    def seed(self, ks):  # the first seed on top: a depth-first walk from it
-        self.extend(reversed(ks))
+    def __init__(self, last_root: bool = False):
+        super().__init__()
+        self.last_root = last_root
+
+    def seed(self, ks):
+        self.extend(ks if self.last_root else reversed(ks))
 
     def changed(self, k):
         pass
@@ -340,6 +347,7 @@ def _schedule(program: LoopProgram, lv: Liveness, succ, frontier_of: Callable) -
 STRATEGIES = {
     "bfs": lambda alloc, freed: _Fifo(),
     "dfs": lambda alloc, freed: _Lifo(),
+    "dfs_last_root": lambda alloc, freed: _Lifo(last_root=True),
     "least_peak": lambda alloc, freed: _Greedy(lambda a, f: (a, a - f), alloc, freed),
     "least_live": lambda alloc, freed: _Greedy(lambda a, f: (a - f, a), alloc, freed),
 }
