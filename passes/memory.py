@@ -355,15 +355,26 @@ STRATEGIES = {
 
 def reorder(program: LoopProgram) -> LoopProgram:
     """The kernels in the order, among the strategies' topological orders, with the lowest
-    estimated peak; the given order unless another is strictly lower."""
+    estimated peak; the given order unless another is strictly lower. An order that starts a
+    collective after more kernels than the given one does is not taken: the compute it
+    would move before the collective is what hides the communication (NOTE [overlap])."""
     succ, lv = _successors(program), liveness(program)
     best, best_peak = program, lv.peak
+    starts = _collective_starts(program.kernels, range(len(program.kernels)))
     for strategy in STRATEGIES.values():
         order = _schedule(program, lv, succ, strategy)
+        if any(a > b for a, b in zip(_collective_starts(program.kernels, order), starts)):
+            continue
         candidate = attrs.evolve(program, kernels=tuple(program.kernels[i] for i in order))
         if (peak := liveness(candidate).peak) < best_peak:
             best, best_peak = candidate, peak
     return best
+
+
+def _collective_starts(kernels, order) -> list[int]:
+    """How many kernels run before each collective (in their order among themselves, which
+    every order keeps), in ``order``."""
+    return [position for position, i in enumerate(order) if _collective(kernels[i])]
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ NOTE [how an op is traced]
 The user's function runs under ``torch.func.functionalize`` on ``TracerTensor`` inputs.
 Functionalization turns in-place ops, ``out=`` and writes through views into functional ops
 (and, at the end, a ``copy_`` into every mutated input, which becomes a write-back output).
-Every ATen op then reaches ``TracerTensor.__torch_dispatch__`` and ``Trace.dispatch``, which
-tries, in order:
+Every ATen op then reaches ``Trace.dispatch`` (through ``_TraceMode``: NOTE [tracing through
+a mode]), which tries, in order:
   1. a plait handler (``HANDLERS``, filled by ``tracer/aten.py``) that emits primitives;
   2. PyTorch's decomposition table (``torch._refs`` and ``torch._decomp``): the decomposition
      runs on tracers, so its ops come back here, and ``torch.ops.prims`` ops map 1:1 to plait
@@ -534,10 +534,33 @@ class _FunctionCapture(TorchFunctionMode):
         return func(*args, **(kwargs or {})) if out is NotImplemented else out
 
 
-class _SeededOpsIntoTrace(TorchDispatchMode):
+class _Mode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No ``_disable_dynamo`` layer around __torch_dispatch__, whose first call would
+        # import torch._dynamo (NOTE [dynamo import]); plait's modes never run under dynamo.
+        return False
+
+
+class _SeededOpsIntoTrace(_Mode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in func.tags:
             return current_trace().opaque(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+class _TraceMode(_Mode):
+    """NOTE [tracing through a mode]: torch's C++ dispatch to a tensor subclass first asks
+    whether an argument is a DTensor, and that check imports torch.distributed.tensor: about
+    80 ms once per process, the bulk of a warm start from the disk cache. A dispatch mode is
+    asked before any subclass and skips the check, so while tracing, ops on tracers reach
+    the trace through this mode (``TracerTensor.__torch_dispatch__`` remains for a tracer
+    used outside its trace, which raises). The decompositions an op runs come back here."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, TracerTensor) for t in types):
+            with self:
+                return current_trace(func).dispatch(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 
@@ -545,7 +568,7 @@ class _SeededOpsIntoTrace(TorchDispatchMode):
 def tracing(trace: Trace):
     _TRACES.append(trace)
     try:
-        with _FunctionCapture(), no_dynamo_import():
+        with _FunctionCapture(), no_dynamo_import(), _TraceMode():
             yield trace
     finally:
         _TRACES.pop()
