@@ -650,15 +650,17 @@ def test_the_default_backend_follows_the_device():
     assert plait.jit(lambda x: x, backend="loops").lower(cpu).backend == "loops"
 
 
-def test_compiling_does_not_import_dynamo():
+def test_compiling_does_not_import_dynamo_or_dtensor():
     """NOTE [dynamo import]: tracing, folding and compiling leave torch._dynamo unimported
-    (most of a second per process), and leave torch's dynamo-disabled wrappers as they were."""
+    (most of a second per process), and leave torch's dynamo-disabled wrappers as they were;
+    NOTE [tracing through a mode]: nor is torch.distributed.tensor imported."""
     code = ("import sys, torch, plait\n"
             "from plait.tracer.trace import _dynamo_layers\n"
             "f = lambda w, x: torch.nn.functional.gelu(x @ w).div(3).softmax(-1).sum()\n"
             "w, x = torch.randn(4, 4), torch.randn(2, 4)\n"
             "got = plait.jit(plait.grad(f), backend='cpp')(w, x)\n"
             "assert 'torch._dynamo' not in sys.modules, 'imported'\n"
+            "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor imported'\n"
             "assert not any(hasattr(l, '__dynamo_disable') for l in _dynamo_layers())\n"
             "torch.testing.assert_close(got, torch.func.grad(f)(w, x))\n"
             "print(len(_dynamo_layers()))\n")
