@@ -32,7 +32,8 @@ reorder -> overlap -> plan``, each behind its switch in ``plait.config`` (``inpl
   order) and between the barriers around it, while compute moves across them. Several
   topological orders are tried (the given one, two greedy ones with a heap, BFS, and DFS from
   the first root and from the last), each O(E log V) at most, and the one with the lowest
-  peak wins; the given order stays unless another is strictly better.
+  peak wins; the given order stays unless another is strictly better. Each is measured as it
+  will run, after ``overlap``, and one that narrows a collective's overlap is not taken.
 * ``overlap``: NOTE [overlap].
 * ``plan``: first the comm pools: one per (comm buffer type, group), holding its comm buffers
   (NOTE [comm buffers]) at offsets placed first-fit, in order of first use, at the lowest
@@ -155,7 +156,7 @@ def reuse(program: LoopProgram) -> LoopProgram:
     kernels = list(program.kernels)
     # a collective may read its operands until its wait (NOTE [overlap]), which comes later
     kept = {*(set(program.inputs) - program.donated), *program.constants, *program.outputs,
-            *(b for k in kernels if isinstance(k, Extern) and k.collective for b in k.reads),
+            *(b for k in kernels if _collective(k) for b in k.reads),
             *(b for b, buf in program.buffers.items() if buf.comm)}
     aliases = dict(program.aliases)
     taken = set(aliases.values())  # a buffer's memory goes to one new buffer
@@ -192,10 +193,9 @@ def _hoistable(kernels: list, i: int, later: list[int], aliases: dict) -> bool:
     written before ``i``, writes no buffer in place, and no barrier lies between?"""
     if not later:
         return True
-    written_before = {b for k in kernels[:i] for b in k.writes}
-    written_after = {b for k in kernels[i:] for b in k.writes}
+    written_after = {b for k in kernels[i:] for b in k.writes}  # each buffer is written once
     return not any(_barrier(k) for k in kernels[i:later[-1] + 1]) and all(
-        not (set(kernels[j].reads) & written_after - written_before)
+        not (set(kernels[j].reads) & written_after)
         and not any(w in aliases for w in kernels[j].writes) for j in later)
 
 
@@ -353,28 +353,33 @@ STRATEGIES = {
 }
 
 
-def reorder(program: LoopProgram) -> LoopProgram:
+def reorder(program: LoopProgram,
+            then: Callable[[LoopProgram], LoopProgram] | None = None) -> LoopProgram:
     """The kernels in the order, among the strategies' topological orders, with the lowest
-    estimated peak; the given order unless another is strictly lower. An order that starts a
-    collective after more kernels than the given one does is not taken: the compute it
-    would move before the collective is what hides the communication (NOTE [overlap])."""
+    estimated peak; the given order unless another is strictly lower. ``then`` is the pass
+    that runs next (``overlap``): each order is measured as it will run, after it, and one
+    where a collective overlaps fewer kernels than in the given order is not taken (the
+    compute between its start and its wait hides its communication, NOTE [overlap])."""
+    settle = then or (lambda p: p)
     succ, lv = _successors(program), liveness(program)
-    best, best_peak = program, lv.peak
-    starts = _collective_starts(program.kernels, range(len(program.kernels)))
+    given = settle(program)
+    best, best_peak, windows = program, liveness(given).peak, _overlap_windows(given)
     for strategy in STRATEGIES.values():
         order = _schedule(program, lv, succ, strategy)
-        if any(a > b for a, b in zip(_collective_starts(program.kernels, order), starts)):
-            continue
         candidate = attrs.evolve(program, kernels=tuple(program.kernels[i] for i in order))
-        if (peak := liveness(candidate).peak) < best_peak:
+        settled = settle(candidate)
+        if (peak := liveness(settled).peak) < best_peak and all(
+                n >= windows[start] for start, n in _overlap_windows(settled).items()):
             best, best_peak = candidate, peak
     return best
 
 
-def _collective_starts(kernels, order) -> list[int]:
-    """How many kernels run before each collective (in their order among themselves, which
-    every order keeps), in ``order``."""
-    return [position for position, i in enumerate(order) if _collective(kernels[i])]
+def _overlap_windows(program: LoopProgram) -> dict[str, int]:
+    """For each collective waited for apart: how many steps run between its start and its
+    wait."""
+    position = {k.name: i for i, k in enumerate(program.kernels)}
+    return {k.start: i - position[k.start] - 1 for i, k in enumerate(program.kernels)
+            if isinstance(k, Wait)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -520,8 +525,9 @@ def optimize(program: LoopProgram) -> tuple[LoopProgram, "MemoryPlan"]:
     from ..config import config
 
     program = reuse(program) if config.inplace else program
-    program = reorder(program) if config.reorder else program
-    program = overlap(program) if config.overlap else program
+    then = overlap if config.overlap else None
+    program = reorder(program, then) if config.reorder else program
+    program = then(program) if then else program
     return program, plan(program, pool=config.plan_memory, comm_reuse=config.comm_pool_reuse)
 
 

@@ -161,6 +161,22 @@ def test_intermediates_may_use_a_pools_free_ranges(fake_types):
 # ---------------------------------------------------------------------------------------
 # Collectives keep their order; the start/wait split
 # ---------------------------------------------------------------------------------------
+def test_the_memory_order_keeps_what_a_collective_overlaps():
+    """Measured before the overlap, running b2 right after b0 (its producer, 4x bigger)
+    lowers the peak and moves no collective; after the overlap it would leave nothing
+    between the start of c_b3 and its wait. reorder measures each order after the pass that
+    follows it."""
+    split = {"split": (lambda t: t * 2, lambda t: t)}
+    given = program([exp("b0", "x"), exp("b1", "x"), exp("b2", "b0"),
+                     coll("b3", "b1", **split)], ["b2", "b3"], sizes={"b0": 4 * N})
+    names = lambda p: [k.name for k in p.kernels]  # noqa: E731
+    unaware = memory.reorder(given)
+    assert names(unaware) == ["k_b0", "k_b2", "k_b1", "c_b3"]
+    assert names(memory.overlap(unaware))[-2:] == ["c_b3", "wait_c_b3"]  # overlaps nothing
+    aware = memory.reorder(given, then=memory.overlap)
+    assert names(memory.overlap(aware)) == ["k_b0", "k_b1", "c_b3", "k_b2", "wait_c_b3"]
+
+
 def test_collectives_keep_program_order():
     """Started first, c0's big result would rather come last: the memory-aware order would
     swap two independent collectives, but never does."""
