@@ -228,7 +228,7 @@ def _kernel_sections(lowered) -> list[Section]:
 
 def _memory_sections(lowered) -> list[Section]:
     """The memory timeline (NOTE [memory timeline]) and a table of its buffers. A backend
-    without a memory plan (triton, loops) allocates every storage on its own: the plan
+    without a memory plan (loops) allocates every storage on its own: the plan
     without a pool, which is what ``stats["peak_bytes"]`` estimates."""
     program = _program(lowered)
     if program is None or not program.kernels:

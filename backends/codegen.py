@@ -165,7 +165,8 @@ def cache_folder(kind: str) -> str | None:
 
 @attrs.frozen
 class CompiledKernel:
-    """One step of a compiled program, for inspection: a C++ function or an extern call."""
+    """One step of a compiled program, for inspection: a generated kernel (C++ or Triton), an
+    extern call, or the wait of a collective."""
 
     name: str
     source: str

@@ -14,7 +14,7 @@ Reductions. A kernel with reduction loops works on ``[XBLOCK, RBLOCK]`` tiles: `
 outer points per program (``x..`` have shape ``[XBLOCK, 1]``) by ``RBLOCK`` points of the
 flattened reduction loops (``r..`` have shape ``[1, RBLOCK]``, recovered like the outer ones).
 Its reductions run in dependency-ordered passes (``codegen.levels``: softmax's max, then its sum)
-and its inner stores in a final pass. When the rows fit in one tile (``R <= PERSISTENT_MAX``)
+and its inner stores in a final pass (those that need no reduction in the first). When the rows fit in one tile (``R <= PERSISTENT_MAX``)
 the kernel is *persistent*: no loop, every pass shares the loaded tile and each Reduce is one
 ``tl.reduce`` over axis 1. Otherwise each pass loops over the rows in ``RBLOCK`` chunks,
 combining into a per-lane accumulator tile that is reduced across lanes after the loop, and
@@ -32,7 +32,8 @@ differs from torch go through small ``@triton.jit`` helpers in ``_PRELUDE`` (NaN
 maximum, Python-signed remainder, truncating integer division, out-of-range shifts, rounding
 half to even, negation that keeps the sign of zero, float fmod through libdevice on the GPU,
 float-to-narrow-int conversion through int32). Integer division by zero raises
-in eager: such kernels get an error-flag buffer that the wrapper checks after the launch.
+in eager: such kernels get an error-flag buffer (NOTE [integer division by zero]), read after
+the launch where eager raises too.
 Index arithmetic is int32 unless the kernel's domain, a buffer it touches or a constant of its
 index expressions reaches 2**31; then the program id, and so every index, is int64.
 
@@ -810,6 +811,14 @@ def _scratch_folder() -> str:
     return tempfile.mkdtemp(prefix="plait-triton-")
 
 
+def _write_atomically(path: str, text: str) -> None:
+    """A concurrent reader sees the old file or the new one, never a partial file."""
+    fd, tmp = tempfile.mkstemp(suffix=os.path.splitext(path)[1], dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def load_module(source: str):
     """Import ``source`` from ``<cache_dir>/triton/<hash>.py`` (Triton reads kernels' source
     through ``inspect``, so they must live in real files); equal sources share the file."""
@@ -819,10 +828,7 @@ def load_module(source: str):
         return sys.modules[name]
     path = os.path.join(cache_folder("triton") or _scratch_folder(), key + ".py")
     if not (os.path.exists(path) and pathlib.Path(path).read_text() == source):
-        fd, tmp = tempfile.mkstemp(suffix=".py", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)  # atomic: a concurrent reader never sees a partial file
+        _write_atomically(path, source)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -859,13 +865,6 @@ def _read_tuning(path: str) -> dict:
         return {}
 
 
-def _write_tuning(path: str, tuning: dict) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-        json.dump(tuning, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
-
-
 # ---------------------------------------------------------------------------------------
 # The compiled program
 # ---------------------------------------------------------------------------------------
@@ -899,17 +898,21 @@ class CompiledProgram(codegen.CompiledProgram):
         fn, args = getattr(self._module, w.fname), tuple(slot[b] for b in w.buffers)
         opts = ", ".join(f"{n}={v}" for n, v in options.items())
         text = f"{w.fname}[{grid}]({', '.join(w.buffers)}{', err' * w.checks_error}, {opts})"
-        written = {slot[b] for b in k.writes}
+        written = tuple(b in k.writes for b in w.buffers)
+        tuned: dict = {}  # device -> (grid, options), found at the first tuned launch there
 
         def run(env, device):
             tensors = [env[s] for s in args]
             if w.checks_error:  # NOTE [integer division by zero]
                 tensors.append(self._error_flag(device))
-            if config.triton_autotune:
-                tuned = self._tuned(w, fn, tensors, [s in written for s in args], device)
-                fn[w.grid(tuned)](*tensors, **tuned)
-            else:
+            if not config.triton_autotune:
                 fn[grid](*tensors, **options)
+            else:
+                if device not in tuned:
+                    best = self._tuned(w, fn, tensors, written, device)
+                    tuned[device] = w.grid(best), best
+                tuned_grid, tuned_options = tuned[device]
+                fn[tuned_grid](*tensors, **tuned_options)
             if w.checks_error and device.type == "cpu" and tensors[-1].item():
                 tensors[-1].zero_()
                 raise division_by_zero()
@@ -945,7 +948,7 @@ class CompiledProgram(codegen.CompiledProgram):
         return dict(self._tuning if self._tuning is not None else
                     _read_tuning(self._tuning_path))
 
-    def _tuned(self, w, fn, tensors: list, written: list[bool], device) -> dict:
+    def _tuned(self, w, fn, tensors: list, written: tuple[bool, ...], device) -> dict:
         """NOTE [autotuning]: the fastest of ``w.candidates()`` for this kernel on this
         device, timed on the first launch (on copies of the buffers it writes, so the
         program's data is untouched) and kept in ``<module>.tune.json`` beside the kernels."""
@@ -970,7 +973,8 @@ class CompiledProgram(codegen.CompiledProgram):
             _log.debug("autotuned %s: %s, %.4f ms (heuristic %s, %.4f ms)", key, best,
                        timings[best] * 1e3, w.launch_options(),
                        timings[json.dumps(w.launch_options())] * 1e3)
-            _write_tuning(self._tuning_path, self._tuning)
+            _write_atomically(self._tuning_path, json.dumps(self._tuning, indent=1,
+                                                            sort_keys=True))
         return self._tuning[key]
 
     def _compile_kernels(self, device: torch.device) -> None:
@@ -981,8 +985,7 @@ class CompiledProgram(codegen.CompiledProgram):
         aligned as the buffers are, so the launches find these compiled variants."""
         def warm_up(w):
             args = [torch.empty(1, dtype=self._types[b].dtype, device=device)
-                    for b in w.buffers] + ([torch.zeros(1, dtype=torch.int32, device=device)]
-                                           if w.checks_error else [])
+                    for b in w.buffers] + [self._error_flag(device)] * w.checks_error
             options = w.launch_options()
             getattr(self._module, w.fname).warmup(*args, grid=w.grid(options), **options)
 

@@ -1,19 +1,19 @@
 """The memory timeline: a loop program's buffers against kernel order, drawn as SVG.
 
 NOTE [memory timeline]
-Drawn from ``passes.memory.report`` (what ``Lowered.memory`` returns) and the plan's live bytes
-during each kernel, recomputing nothing. Columns are the kernels and externs in execution
-order, each labelled at the top. Each buffer some kernel uses is one bar, from the first to
-the last kernel using it, labelled with its size. Colour is memory: a bar takes the colour of
-its storage, one per pool slot (buffers of one colour in one slot reuse its memory over time),
-grey for inputs and constants, blue for other allocations of their own. A buffer written in
-place into the storage of one it took over has a dashed outline and a connector to that buffer
-at the kernel where it takes over: it adds no bytes. Inputs and constants are held for the
-whole call and outputs (red outline) kept to the end, drawn as thin lines to the edges. Above
-the bars, the live bytes during each kernel as a step curve: each storage once, pool slots
-while held, as the memory plan counts them. The peak kernel is marked across the chart with
-its byte count, ``report["peak_bytes"]``. A row per buffer and a column per kernel, built in
-O(buffers + kernels): hundreds of buffers stay readable in a scrolling box.
+Drawn from ``passes.memory.report`` (what ``Lowered.memory`` returns) and the plan's live
+bytes during each kernel, recomputing nothing. Columns are the kernels, externs and waits in
+execution order, each labelled at the top. Each buffer some kernel uses is one bar, from the
+first to the last kernel using it, labelled with its size. Colour is memory: a bar takes the
+colour of its storage, one per pool slot (buffers of one colour in one slot reuse its memory
+over time), grey for inputs and constants, blue for other allocations of their own. A buffer
+written in place into the storage of one it took over has a dashed outline and a connector to
+that buffer at the kernel where it takes over: it adds no bytes. Inputs and constants are held
+for the whole call and outputs (red outline) kept to the end, drawn as thin lines to the
+edges. Above the bars, the live bytes during each kernel as a step curve: each storage once,
+pool slots while held, as the memory plan counts them. The peak kernel is marked across the
+chart with its byte count, ``report["peak_bytes"]``. A row per buffer and a column per kernel,
+built in O(buffers + kernels): hundreds of buffers stay readable in a scrolling box.
 """
 from __future__ import annotations
 
