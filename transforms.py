@@ -15,7 +15,6 @@ its results again on exit.
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 from typing import Any, Callable, Sequence
 
@@ -55,19 +54,20 @@ def _staged(body: Callable) -> Callable:
 _BUILTIN_BODIES: dict = {}  # builtin function -> {key: staged body} (builtins live forever)
 
 
-def _staged_for(func: Callable, key: tuple, make: Callable[[], Callable]) -> Callable:
-    """``_staged(make())``, made once per (``func``, ``key``): ``key`` names everything else
-    the body depends on. They are kept on the function itself, so they go with it (the body
-    refers to ``func``: kept anywhere else, they would keep it alive); a bound method, made
-    anew at each access and sharing its function's attributes, is not cached."""
+def _staged_for(func: Callable, key: tuple, body: Callable) -> Callable:
+    """``_staged(body)``, made once per (``func``, ``key``): ``key`` names everything else
+    the body depends on. They are kept on a Python function itself, so they go with it (the
+    body refers to ``func``: kept anywhere else, they would keep it alive); other callables
+    (modules, partials, bound methods made anew at each access) are not cached, so nothing
+    is written into the user's objects."""
     if isinstance(func, types.BuiltinFunctionType):
         bodies = _BUILTIN_BODIES.setdefault(func, {})
-    elif hasattr(func, "__dict__") and not inspect.ismethod(func):
+    elif isinstance(func, types.FunctionType):
         bodies = vars(func).setdefault("_plait_staged", {})
     else:
-        return _staged(make())
+        return _staged(body)
     if key not in bodies:
-        bodies[key] = _staged(make())
+        bodies[key] = _staged(body)
     return bodies[key]
 
 
@@ -221,7 +221,7 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
         return tuple(pytree.tree_unflatten(g, pytree.tree_structure(p))
                      for g, p in zip(grouped, primal_args))
 
-    staged = _staged_for(func, ("vjp", len(primals), has_aux), lambda: backward)
+    staged = _staged_for(func, ("vjp", len(primals), has_aux), backward)
 
     def vjp_fn(cotangents):
         return staged(primals, cotangents)
@@ -235,7 +235,7 @@ def _forward(func: Callable, primals: tuple):
         t = _Traced(func, p, {})
         return t.outputs(inline(t.graph, t.inputs))
 
-    return _staged_for(func, ("forward",), lambda: run)(*primals)
+    return _staged_for(func, ("forward",), run)(*primals)
 
 
 # ---------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, has_aux: bool = False):
         tangent_out, _ = _split_aux(t.outputs(results[n:]), has_aux, "jvp")
         return (out, tangent_out, aux) if has_aux else (out, tangent_out)
 
-    return _staged_for(func, ("jvp", has_aux), lambda: body)(primals, tangents)
+    return _staged_for(func, ("jvp", has_aux), body)(primals, tangents)
 
 
 def _broadcast_prefix(prefix, tree, what: str) -> list:
@@ -347,7 +347,7 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
         return pytree.tree_unflatten(placed, pytree.tree_structure(out))
 
     key = ("vmap", tuple(dims), repr(out_dims), randomness)
-    return _staged_for(func, key, lambda: body)(args, kwargs)
+    return _staged_for(func, key, body)(args, kwargs)
 
 
 # ---------------------------------------------------------------------------------------

@@ -235,3 +235,16 @@ def test_one_shot_transforms_reuse_their_compilation(monkeypatch):
             run()
         assert len(lowered) == traces
     torch.testing.assert_close(plait.jvp(f, (x,), (x,))[1], torch.func.jvp(f, (x,), (x,))[1])
+
+
+def test_transforms_write_nothing_into_the_users_objects():
+    """A module (any callable that is not a Python function) keeps no cached compilation:
+    it still pickles after a transform ran on it, and it gets eager's gradients."""
+    import pickle
+
+    model, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    out, pullback = plait.vjp(model, x)
+    (grad,) = pullback(torch.ones_like(out))
+    torch.testing.assert_close(grad, torch.ones(4, 2) @ model.weight)
+    assert "_plait_staged" not in vars(model)
+    pickle.loads(pickle.dumps(model))
