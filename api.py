@@ -130,11 +130,13 @@ class _Compiled:
         self._out_tree, self._out_leaves = traced.out_tree, traced.out_leaves
         self._mutated = traced.mutated_inputs
         self._donated = donated
+        # the arguments the compiled code writes, and why (checked for aliasing per call)
+        self._written = {i: "is donated (donate_argnums)" for i in donated} | {
+            i: "is mutated by the function" for i in self._mutated}
 
     def __call__(self, tensors: list[torch.Tensor]):
-        if self._mutated or self._donated:
-            _check_not_aliased(tensors, self._mutated, "is mutated by the function")
-            _check_not_aliased(tensors, self._donated, "is donated (donate_argnums)")
+        if self._written:
+            _check_not_aliased(tensors, self._written)
         outs = self._run(tensors)
         for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
             with torch.no_grad():
@@ -163,12 +165,12 @@ def _distinct(outs: list, inputs: list) -> list:
     return result
 
 
-def _check_not_aliased(tensors, written, why: str) -> None:
+def _check_not_aliased(tensors, written: dict[int, str]) -> None:
     """A graph treats its inputs as distinct values; if one that is written (mutated by the
-    function, or donated for results) shares memory with another, the write would show
-    through both."""
+    function, or donated for results; ``written``: argument -> why) shares memory with
+    another, the write would show through both."""
     storages = [t.untyped_storage().data_ptr() for t in tensors]
-    for i in written:
+    for i, why in written.items():
         if storages.count(storages[i]) > 1:
             raise TraceError(
                 f"tensor argument {i} {why} and shares memory with another argument; "

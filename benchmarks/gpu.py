@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import plait
-from run import _reason  # benchmarks/ is on the path: this script's folder, or run.py's
+from run import _geomean, _reason  # benchmarks/ is on the path: this script's folder, or run.py's
 
 BF16 = torch.bfloat16
 
@@ -225,11 +224,6 @@ def bench(case: Case, quick: bool, repeat: int, rates: dict, tune: bool = False)
 
 def _mib(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3f}"
-
-
-def _geomean(values) -> float:
-    values = list(values)
-    return math.exp(statistics.mean(map(math.log, values))) if values else float("nan")
 
 
 def run(cases: list[str], quick: bool, repeat: int, tune: bool = False) -> dict:

@@ -344,7 +344,8 @@ def bench_compilers(cases: list[Case], quick: bool, repeat: int) -> dict:
 
 
 def _geomean(xs) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))
+    xs = list(xs)
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
 
 
 def _print_rows(header: tuple, rows: list[tuple]) -> None:

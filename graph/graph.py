@@ -202,7 +202,10 @@ class GraphBuilder:
         return value
 
     def add_control_edge(self, before: int, after: int) -> None:
-        self._g.add_edge(before, after, kind=CONTROL)
+        """``before`` runs before ``after`` (once: an edge already there is not repeated)."""
+        edges = self._g.get_edge_data(before, after, default={}).values()
+        if not any(d["kind"] == CONTROL for d in edges):
+            self._g.add_edge(before, after, kind=CONTROL)
 
     def node(self, n: int) -> Node:
         return self._g.nodes[n]["node"]

@@ -150,11 +150,10 @@ def match(g, kwargs: dict, p: Value, v: Value):
     return q, (k, not k_contracts_last), (v, v_contracts_last), scale, members
 
 
-def _exclusive(graph: Graph, n: int, members: set[int]) -> bool:
-    """Is every node inside the pattern used only inside it (and by ``n``)?"""
-    outputs = {v.node for v in graph.outputs}
-    ordered = {u for edge in graph.control_edges() for u in edge}
-    return all(m not in outputs and m not in ordered and not is_effectful(graph.node(m))
+def _exclusive(graph: Graph, n: int, members: set[int], pinned: set[int]) -> bool:
+    """Is every node inside the pattern used only inside it (and by ``n``), and none of them
+    ``pinned`` (an output, or an end of a control edge)?"""
+    return all(m not in pinned and not is_effectful(graph.node(m))
                and set(graph.users(m)) <= members | {n} for m in members)
 
 
@@ -190,13 +189,14 @@ def fuse_attention(graph: Graph) -> Graph:
     """NOTE [attention fusion]."""
     if not config.fuse_attention:
         return graph
+    pinned = {v.node for v in graph.outputs} | {u for edge in graph.control_edges() for u in edge}
 
     def visit(b, n, operands, preds):
         node = graph.node(n)
         if preds or node.prim != "dot_general":
             return None
         found = match(graph, node.kwargs, *graph.operands(n))
-        if found is None or not _exclusive(graph, n, found[-1]):
+        if found is None or not _exclusive(graph, n, found[-1], pinned):
             return None
         q, (k, k_swap), (v, v_swap), scale, _ = match(b, node.kwargs, *operands)
         t, provenance = node.out_types[0], node.provenance

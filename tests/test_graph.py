@@ -463,3 +463,15 @@ def test_digest_stable_across_processes():
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == here
+
+
+def test_a_control_edge_is_added_once():
+    """Replaying a graph into a trace that chains effects itself may ask for an edge that is
+    already there; the graph keeps each control edge once."""
+    b = GraphBuilder()
+    (x,) = b.add_node("input", (), {"index": 0}, (TensorType((3,), torch.float32),))
+    (y,) = b.add_node("neg", (x,), {}, (TensorType((3,), torch.float32),))
+    b.add_control_edge(x.node, y.node)
+    b.add_control_edge(x.node, y.node)
+    kinds = [d["kind"] for d in b.build([y]).nx.get_edge_data(x.node, y.node).values()]
+    assert sorted(kinds) == [CONTROL, DATA]

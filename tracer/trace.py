@@ -373,6 +373,7 @@ def _decomposition(func) -> Callable | None:
 # compiles, those layers get ``fn`` itself as their cached function, and lose it again afterwards (a later
 # torch.compile builds the real one as usual).
 _DISABLE_CODE = torch._disable_dynamo(lambda: None).__code__
+_DYNAMO_BYPASSED: list = []  # one entry per active no_dynamo_import
 
 
 @functools.cache
@@ -408,13 +409,17 @@ def _dynamo_layers() -> tuple:
 
 @contextlib.contextmanager
 def no_dynamo_import():
-    bare = [] if "torch._dynamo" in sys.modules else [
+    """NOTE [dynamo import]; an entry inside another (a trace inside jit's lowering) does
+    nothing."""
+    bare = [] if "torch._dynamo" in sys.modules or _DYNAMO_BYPASSED else [
         f for f in _dynamo_layers() if not hasattr(f, "__dynamo_disable")]
+    _DYNAMO_BYPASSED.append(True)
     for f in bare:
         f.__dynamo_disable = f
     try:
         yield
     finally:
+        _DYNAMO_BYPASSED.pop()
         for f in bare:
             del f.__dynamo_disable
 
