@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import debug
-from .backends import get_backend, resolve_backend
+from .backends import get_backend, program_cache, resolve_backend
 from .config import config
 from .errors import TraceError
 from .graph import Graph, TensorType
@@ -62,19 +62,39 @@ def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
 
 
 class Lowered:
-    """One compilation of a jitted function for one signature, for inspection."""
+    """One compilation of a jitted function for one signature, for inspection. Its stages run
+    when first needed, under the settings it was created with; a call needs only ``runner``,
+    which the program cache may give without simplifying or compiling anything."""
 
-    def __init__(self, traced: TracedFunction, graph: Graph, backend: str,
-                 passes: Sequence[tuple[str, Graph]] = ()):
+    def __init__(self, traced: TracedFunction, backend: str, donated: frozenset = frozenset()):
         self.traced = traced
-        self.graph = graph
         self.backend = backend
-        self.passes = tuple(passes)  # (pass name, graph after it), in the order they ran
+        # a mutated input is written back after the call: its memory is not free for results
+        self.source_graph = traced.graph.donating(sorted(donated - set(traced.mutated_inputs)))
+        self._config = config.keyed()
 
     @property
     def traced_graph(self) -> Graph:
         """The graph as traced, before any pass."""
         return self.traced.graph
+
+    @functools.cached_property
+    def _simplified(self) -> tuple[Graph, tuple]:
+        passes: list = []
+        with config.patch(**self._config):
+            graph = simplify(self.source_graph, lambda *p: passes.append(p)) \
+                if config.simplify else self.source_graph
+        return graph, tuple(passes)
+
+    @property
+    def graph(self) -> Graph:
+        """The graph the backend compiles: the traced one (donations marked), simplified."""
+        return self._simplified[0]
+
+    @property
+    def passes(self) -> tuple[tuple[str, Graph], ...]:
+        """(pass name, graph after it), in the order they ran."""
+        return self._simplified[1]
 
     def as_text(self) -> str:
         return self.graph.as_text()
@@ -86,8 +106,24 @@ class Lowered:
     @functools.cached_property
     def compiled(self):
         """The backend's callable for this graph (compiled on first use)."""
-        with no_dynamo_import():
+        with config.patch(**self._config), no_dynamo_import():
             return get_backend(self.backend).factory(self.graph)
+
+    @functools.cached_property
+    def runner(self):
+        """What a call runs: the program an earlier process compiled and kept on disk (NOTE
+        [program cache]), or else ``compiled`` (kept for the next process where it can be)."""
+        if not config.program_cache:
+            return self.compiled
+        with config.patch(**self._config):
+            key = program_cache.key(self.source_graph, get_backend(self.backend))
+        runner = program_cache.load(key)
+        if runner is None:
+            runner = self.compiled
+            program_cache.store(key, getattr(runner, "runner", None))
+        else:
+            _cache_log.debug("program cache hit: %s", key)
+        return runner
 
     @property
     def kernels(self) -> tuple:
@@ -126,7 +162,7 @@ class _Compiled:
     def __init__(self, lowered: Lowered, donated: frozenset = frozenset()):
         self.lowered = lowered
         traced = lowered.traced
-        self._run = lowered.compiled
+        self._run = lowered.runner
         self._out_tree, self._out_leaves = traced.out_tree, traced.out_leaves
         self._mutated = traced.mutated_inputs
         self._donated = donated
@@ -224,12 +260,7 @@ class Jitted:
     @no_dynamo_import()
     def _lower(self, leaves, tree, backend: str, donated: frozenset = frozenset()) -> Lowered:
         self.trace_count += 1
-        traced = trace_function(self.fn, leaves, tree)
-        # a mutated input is written back after the call: its memory is not free for results
-        graph = traced.graph.donating(sorted(donated - set(traced.mutated_inputs)))
-        passes: list = []
-        graph = simplify(graph, lambda *p: passes.append(p)) if config.simplify else graph
-        lowered = Lowered(traced, graph, backend, passes)
+        lowered = Lowered(trace_function(self.fn, leaves, tree), backend, donated)
         debug.on_compile(self.fn, lowered)  # logs; writes the report when debug_dir is set
         return lowered
 

@@ -76,6 +76,9 @@ class Config:
     # Where compiled code is kept across processes (PLAIT_CACHE_DIR).
     cache_dir: str = attrs.field(factory=lambda: _env("cache_dir", os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "plait"), str))
+    # Compiled programs are kept there too, so a new process calling a function that another
+    # compiled traces it and compiles nothing (NOTE [program cache], backends/program_cache.py).
+    program_cache: bool = attrs.field(factory=lambda: _env("program_cache", True, _to_bool))
     # The C++ compiler of the cpp backend, and its flags (-shared -fPIC are always added).
     # -fwrapv: signed integer overflow wraps, as in torch; -fno-math-errno and -lmvec (glibc's
     # vector math) let loops calling exp, sin, ... vectorize.
@@ -116,9 +119,12 @@ class Config:
 
     def cache_key(self) -> tuple:
         """The knobs that change what a compiled function computes or how."""
-        return (self.simplify, self.fuse_attention, self.fold_max_numel, self.allow_opaque, self.cpp_compiler,
-                self.cpp_flags, self.inplace, self.reorder, self.plan_memory, self.overlap,
-                self.symm_mem_max_bytes, self.comm_pool_reuse)
+        return tuple(getattr(self, name) for name in _KEYED)
+
+    def keyed(self) -> dict:
+        """The knobs of ``cache_key`` by name, for ``patch``: a compilation finished later
+        (``Lowered``'s lazy stages) runs under the settings it started with."""
+        return {name: getattr(self, name) for name in _KEYED}
 
     @contextlib.contextmanager
     def _patched(self, changes: dict):
@@ -140,6 +146,11 @@ class Config:
     def patch(self, **changes):
         """Context manager (and decorator) that sets knobs and restores them on exit."""
         return _Patch(self, changes)
+
+
+_KEYED = ("simplify", "fuse_attention", "fold_max_numel", "allow_opaque", "cpp_compiler",
+          "cpp_flags", "inplace", "reorder", "plan_memory", "overlap", "symm_mem_max_bytes",
+          "comm_pool_reuse")
 
 
 class _Patch(contextlib.ContextDecorator):

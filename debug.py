@@ -178,8 +178,9 @@ def on_compile(fn, lowered) -> Path | None:
     """Hook of every compilation: log the graphs, write the report when ``debug_dir`` is set.
     Returns the report folder, if one was written."""
     name = function_name(fn)
-    _graph_log.debug("traced %s:\n%s", name, lowered.traced_graph)
-    _graph_log.debug("simplified %s:\n%s", name, lowered.graph)
+    if _graph_log.isEnabledFor(logging.DEBUG):  # simplifying is skipped where not needed
+        _graph_log.debug("traced %s:\n%s", name, lowered.traced_graph)
+        _graph_log.debug("simplified %s:\n%s", name, lowered.graph)
     # Only an enabled channel compiles here (lower() compiles lazily otherwise).
     if _fusion_log.isEnabledFor(logging.DEBUG) and (program := _program(lowered)) is not None:
         stats = ", ".join(f"{k}={v}" for k, v in lowered.stats.items())

@@ -7,6 +7,7 @@ import gc
 import hashlib
 import os
 import re
+import tempfile
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -174,17 +175,16 @@ class CompiledKernel:
     writes: tuple[str, ...]
 
 
-def extern_results(k: Extern, args: list, program: LoopProgram) -> list[torch.Tensor]:
+def extern_results(k: Extern, args: list, types: Sequence) -> list[torch.Tensor]:
     """Run an extern on its argument tensors: its results, checked against their buffers'
-    types, contiguous, and never sharing memory with an argument (a later in-place write or
-    a reused slot must not change them)."""
+    ``types``, contiguous, and never sharing memory with an argument (a later in-place write
+    or a reused slot must not change them)."""
     result = k.fn(*args, **dict(k.params))
     result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
     if len(result) != len(k.outputs):
         raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
                            f"expected {len(k.outputs)}")
-    for b, t in zip(k.outputs, result):
-        want = program.buffers[b].type
+    for b, t, want in zip(k.outputs, result, types):
         if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
             raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
                                f"for {b}, which is {want.dtype}{list(want.shape)}")
@@ -302,8 +302,8 @@ class Wrapper:
     """
 
     def __init__(self, program: LoopProgram, plan, launch: Launcher):
-        self.program = program
         lv, kernels = plan.liveness, program.kernels
+        self._step_names = tuple(k.name for k in kernels)
         names = list(program.buffers) + [f"pool{j}" for j in range(len(plan.slots))] + \
             [f"{p.type}_pool{j}" for j, p in enumerate(plan.comm_pools)]
         slot = {b: i for i, b in enumerate(program.buffers)}
@@ -403,24 +403,40 @@ class Wrapper:
         return [env[s] for s in self._outputs]
 
 
-def _extern_step(k: Extern | Wait, program: LoopProgram, slot: dict) -> Callable:
-    """Run an extern (its results adopted as its buffers) or complete a started one."""
-    outs = tuple(slot[b] for b in k.outputs)
-    if isinstance(k, Wait):
-        params = dict(k.params)
+@attrs.frozen
+class _ExternCall:
+    """A step running an extern: its results are adopted as its buffers."""
 
-        def wait(env, device):
-            for s in outs:
-                env[s] = k.fn(env[s], **params)
+    extern: Extern
+    args: tuple[int, ...]
+    outs: tuple[int, ...]
+    types: tuple  # of the results
 
-        return wait
-    args = tuple(slot[b] for b in k.inputs)
-
-    def call(env, device):
-        for s, t in zip(outs, extern_results(k, [env[s] for s in args], program)):
+    def __call__(self, env, device):
+        for s, t in zip(self.outs, extern_results(self.extern, [env[s] for s in self.args],
+                                                  self.types)):
             env[s] = t
 
-    return call
+
+@attrs.frozen
+class _WaitCall:
+    """A step completing a started collective (NOTE [overlap])."""
+
+    wait: Wait
+    outs: tuple[int, ...]
+
+    def __call__(self, env, device):
+        params = dict(self.wait.params)
+        for s in self.outs:
+            env[s] = self.wait.fn(env[s], **params)
+
+
+def _extern_step(k: Extern | Wait, program: LoopProgram, slot: dict) -> Callable:
+    outs = tuple(slot[b] for b in k.outputs)
+    if isinstance(k, Wait):
+        return _WaitCall(k, outs)
+    return _ExternCall(k, tuple(slot[b] for b in k.inputs), outs,
+                       tuple(program.buffers[b].type for b in k.outputs))
 
 
 class _Tracker:
@@ -450,7 +466,7 @@ class _Tracker:
             names = self.wrapper._names
             raise BackendError(
                 f"memory plan check: {'during' if during else 'after'} step {i} "
-                f"({self.wrapper.program.kernels[i].name}) the live allocations are "
+                f"({self.wrapper._step_names[i]}) the live allocations are "
                 f"{sorted(names[s] for s in alive)}, the plan's {sorted(names[s] for s in want)}")
         if during:
             live = self.entry | {s.data_ptr(): s.nbytes() for s in alive.values()}
@@ -476,9 +492,11 @@ class CompiledProgram:
     wrapper's listing), ``.wrapper_source`` and ``.plan`` (by default one without a pool). A
     generator subclasses it with ``reserved`` (names its kernels must not take),
     ``write(kernel, name) -> (writer, text)``, ``load(texts) -> code`` (builds or imports the
-    kernels' code), ``launch`` (a ``Launcher``), ``listing(wrapper source)`` and ``__call__``."""
+    kernels' code), ``launch`` (a ``Launcher``), ``listing(wrapper source)`` and ``__call__``,
+    and may offer a picklable ``runner`` (NOTE [program cache]); None keeps nothing on disk."""
 
     reserved: frozenset = frozenset()
+    runner: Runner | None = None
 
     def __init__(self, program: LoopProgram, plan=None):
         from ..passes import memory
@@ -503,3 +521,25 @@ class CompiledProgram:
     @property
     def measured_peak_bytes(self) -> int | None:
         return self._wrapper.measured_peak_bytes
+
+
+@attrs.frozen
+class Runner:
+    """What calling a compiled program needs and nothing more: its wrapper (whose steps hold
+    the loaded kernels), its constants and its device; no loop program, no sympy. The program
+    cache pickles it where every step pickles (NOTE [program cache])."""
+
+    wrapper: Wrapper
+    constants: tuple
+    device: torch.device
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self.wrapper(inputs, self.device, self.constants)
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """A concurrent reader sees the old file or the new one, never a partial file."""
+    fd, tmp = tempfile.mkstemp(suffix=os.path.splitext(path)[1], dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -40,11 +40,13 @@ is rebuilt. Builds happen in a private temporary folder and are moved in with ``
 so concurrent builds of one program both succeed and readers never see a partial file. An
 unwritable cache folder warns once and builds in a temporary folder instead. ``-march=native``
 code is keyed by the flags, not the CPU: a cache folder shared by different machines needs
-flags without it.
+flags without it. The program calling the library is kept too, by its traced graph (NOTE
+[program cache]): a new process loads both and compiles nothing.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -579,17 +581,32 @@ def _compiler() -> str:
     return path
 
 
-def _load(path: str, symbols: Sequence[str]) -> ctypes.CDLL | None:
+class Library:
+    """A built shared library loaded through ctypes. It pickles as its path and symbols and
+    loads again where unpickled (NOTE [program cache]); loading raises ``BackendError`` where
+    the file is gone or lacks a symbol (corrupt, truncated)."""
+
+    def __init__(self, path: str, symbols: Sequence[str]):
+        self.path, self.symbols = path, tuple(symbols)
+        try:
+            self.cdll = ctypes.CDLL(path)
+            for s in self.symbols:
+                getattr(self.cdll, s)
+        except (OSError, AttributeError) as e:
+            raise BackendError(f"the library {path} does not load: {e}") from None
+
+    def __reduce__(self):
+        return Library, (self.path, self.symbols)
+
+
+def _load(path: str, symbols: Sequence[str]) -> Library | None:
     try:
-        lib = ctypes.CDLL(path)
-        for s in symbols:
-            getattr(lib, s)
-        return lib
-    except (OSError, AttributeError):
+        return Library(path, symbols)
+    except BackendError:
         return None
 
 
-def build(source: str, symbols: Sequence[str]) -> ctypes.CDLL:
+def build(source: str, symbols: Sequence[str]) -> Library:
     """The shared library of ``source`` (which defines ``symbols``), from the disk cache or
     built with the configured compiler (NOTE [C++ build cache])."""
     compiler = _compiler()
@@ -618,10 +635,7 @@ def build(source: str, symbols: Sequence[str]) -> ctypes.CDLL:
         else:
             os.replace(src, os.path.join(cache, key + ".cpp"))  # kept for reading
             os.replace(out, target)
-        lib = _load(target, symbols)
-        if lib is None:
-            raise BackendError(f"the library built from {key}.cpp does not load")
-        return lib
+        return Library(target, symbols)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -639,28 +653,44 @@ class CompiledProgram(codegen.CompiledProgram):
 
     def load(self, texts: list[str]) -> str:
         self.cpp_source = "\n\n".join([_PRELUDE + _INDEX_HELPERS, *texts]) + "\n"
-        self._lib = build(self.cpp_source, [w.cname for w in self.writers.values()])
+        self._library = build(self.cpp_source, [w.cname for w in self.writers.values()])
         return self.cpp_source
 
     def launch(self, i: int, k: Kernel, slot: dict):
-        w, take_error = self.writers[i], self._lib.plait_take_error
-        fn = getattr(self._lib, w.cname)
-        fn.argtypes, fn.restype = [ctypes.c_void_p] * len(w.buffers), None
-        args = tuple(slot[b] for b in w.buffers)
-
-        def run(env, device):
-            fn(*[env[s].data_ptr() for s in args])
-            if w.checks_error and take_error():
-                raise division_by_zero()
-
-        return run, f"{w.cname}({', '.join(w.buffers)})"
+        w = self.writers[i]
+        call = _KernelCall(self._library, w.cname, tuple(slot[b] for b in w.buffers),
+                           w.checks_error)
+        return call, f"{w.cname}({', '.join(w.buffers)})"
 
     @staticmethod
     def listing(wrapper_source: str) -> str:
         return "\n/* Python wrapper:\n" + wrapper_source + "\n*/\n"
 
+    @functools.cached_property
+    def runner(self) -> codegen.Runner:
+        return codegen.Runner(self._wrapper, self._constants, _CPU)
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self._wrapper(inputs, _CPU, self._constants)
+        return self.runner(inputs)
+
+
+class _KernelCall:
+    """A wrapper step calling one kernel of the library on its buffers' pointers; it pickles
+    as the library and the kernel's name (NOTE [program cache])."""
+
+    def __init__(self, library: Library, cname: str, args: tuple[int, ...], checks_error: bool):
+        self._reduce = (_KernelCall, (library, cname, args, checks_error))
+        self.fn, self.args = getattr(library.cdll, cname), args
+        self.fn.argtypes, self.fn.restype = [ctypes.c_void_p] * len(args), None
+        self.take_error = library.cdll.plait_take_error if checks_error else None
+
+    def __reduce__(self):
+        return self._reduce
+
+    def __call__(self, env, device):
+        self.fn(*[env[s].data_ptr() for s in self.args])
+        if self.take_error is not None and self.take_error():
+            raise division_by_zero()
 
 
 _CPU = torch.device("cpu")

@@ -111,7 +111,8 @@ def run_program(program: LoopProgram, inputs: Sequence[torch.Tensor]) -> list[to
     buffers |= program.constants
     for kernel in program.kernels:
         if isinstance(kernel, Extern):
-            outs = extern_results(kernel, [buffers[n] for n in kernel.inputs], program)
+            outs = extern_results(kernel, [buffers[n] for n in kernel.inputs],
+                                   [program.buffers[b].type for b in kernel.outputs])
             buffers.update(zip(kernel.outputs, outs))
         else:
             _run_kernel(kernel, buffers, program)

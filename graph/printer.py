@@ -1,6 +1,6 @@
 """Graph -> readable text, in the spirit of a jaxpr.
 
-    graph(%0: f32[4,8], %1: f32[8]) {
+    graph(%0: f32[4,8], %1: f32[8] donated) {
       %2: f32[4,8] = broadcast_in_dim[broadcast_dimensions=(1,), shape=(4, 8)](%1)  # aten.add.Tensor  f.py:3
       %3: f32[4,8] = add(%0, %2)
       %4: f32[4,8] = mul(%3, %3) after(%2)
@@ -8,7 +8,8 @@
     }
 
 Values are renumbered in topological order, so two graphs that differ only in how their nodes
-were created print (and hash) the same. ``after(...)`` lists control predecessors.
+were created print (and hash) the same. ``after(...)`` lists control predecessors; a donated
+input (``jit(..., donate_argnums=...)``) says so, as its memory may hold a result.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def graph_to_text(graph, provenance: bool = True, canonical: bool = False) -> st
             return f"{names[(n, 0)]}: ()"
         return ", ".join(outs)
 
-    header = ", ".join(define(n) for n in graph.inputs)
+    header = ", ".join(define(n) + " donated" * bool(graph.node(n).kwargs.get("donated"))
+                       for n in graph.inputs)
     lines = [f"graph({header}) {{"]
     for n in graph.order:
         node = graph.node(n)

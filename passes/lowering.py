@@ -30,7 +30,6 @@ out.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Iterable
 
 import attrs
@@ -42,7 +41,7 @@ from ..graph.types import contiguous_strides
 from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, loop_vars, walk)
 from ..tracer import collectives
-from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
+from ..tracer.primitives import ELEMENTWISE, Impl, is_effectful
 
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
@@ -238,9 +237,8 @@ class _Lowering:
             names.append(name or self.realize(v))
             views.append(steps)
         results = tuple(self.new_buffer("buf", t) for t in node.out_types)
-        prim = get_primitive(node.prim)
         label = str(node.kwargs["op"]) if node.prim == "opaque" else node.prim
-        self.kernels.append(Extern(f"extern{len(self.kernels)}", _as_tuple(prim, views),
+        self.kernels.append(Extern(f"extern{len(self.kernels)}", Impl(node.prim, tuple(views)),
                                    tuple(names), results, node.params, label, frozenset({n}),
                                    fenced=is_effectful(node) or n in self.ordered))
         for v, name in zip(outs, results):
@@ -262,7 +260,7 @@ class _Lowering:
                             (("group_name", params["group_name"]),), comm.label)
         else:  # another dtype along another dim: the impl moves it, start and wait in one
             operand = self.store(_moved(x, dim, 0)) if dim else self.realize(v)
-            extern = Extern("", _as_tuple(get_primitive(node.prim)), (operand,), (result,),
+            extern = Extern("", Impl(node.prim), (operand,), (result,),
                             tuple(sorted({**params, **({"dim": 0} if dim else {})}.items())),
                             node.prim, split=collectives.SPLIT[node.prim]
                             if ours or not params.get("dim") else None)
@@ -348,19 +346,6 @@ def _one_shot(all_reduce):
 
 def _origins(n: int, args) -> frozenset:
     return frozenset({n}).union(*(a.origins for a in args))
-
-
-def _as_tuple(prim, views=()):
-    """The primitive's eager implementation, always returning a tuple; each operand is
-    passed as the view of its buffer that its steps in ``views`` make."""
-    def run(*tensors, **params):
-        tensors = [functools.reduce(lambda t, step: getattr(t, step[0])(step[1]), steps, t)
-                   for t, steps in zip(tensors, views)] or tensors
-        out = prim.impl(*tensors, **params)
-        return tuple(out) if prim.multiple_results else (out,)
-
-    run.__name__ = prim.name
-    return run
 
 
 # ---------------------------------------------------------------------------------------

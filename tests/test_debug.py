@@ -320,14 +320,15 @@ def test_fusion_and_kernels_logs(caplog):
 
 def test_env_knobs(tmp_path):
     """PLAIT_LOG prints to stderr where the program set up no logging; PLAIT_DEBUG_DIR dumps."""
-    env = dict(os.environ, PLAIT_LOG="cache", PLAIT_DEBUG_DIR=str(tmp_path))
+    env = dict(os.environ, PLAIT_LOG="cache", PLAIT_DEBUG_DIR=str(tmp_path / "debug"),
+               PLAIT_CACHE_DIR=str(tmp_path / "cache"))
     code = "import torch, plait\ndef f(x):\n    return x.exp()\nj = plait.jit(f)\n" \
            "j(torch.ones(2)); j(torch.ones(2))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     assert "[plait.cache] miss f for inputs ['f32[2]']\n[plait.cache] hit f\n" in out.stderr
-    (folder,) = tmp_path.iterdir()
+    (folder,) = (tmp_path / "debug").iterdir()
     assert folder.name.startswith("f-") and (folder / "index.html").exists()
 
 

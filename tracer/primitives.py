@@ -18,6 +18,7 @@ Elementwise families are tables: one row per primitive, one shared rule per fami
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -54,6 +55,24 @@ def get_primitive(name: str) -> Primitive:
         return PRIMITIVES[name]
     except KeyError:
         raise GraphError(f"unknown primitive {name!r}") from None
+
+
+@attrs.frozen
+class Impl:
+    """``prim``'s eager implementation by name, always returning a tuple: what a compiled
+    program calls for an extern (a name, not a closure, so programs pickle: NOTE [program
+    cache]). Each operand first becomes the view of it that its steps in ``views`` make
+    (``((tensor method, argument), ...)``, one tuple per operand, or none at all)."""
+
+    prim: str
+    views: tuple = ()
+
+    def __call__(self, *tensors, **params):
+        prim = PRIMITIVES[self.prim]
+        tensors = [functools.reduce(lambda t, step: getattr(t, step[0])(step[1]), steps, t)
+                   for t, steps in zip(tensors, self.views)] or tensors
+        out = prim.impl(*tensors, **params)
+        return tuple(out) if prim.multiple_results else (out,)
 
 
 def define(name: str, infer, impl, **kwargs) -> Primitive:

@@ -1,0 +1,149 @@
+"""The program cache (NOTE [program cache]): compiled programs kept on disk, so that a new
+process (or a new plait.jit of the same function) traces and compiles nothing else."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import plait
+from plait.backends import program_cache
+from plait.passes import lowering
+
+
+def f(x, i):
+    """Kernels (softmax), externs (gather, matmul, lu) and a constant."""
+    return torch.softmax(x, -1).gather(1, i) * 2, torch.linalg.det(x[:, :4] @ x[:, :4].T)
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(6, 9, generator=g), torch.randint(0, 9, (6, 3), generator=g)
+
+
+@pytest.fixture
+def lowerings(monkeypatch, tmp_path):
+    """A cache folder of the test's own; the list of graphs lowered (compiled) so far."""
+    calls, real = [], lowering.lower
+    monkeypatch.setattr(lowering, "lower", lambda graph, **kw: calls.append(graph) or
+                        real(graph, **kw))
+    with plait.config.patch(cache_dir=str(tmp_path)):
+        yield calls
+
+
+def check(jitted):
+    for got, want in zip(jitted(*inputs()), f(*inputs())):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_new_jit_of_a_function_compiles_nothing(lowerings):
+    check(plait.jit(f, backend="cpp"))
+    assert len(lowerings) == 1
+    check(plait.jit(f, backend="cpp"))
+    assert len(lowerings) == 1  # traced, then loaded from the disk
+
+
+_PROCESS = """
+import json, sys, torch, plait
+def f(x, i):
+    return torch.softmax(x, -1).gather(1, i) * 2, torch.linalg.det(x[:, :4] @ x[:, :4].T)
+x, i = torch.randn(6, 9), torch.randint(0, 9, (6, 3))
+for got, want in zip(plait.jit(f, backend="cpp")(x, i), f(x, i)):
+    torch.testing.assert_close(got, want)
+print(json.dumps({"lowered": "plait.passes.lowering" in sys.modules}))
+"""
+
+
+def _processes(cache_dir, n: int) -> list[dict]:
+    """Run ``_PROCESS`` in ``n`` processes at once; what each printed."""
+    env = dict(os.environ, PLAIT_CACHE_DIR=str(cache_dir))
+    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    return [json.loads(out.splitlines()[-1]) for out, _ in outs]
+
+
+def test_a_new_process_compiles_nothing_it_compiled_before(tmp_path):
+    # two processes compiling one function at once both succeed (atomic writes)
+    assert _processes(tmp_path, 2) == [{"lowered": True}] * 2
+    assert len(os.listdir(tmp_path / "programs")) == 1
+    # lowering (and every pass after it) is not even imported
+    assert _processes(tmp_path, 1) == [{"lowered": False}]
+    # an entry whose library is gone: compiled again
+    for name in os.listdir(tmp_path / "cpp"):
+        os.remove(tmp_path / "cpp" / name)
+    assert _processes(tmp_path, 1) == [{"lowered": True}]
+
+
+def test_donations_are_part_of_the_key(lowerings):
+    def sgd(w, g):
+        return w - 0.1 * g
+
+    w, g = torch.randn(8, 4), torch.randn(8, 4)
+    plait.jit(sgd, backend="cpp", donate_argnums=0)(w.clone(), g.clone())
+    before = w.clone()
+    out = plait.jit(sgd, backend="cpp", donate_argnums=1)(w, g.clone())
+    assert torch.equal(w, before)  # the program writing into argument 0 was not taken
+    torch.testing.assert_close(out, sgd(before, g))
+    assert len(lowerings) == 2
+
+
+def test_settings_that_change_the_program_are_part_of_the_key(lowerings):
+    check(plait.jit(f, backend="cpp"))
+    with plait.config.patch(inplace=False):
+        check(plait.jit(f, backend="cpp"))
+    assert len(lowerings) == 2
+
+
+def _entries(tmp_path) -> list:
+    return [tmp_path / "programs" / name for name in os.listdir(tmp_path / "programs")]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_a_damaged_entry_is_compiled_again_and_replaced(lowerings, tmp_path, damage):
+    check(plait.jit(f, backend="cpp"))
+    (entry,) = _entries(tmp_path)
+    data = entry.read_bytes()
+    entry.write_bytes(data[:len(data) // 2] if damage == "truncated" else
+                      data[:-20] + bytes(20))
+    check(plait.jit(f, backend="cpp"))
+    assert len(lowerings) == 2
+    check(plait.jit(f, backend="cpp"))
+    assert len(lowerings) == 2  # the replaced entry loads
+
+
+def test_the_cache_can_be_turned_off(lowerings, tmp_path):
+    with plait.config.patch(program_cache=False):
+        check(plait.jit(f, backend="cpp"))
+        check(plait.jit(f, backend="cpp"))
+    assert len(lowerings) == 2
+    assert not (tmp_path / "programs").exists()
+
+
+def test_inspection_after_a_hit_compiles_under_the_settings_of_lower(lowerings):
+    with plait.config.patch(simplify=False):
+        check(plait.jit(f, backend="cpp"))
+        lowered = plait.jit(f, backend="cpp").lower(*inputs())
+        lowered.runner  # a hit: nothing compiled
+    assert len(lowerings) == 1
+    assert lowered.graph == lowered.source_graph  # simplified after the patch: still not
+    assert lowered.stats["kernels"] >= 1
+    assert len(lowerings) == 2
+
+
+def test_what_does_not_pickle_is_not_kept(tmp_path):
+    with plait.config.patch(cache_dir=str(tmp_path)):
+        program_cache.store("closure", lambda inputs: inputs)
+        assert program_cache.load("closure") is None
+        assert not os.listdir(tmp_path / "programs")
+
+
+def test_aten_ops_are_kept_by_name(tmp_path):
+    with plait.config.patch(cache_dir=str(tmp_path)):
+        program_cache.store("op", {"op": torch.ops.aten.add.Tensor})
+        assert program_cache.load("op")["op"] is torch.ops.aten.add.Tensor
