@@ -57,7 +57,19 @@ def test_pointwise_chain_with_broadcast_and_transposed_loads():
                                    "y": ((24, 37), F32)}, ["x", "b"], [k], ["y"]))
     torch.testing.assert_close(run([x, b])[0], (torch.exp(x) * b[:, None] + 1).t())
     assert run.kernels[0].reads == ("x", "b") and run.kernels[0].writes == ("y",)
-    assert "xmask = xindex < 888" in run.kernels[0].source  # 888 points in blocks of 1024
+    # x is read transposed: 2-D tiles, the longer axis (x1, innermost) on program id 0
+    assert "xmask = (yindex < 24) & (xindex < 37)" in run.kernels[0].source
+    assert "yindex = tl.program_id(1) * YBLOCK" in run.kernels[0].source
+
+
+def test_2d_tiles_with_64_bit_indices():
+    k = Kernel("wide", (24, 37), (), (Store("y", x0 + 24 * x1,
+                                            IndexValue(x0 * 5000000000 + x1, I64)),))
+    run = compile_program(program({"y": ((37, 24), I64)}, [], [k], ["y"]))
+    want = torch.arange(24)[:, None] * 5000000000 + torch.arange(37)
+    assert torch.equal(run([])[0], want.t())
+    source = run.kernels[0].source
+    assert "tl.program_id(0).to(tl.int64)" in source and "tl.program_id(1).to(tl.int64)" in source
 
 
 def test_where_with_clamped_loads_and_scalar_loads():
@@ -361,6 +373,61 @@ def test_row_stores_that_need_no_reduction_share_its_pass(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------
+# 2-D tiles for transposed loads and stores (NOTE [Triton code generation])
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(params=[64, 8])
+def tile_edge(request, monkeypatch):
+    """The default 64x64 tiles (one program covers a 37x45 input), or 8x8 ones (several
+    programs along each axis, the last ones ragged)."""
+    monkeypatch.setattr(triton_backend, "TILE_EDGE", request.param)
+    return request.param
+
+
+def _tiled(kernel) -> bool:
+    return "tl.program_id(1)" in kernel.source and "YBLOCK" in kernel.source
+
+
+def _loop_order(x):
+    y = torch.sum(torch.sum(x, dim=-1))
+    z = x / 10.0
+    z_t = z.t().contiguous().t()
+    return y, z, z_t
+
+
+@pytest.mark.parametrize("fn, shapes, tiled", [
+    (lambda x: x.t().contiguous(), [(37, 45)], 1),
+    (lambda x: x.t().contiguous(), [(45, 37)], 1),
+    (lambda x, y: x.t() + y, [(37, 45), (45, 37)], 1),
+    (lambda x, b, c, s: x.t() * b + c[:, None] - s, [(37, 45), (37,), (45,), ()], 1),
+    (lambda x: x.flip(0).t() + 1, [(37, 45)], 1),
+    (lambda x: (x.exp(), x.exp().t().contiguous()), [(37, 45)], 1),
+    (lambda x: x.permute(2, 1, 0) * 2 + 1, [(9, 4, 11)], 1),
+    (lambda x: x.transpose(1, 2).contiguous(), [(3, 37, 45)], 1),
+    (_loop_order, [(37, 45)], 0),
+    (lambda x: x * 2 + 1, [(37, 45)], 0),
+    (lambda x, c: x + c[:, None], [(37, 45), (37,)], 0),
+], ids=["copy", "copy_wide", "t_plus", "broadcasts", "flip", "transposed_store", "permute_3d",
+        "batched", "loop_order", "contiguous", "broadcast_only"])
+def test_transposed_pointwise_kernels_are_2d_tiled(fn, shapes, tiled, tile_edge):
+    lowered = jitted(fn, *[torch.randn(s) for s in shapes])
+    assert sum(map(_tiled, lowered.kernels)) == tiled
+    assert all(_tiled(k) or "YBLOCK" not in k.source for k in lowered.kernels)
+
+
+def test_2d_tile_indices_and_launch():
+    """The tile walks the innermost loop on x and the loop the load is contiguous along on y
+    (after the other outer loops): permute(2, 1, 0) reads x0 contiguously."""
+    lowered = jitted(lambda x: x.permute(2, 1, 0).contiguous(), torch.randn(40, 3, 70))
+    source = lowered.kernels[0].source
+    for line in ["yindex = tl.program_id(0) * YBLOCK + tl.arange(0, YBLOCK)[:, None]",
+                 "xindex = tl.program_id(1) * XBLOCK + tl.arange(0, XBLOCK)[None, :]",
+                 "xmask = (yindex < 210) & (xindex < 40)", "x1 = (yindex // 70)",
+                 "x0 = yindex % 70", "x2 = xindex"]:
+        assert f"    {line}\n" in source
+    assert "[(4, 1)](in0, buf1, YBLOCK=64, XBLOCK=64, num_warps=8)" in lowered.source
+
+
+# ---------------------------------------------------------------------------------------
 # Autotuning (NOTE [autotuning])
 # ---------------------------------------------------------------------------------------
 def _layer_norm_of_matmul(a, b):
@@ -369,6 +436,7 @@ def _layer_norm_of_matmul(a, b):
 
 AUTOTUNED = {
     "pointwise": (lambda x: torch.exp(x) * 2 + 1, (torch.randn(33, 17),)),
+    "tiled": (lambda x: x.t() * 2, (torch.randn(37, 45),)),
     "persistent_rows": (lambda x: torch.softmax(x, -1), (torch.randn(9, 40),)),
     "looped_rows": (lambda x: torch.log_softmax(x, -1), (torch.randn(2, 4100),)),
     "in_place": (_layer_norm_of_matmul, (torch.randn(6, 5), torch.randn(5, 24))),
