@@ -32,7 +32,7 @@ def test_benchmark_script_runs():
     assert rows == ["case", "-" * 10, "softmax", "train_step"] * 2, out
     assert "geometric mean, speedup of plait over torch.compile" in out, out
     assert "plait at or below torch.compile" in out, out
-    assert "the disk cache missed" not in out, out  # the warm start built nothing
+    assert "the program cache missed" not in out, out  # the warm start compiled nothing
     assert "disagree on plait's peak" not in out, out  # profiler and tracker measure alike
 
 
