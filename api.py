@@ -113,10 +113,11 @@ class Lowered:
     def runner(self):
         """What a call runs: the program an earlier process compiled and kept on disk (NOTE
         [program cache]), or else ``compiled`` (kept for the next process where it can be)."""
-        if not config.program_cache:
+        backend = get_backend(self.backend)
+        if not (config.program_cache and backend.keeps_programs):
             return self.compiled
         with config.patch(**self._config):
-            key = program_cache.key(self.source_graph, get_backend(self.backend))
+            key = program_cache.key(self.source_graph, backend)
         runner = program_cache.load(key)
         if runner is None:
             runner = self.compiled

@@ -2,7 +2,9 @@
 
 A backend factory takes a ``Graph`` and returns ``run(inputs: list[Tensor]) -> list[Tensor]``.
 A backend may bring a config object; its ``repr`` joins the compilation cache key, so changing
-it never serves code compiled under other settings.
+it never serves code compiled under other settings. A backend whose callables may have a
+picklable ``runner`` (the callable's runtime alone) registers with ``keeps_programs``: the
+program cache keeps those on disk (NOTE [program cache]).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Backend:
     name: str
     factory: Callable
     config: Any = None
+    keeps_programs: bool = False
 
     def cache_key(self) -> tuple:
         return (self.name, repr(self.config))
@@ -27,9 +30,10 @@ class Backend:
 _BACKENDS: dict[str, Backend] = {}
 
 
-def register_backend(name: str, factory: Callable, config: Any = None) -> None:
+def register_backend(name: str, factory: Callable, config: Any = None, *,
+                     keeps_programs: bool = False) -> None:
     """Register (or replace) the backend ``name``."""
-    _BACKENDS[name] = Backend(name, factory, config)
+    _BACKENDS[name] = Backend(name, factory, config, keeps_programs)
 
 
 def get_backend(name: str) -> Backend:
@@ -55,7 +59,7 @@ def available_backends() -> list[str]:
 
 
 register_backend("eager", eager.compile_graph)
-register_backend("cpp", cpp.compile_graph)
+register_backend("cpp", cpp.compile_graph, keeps_programs=True)
 register_backend("loops", loopeval.compile_graph)  # the reference for lowering and fusion
 register_backend("triton", triton.compile_graph)
 
