@@ -138,9 +138,25 @@ INFIX = {"add": "+", "sub": "-", "mul": "*", "bitwise_and": "&", "bitwise_or": "
 # Ops that raise in eager on an integer division by zero (generated kernels set a flag).
 INT_DIVISIONS = ("div", "fmod", "remainder")
 
+# NOTE [kernel errors]
+# Where eager raises on a value, a generated kernel records the failed check as a code in an
+# error flag (cpp: the library's ``plait_error``; triton: a one-element buffer, NOTE
+# [integer division by zero]) and carries on with a safe value: an integer division by zero
+# (DIVISION_BY_ZERO) gives 0, an indirect load's position outside [0, size)
+# (INDEX_OUT_OF_RANGE: a gather's index, NOTE [loop IR]) reads element 0 of its range. The
+# wrapper reads the flag after each such kernel and raises ``kernel_error(code)``; where
+# several checks failed, one of them is reported. On CUDA the flag is not read (eager does
+# not raise on a division there, and a gather out of range is a device-side assert). A gather
+# whose result is only partly used (sliced) is checked only where it is used.
+DIVISION_BY_ZERO, INDEX_OUT_OF_RANGE = 1, 2
 
-def division_by_zero() -> CheckError:
-    return CheckError("ZeroDivisionError: integer division or remainder by zero")
+
+def kernel_error(code: int) -> CheckError:
+    return CheckError({
+        DIVISION_BY_ZERO: "ZeroDivisionError: integer division or remainder by zero",
+        INDEX_OUT_OF_RANGE: "IndexError: an index is out of range for gather (torch.gather, "
+                            "take_along_dim, index_select, x[index])",
+    }[code])
 
 
 _warned_dirs: set[str] = set()

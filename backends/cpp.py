@@ -23,9 +23,10 @@ what C++ operators get wrong (Python-signed ``remainder``, NaN-propagating ``max
 integer ``pow`` with negative exponents, out-of-range shifts, rounding functions on integers,
 float-to-narrow-int conversion through int32 as torch's scalar cast compiles, so a vectorized
 saturating pack never changes an out-of-range value). Integer division (``div``, ``fmod``,
-``remainder``) by zero raises in eager; a kernel records it in a flag that the wrapper turns
-into ``CheckError`` after the kernel (the flag is per library, so concurrent calls of one
-program share it).
+``remainder``) by zero and an indirect load's position out of range (a gather's index) raise
+in eager; a kernel records them in a flag that the wrapper turns into ``CheckError`` after
+the kernel (NOTE [kernel errors] in codegen.py; the flag is per library, so concurrent calls
+of one program share it).
 
 Dtypes: float32/64, int8/16/32/64, uint8 and bool have C types. Lowering is told so
 (``supported_dtypes``) and makes anything else (float16, bfloat16, complex) an ``Extern``,
@@ -63,8 +64,8 @@ from ..config import config
 from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children, is_inner, loop_vars, walk)
 from . import codegen
-from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, division_by_zero,
-                      identifier, levels, reduces)
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, identifier,
+                      kernel_error, levels, reduces)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -158,14 +159,20 @@ template <class T> inline T plait_fmin(T a, T b) {
   if constexpr (plait_is_float<T>) return std::fmin(a, b); else return std::min(a, b);
 }
 
-// Integer division by zero raises in eager: record it for the wrapper. x / -1 is a negation
-// (INT_MIN / -1 traps on x86).
+// Checks eager raises for are recorded for the wrapper (NOTE [kernel errors] in codegen.py):
+// 1 an integer division by zero, 2 an indirect load's position out of range (read at 0).
+// x / -1 is a negation (INT_MIN / -1 traps on x86).
 static int plait_error = 0;
 extern "C" int plait_take_error() { return __atomic_exchange_n(&plait_error, 0, __ATOMIC_RELAXED); }
 template <class T> inline bool plait_divisor_ok(T b) {
   if (b != 0) return true;
   __atomic_store_n(&plait_error, 1, __ATOMIC_RELAXED);
   return false;
+}
+inline int64_t plait_position(int64_t p, int64_t n) {
+  if (p >= 0 && p < n) return p;
+  __atomic_store_n(&plait_error, 2, __ATOMIC_RELAXED);
+  return 0;
 }
 template <class T> inline T plait_div(T a, T b) {  // true division of floats, truncating of integers
   if constexpr (plait_is_float<T>) return a / b;
@@ -307,7 +314,7 @@ class _Scope:
         args = [self.value(c) for c in children(e)]
         t = _ctype(e.dtype)
         if isinstance(e, Load):
-            code = f"{self.kernel.param(e.buffer)}[{_index(e.index)}]"
+            code = f"{self.kernel.param(e.buffer)}[{self.index(e, args)}]"
         elif isinstance(e, Constant):
             code = _literal(e.value, e.dtype)
         elif isinstance(e, IndexValue):
@@ -321,10 +328,24 @@ class _Scope:
                 self.kernel.checks_error = True
         else:
             raise BackendError(f"unknown loop IR node {e!r}")
-        name = self.names[e] = f"t{self.kernel.count}"
+        self.names[e] = name = self.local(t, code)
+        return name
+
+    def local(self, t: str, code: str) -> str:
+        name = f"t{self.kernel.count}"
         self.kernel.count += 1
         self.lines.append(f"{self.indent}const {t} {name} = {code};")
         return name
+
+    def index(self, e: Load, positions: list[str]) -> str:
+        """The load's index, its indirect positions (``i0..``) checked into range (NOTE
+        [kernel errors])."""
+        if not e.indirect:
+            return _index(e.index)
+        self.kernel.checks_error = True
+        names = {f"i{k}": self.local("int64_t", f"plait_position({p}, {_int(n)})")
+                 for k, (p, (_, n)) in enumerate(zip(positions, e.indirect))}
+        return _CppIndex(names)(e.index)
 
 
 class _KernelWriter:
@@ -558,7 +579,7 @@ def _column_wise(kernel: Kernel) -> bool:
     r = loop_vars("r", len(kernel.reduction_sizes))[-1]
     strides = []
     for e in walk(*body):
-        if isinstance(e, Load):
+        if isinstance(e, Load) and not e.indirect:  # an indirect one has no known stride
             index = sympy.expand(e.index)
             if not index.is_polynomial(x, r) or sympy.degree(index, x) > 1 \
                     or sympy.degree(index, r) > 1:
@@ -689,8 +710,8 @@ class _KernelCall:
 
     def __call__(self, env, device):
         self.fn(*[env[s].data_ptr() for s in self.args])
-        if self.take_error is not None and self.take_error():
-            raise division_by_zero()
+        if self.take_error is not None and (code := self.take_error()):
+            raise kernel_error(code)
 
 
 _CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ from ..graph import Graph
 from ..graph.loops import (Apply, Constant, Extern, IndexValue, Load, LoopProgram, Reduce,
                            is_inner)
 from ..tracer.primitives import get_primitive
-from .codegen import extern_results
+from .codegen import INDEX_OUT_OF_RANGE, extern_results, kernel_error
 
 
 def _index(expr, env: dict, shape):
@@ -62,7 +62,8 @@ class _KernelEval:
     def _value(self, expr, ctx):
         shape = self.shapes[ctx]
         if isinstance(expr, Load):
-            return self.buffers[expr.buffer].reshape(-1)[self.index(expr.index, ctx)]
+            return self.buffers[expr.buffer].reshape(-1)[_index(
+                expr.index, self.grids[ctx] | self.positions(expr, ctx), shape)]
         if isinstance(expr, Constant):
             return torch.full(shape, expr.value, dtype=expr.dtype)
         if isinstance(expr, IndexValue):
@@ -75,6 +76,17 @@ class _KernelEval:
             return out if ctx == "point" else out.reshape(
                 self.outer + (1,) * len(self.red)).expand(shape)
         raise TypeError(f"not an expression: {expr!r}")
+
+    def positions(self, load: Load, ctx) -> dict:
+        """An indirect load's positions ``i0..`` on the grid (NOTE [kernel errors]: one out
+        of range raises, as eager's gather)."""
+        out = {}
+        for k, (p, n) in enumerate(load.indirect):
+            p = self.value(p, ctx).to(torch.int64)
+            if ((p < 0) | (p >= n)).any():
+                raise kernel_error(INDEX_OUT_OF_RANGE)
+            out[f"i{k}"] = p
+        return out
 
     def _reduce(self, r: Reduce):
         rows = self.value(r.body, "full").reshape(*self.outer, math.prod(self.red))

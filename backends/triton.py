@@ -41,11 +41,14 @@ integer math: operands of an Apply already have their result dtype. Ops whose Tr
 differs from torch go through small ``@triton.jit`` helpers in ``_PRELUDE`` (NaN-propagating
 maximum, Python-signed remainder, truncating integer division, out-of-range shifts, rounding
 half to even, negation that keeps the sign of zero, float fmod through libdevice on the GPU,
-float-to-narrow-int conversion through int32). Integer division by zero raises
-in eager: such kernels get an error-flag buffer (NOTE [integer division by zero]), read after
-the launch where eager raises too.
+float-to-narrow-int conversion through int32). Integer division by zero and an indirect
+load's position out of range raise in eager: such kernels get an error-flag buffer (NOTE
+[integer division by zero], NOTE [kernel errors] in codegen.py), read after the launch where
+eager raises too.
 Index arithmetic is int32 unless the kernel's domain, a buffer it touches or a constant of its
-index expressions reaches 2**31; then the program ids, and so every index, are int64.
+index expressions reaches 2**31; then the program ids, and so every index, are int64. An
+indirect load's positions are int64 (checked by ``_position``), and so is its index; the
+load is masked by its scope's mask.
 
 NOTE [autotuning]
 The launch configuration (points or rows per program, 2-D tile shapes, the chunk length of
@@ -100,8 +103,8 @@ from ..graph.loops import (
     walk,
 )
 from . import codegen
-from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, division_by_zero,
-                      identifier, levels, reduces, write_atomically)
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, identifier,
+                      kernel_error, levels, reduces, write_atomically)
 
 _log = logging.getLogger("plait.kernels")
 
@@ -215,6 +218,14 @@ def _safe_divisor(b):  # integer division by zero is reported, never executed
 def _check_divisor(err, b, mask):
     bad = ((b + tl.zeros(mask.shape, b.dtype)) == 0) & mask  # b may be 0-d (see load)
     tl.store(err + tl.zeros_like(bad.to(tl.int32)), 1, mask=bad)
+
+
+@triton.jit
+def _position(err, p, n, mask):  # an indirect load's position: outside [0, n) reported, 0
+    p = p.to(tl.int64) + tl.zeros(mask.shape, tl.int64)  # p may be 0-d
+    ok = (p >= 0) & (p < n)
+    tl.store(err + tl.zeros_like(ok.to(tl.int32)), 2, mask=mask & ~ok)
+    return tl.where(ok, p, 0)
 
 
 @triton.jit
@@ -448,8 +459,8 @@ def _transposed_loop(kernel: Kernel) -> int | None:
     xs = loop_vars("x", len(sizes))
     nodes = walk(*(s.value for s in kernel.stores))
     counts: dict[int, int] = {}
-    for index in [s.index for s in kernel.stores] + [e.index for e in nodes
-                                                     if isinstance(e, Load)]:
+    for index in [s.index for s in kernel.stores] + [  # an indirect load has no known stride
+            e.index for e in nodes if isinstance(e, Load) and not e.indirect]:
         e = sympy.expand(index)
         if _stride(e, xs[-1]) not in (None, 0, 1, -1):
             for d, (v, n) in enumerate(zip(xs[:-1], sizes)):
@@ -525,7 +536,8 @@ class _Scope:
                                "another reduction or in a kernel without reduction loops")
         args = [self.value(c) for c in children(e)]
         if isinstance(e, Load):
-            code = self.writer.load(e)
+            code = self.writer.load(e, [self.position(a, n) for a, (_, n) in
+                                        zip(args, e.indirect)], self.mask)
         elif isinstance(e, Constant):
             code = _literal(e.value, e.dtype)
         elif isinstance(e, IndexValue):
@@ -550,6 +562,13 @@ class _Scope:
             raise BackendError(f"unknown loop IR node {e!r}")
         name = self.names[e] = self.writer.local("t")
         self.emit(f"{name} = {code}")
+        return name
+
+    def position(self, p: str, n: int) -> str:
+        """An indirect load's position, checked into range (NOTE [kernel errors])."""
+        self.writer.checks_error = True
+        name = self.writer.local("t")
+        self.emit(f"{name} = _position(err, {p}, {n}, {self.mask})")
         return name
 
     def emit(self, line: str) -> None:
@@ -630,9 +649,14 @@ class _KernelWriter:
             return "[XBLOCK]"
         return "[XBLOCK, RBLOCK]" if inner else "[XBLOCK, 1]"
 
-    def load(self, e: Load) -> str:
-        mask = self._mask(_symbols(e.index))
-        ptr = f"{self.params[e.buffer]} + {_index(e.index)}"
+    def load(self, e: Load, positions: list[str], scope_mask: str) -> str:
+        """``positions``: the locals of an indirect load's checked positions (int64 tiles
+        of the ``scope_mask``'s shape, which masks the load)."""
+        names = {f"i{k}": p for k, p in enumerate(positions)}
+        mask = scope_mask if positions else self._mask(_symbols(e.index))
+        ptr = f"{self.params[e.buffer]} + {_index(e.index, names)}"
+        if positions and not _symbols(e.index) & set(names):  # none used (a dim of size 1):
+            ptr += f" + tl.zeros_like({positions[0]})"  # still a tile, as the positions are
         if mask is None:  # one element for all lanes, in bounds: no mask. Loaded as a tile
             # all the same, not 0-d: the interpreter mistypes a 0-d comparison result (its
             # handle keeps the operands' dtype) once it is broadcast.
@@ -980,7 +1004,7 @@ class CompiledProgram(codegen.CompiledProgram):
 
         def run(env, device):
             tensors = [env[s] for s in args]
-            if w.checks_error:  # NOTE [integer division by zero]
+            if w.checks_error:  # NOTE [kernel errors]
                 tensors.append(self._error_flag(device))
             if not config.triton_autotune:
                 fn[grid](*tensors, **options)
@@ -990,9 +1014,9 @@ class CompiledProgram(codegen.CompiledProgram):
                     tuned[device] = w.grid(best), best
                 tuned_grid, tuned_options = tuned[device]
                 fn[tuned_grid](*tensors, **tuned_options)
-            if w.checks_error and device.type == "cpu" and tensors[-1].item():
+            if w.checks_error and device.type == "cpu" and (code := tensors[-1].item()):
                 tensors[-1].zero_()
-                raise division_by_zero()
+                raise kernel_error(code)
 
         return (run if w.numel else lambda env, device: None), text
 
@@ -1012,9 +1036,11 @@ class CompiledProgram(codegen.CompiledProgram):
 
     def _error_flag(self, device: torch.device) -> torch.Tensor:
         """NOTE [integer division by zero]: a kernel dividing integers sets this flag where a
-        divisor is 0. Eager raises there on the CPU (the interpreter's device), so the flag is
-        read after each such launch; on CUDA eager does not raise, and reading the flag would
-        wait for the GPU after every launch, so it is not read."""
+        divisor is 0, one with indirect loads where a position is out of range (the code says
+        which, NOTE [kernel errors]). Eager raises there on the CPU (the interpreter's
+        device), so the flag is read after each such launch; on CUDA eager does not raise on
+        a division (a gather out of range is a device-side assert there), and reading the
+        flag would wait for the GPU after every launch, so it is not read."""
         if device not in self._error_flags:
             self._error_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return self._error_flags[device]

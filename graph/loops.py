@@ -9,6 +9,9 @@ expression DAGs:
 
   ``Load(buffer, index)``    an element of a buffer; ``index`` is a sympy expression over the
                              loop variables giving the flat (row-major) element offset
+  ``Load(.., indirect)``     an indirect load (a gather): ``indirect`` is ((position, size),
+                             ...), integer value expressions bound in order to ``i0, i1, ..``,
+                             which ``index`` may use; the positions are its children
   ``Constant(value)``        a Python scalar
   ``IndexValue(expr)``       an index expression used as a value (iota)
   ``Apply(op, args)``        an elementwise primitive (``add``, ``exp``, ``where``, ...) or
@@ -24,7 +27,12 @@ normalized output in one kernel). Other stores run once per outer point.
 
 Every node knows its dtype. Nodes are frozen and compare by value, so a DAG shares equal
 subexpressions and code generators can emit each once. Loads are always in bounds: lowering
-clamps the indices of a branch that ``where`` discards (padding, concatenation). An
+clamps the indices of a branch that ``where`` discards (padding, concatenation), and a code
+generator checks each indirect position against its size: one outside ``[0, size)`` is read
+at 0 and recorded, and the program raises ``CheckError`` as eager's gather does (NOTE [kernel
+errors] in backends/codegen.py). An index with ``i..`` is data-dependent: analyses that read
+an index as an affine function of the loop variables (alignment for fusion and in-place
+reuse, strides) treat an indirect load as unaligned, with no known stride. An
 ``Extern`` runs a torch function on whole buffers (a library call such as a matmul, or a
 primitive with no loop form); a collective is an Extern marked ``collective``, and a ``Wait``
 completes one that was only started (NOTE [overlap] in passes/memory.py). A ``Buffer`` with a
@@ -32,6 +40,7 @@ completes one that was only started (NOTE [overlap] in passes/memory.py). A ``Bu
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import attrs
@@ -42,7 +51,8 @@ from .types import TensorType
 
 
 def loop_vars(prefix: str, n: int) -> tuple[sympy.Symbol, ...]:
-    """Loop variables ``x0..`` (outer) or ``r0..`` (reduction): non-negative integers."""
+    """Loop variables ``x0..`` (outer) or ``r0..`` (reduction), or an indirect load's
+    positions ``i0..`` (checked into range): non-negative integers."""
     return tuple(sympy.Symbol(f"{prefix}{i}", integer=True, nonnegative=True) for i in range(n))
 
 
@@ -67,6 +77,7 @@ class Load:
     buffer: str
     index: sympy.Expr
     dtype: torch.dtype
+    indirect: tuple = ()  # ((position, size), ...): i0.. of ``index`` (NOTE [loop IR])
 
 
 @attrs.frozen(cache_hash=True)
@@ -234,12 +245,26 @@ def children(expr) -> tuple:
         return expr.args
     if isinstance(expr, Reduce):
         return (expr.body,)
+    if isinstance(expr, Load):
+        return tuple(p for p, _ in expr.indirect)
     return ()
+
+
+def with_children(expr, kids: tuple):
+    """``expr`` with its children (as ``children`` lists them) replaced by ``kids``."""
+    if kids == children(expr):
+        return expr
+    if isinstance(expr, Apply):
+        return attrs.evolve(expr, args=kids)
+    if isinstance(expr, Reduce):
+        return attrs.evolve(expr, body=kids[0])
+    return attrs.evolve(expr, indirect=tuple((p, n) for p, (_, n) in zip(kids, expr.indirect)))
 
 
 def program_stats(program: LoopProgram) -> dict[str, int]:
     """The compiler's estimate of a program's memory traffic and footprint: each kernel reads
-    each buffer it reads once and writes each buffer once; the peak is the largest sum of
+    each buffer it reads once (one read only through indirect loads: an element per point of
+    its loops at most) and writes each buffer once; the peak is the largest sum of
     live bytes (``passes.memory.liveness``: a storage lives from the kernel that writes it to
     the last that uses it or an in-place alias of it; inputs and constants all along, outputs
     to the end). A Wait moves no data."""
@@ -249,6 +274,16 @@ def program_stats(program: LoopProgram) -> dict[str, int]:
     kernels = [k for k in program.kernels if not isinstance(k, Wait)]
     return {"kernels": sum(isinstance(k, Kernel) for k in kernels),
             "externs": sum(isinstance(k, Extern) for k in kernels),
-            "bytes_read": sum(size[n] for k in kernels for n in k.reads),
+            "bytes_read": sum(_bytes_read(k, n, program.buffers[n].type)
+                              for k in kernels for n in k.reads),
             "bytes_written": sum(size[n] for k in kernels for n in k.writes),
             "peak_bytes": liveness(program).peak}
+
+
+def _bytes_read(kernel, buffer: str, t: TensorType) -> int:
+    if not isinstance(kernel, Kernel) or any(
+            isinstance(e, Load) and e.buffer == buffer and not e.indirect
+            for s in kernel.stores for e in walk(s.value)):
+        return t.nbytes
+    points = math.prod(kernel.sizes) * math.prod(kernel.reduction_sizes)
+    return min(t.nbytes, points * t.dtype.itemsize)

@@ -12,7 +12,8 @@ their loops line up, and rewrites C's loads of that buffer into P's expression:
     the rows' points: C gets P's reduction (a later pass over the same rows, or an inner
     store: the row kernel of softmax and layer norm).
 
-Loads must be element-aligned: the index C reads at is the index P stores at. P's store stays
+Loads must be element-aligned: the index C reads at is the index P stores at (never so for
+an indirect load, whose index is data-dependent: P's buffer stays in memory). P's store stays
 in the merged kernel only if a later kernel or the program's outputs still need its buffer.
 The merged kernel takes C's place, which is safe because buffers are written once. A merge
 never crosses an extern (an extern reading P's buffer is its first reader) and never reorders
@@ -25,28 +26,21 @@ import itertools
 import attrs
 import sympy
 
-from ..graph.loops import (Apply, Kernel, Load, LoopProgram, Store, children,
-                           loop_vars, walk)
+from ..graph.loops import (Kernel, Load, LoopProgram, Store, children, loop_vars, walk,
+                           with_children)
 
 
 def rewrite(expr, replace):
-    """``expr`` with every node for which ``replace`` returns a value replaced by it."""
+    """``expr`` with every node for which ``replace`` returns a value replaced by it; nodes
+    are offered to ``replace`` with their children already rewritten."""
     memo: dict = {}
 
     def go(e):
-        if e in memo:
-            return memo[e]
-        new = replace(e)
-        if new is None:
-            kids = children(e)
-            new_kids = tuple(go(k) for k in kids)
-            if new_kids != kids:
-                new = (attrs.evolve(e, args=new_kids) if isinstance(e, Apply)
-                       else attrs.evolve(e, body=new_kids[0]))
-            else:
-                new = e
-        memo[e] = new
-        return new
+        if e not in memo:
+            e2 = with_children(e, tuple(go(k) for k in children(e)))
+            new = replace(e2)
+            memo[e] = e2 if new is None else new
+        return memo[e]
 
     return go(expr)
 
@@ -113,7 +107,7 @@ def _merged(p, c, keep, p_vars, c_vars, sizes, reduction_sizes) -> Kernel | None
         nonlocal aligned
         if isinstance(e, Load) and e.buffer in stores:
             store = stores[e.buffer]
-            if sympy.expand(e.index - store.index) != 0:
+            if e.indirect or sympy.expand(e.index - store.index) != 0:
                 aligned = False
                 return None
             return store.value
@@ -129,7 +123,7 @@ def _merged(p, c, keep, p_vars, c_vars, sizes, reduction_sizes) -> Kernel | None
 
 
 def _loads(kernel, buffer) -> set:
-    return {e.index for s in kernel.stores for e in walk(s.value)
+    return {(e.index, e.indirect) for s in kernel.stores for e in walk(s.value)
             if isinstance(e, Load) and e.buffer == buffer}
 
 

@@ -8,9 +8,13 @@ values, so a chain of them becomes one expression (vertical fusion) and views ar
 rewrites, never copies. A lazy value is materialized (a pointwise kernel stores it) only where
 it must be: a graph output, an extern operand, or a value with several users that does real
 work (recomputing it per use would cost more than one store and a load per use). A reduction
-is a kernel with its operand's expression inlined. Every other primitive (dot_general,
-gather, scatter, sort, scans, linalg, FFTs, opaque ops, ...) is an Extern over buffers, as is
-any op or dtype the code generator cannot express (``supported_ops``, ``supported_dtypes``).
+is a kernel with its operand's expression inlined. A gather is lazy too: an indirect load
+(NOTE [loop IR]) of its operand, which must be in memory (a lazy one is stored), at the
+positions its index operand's expression computes, so the index and the gathered values are
+never stored (cross-entropy loads ``logits[row, target[row]]`` in its final reduction).
+Every other primitive (dot_general, scatter, sort, scans, linalg, FFTs, opaque ops, ...) is
+an Extern over buffers, as is any op or dtype the code generator cannot express
+(``supported_ops``, ``supported_dtypes``).
 A buffer that no kernel writes has no elements: the runtime allocates it empty. A node that a
 control edge orders gets a kernel of its own, fenced: fusion leaves it alone.
 
@@ -170,6 +174,8 @@ class _Lowering:
             return False
         if node.prim in ELEMENTWISE:
             return node.prim in self.ops
+        if node.prim == "gather":  # from no elements: the extern raises, as eager does
+            return types[0].ndim > 0 and types[0].numel > 0
         return node.prim in REDUCTIONS or node.prim in VIEWS or node.prim in ("full", "iota")
 
     def lower(self) -> LoopProgram:
@@ -200,12 +206,16 @@ class _Lowering:
             if not node.out_types[0].numel:  # nothing to compute: an empty buffer
                 self.values[outs[0]] = self.in_memory(self.new_buffer("buf", node.out_types[0]))
                 continue
-            args = [self.values[v] for v in operands]
-            if node.prim in REDUCTIONS:
-                self.reduction(n, node, args[0], outs[0], n in self.ordered)
-                continue
-            self.values[outs[0]] = lazy = Lazy(node.out_types[0], _LAZY[node.prim](
-                node, args, node.out_types[0]), origins=_origins(n, args))
+            if node.prim == "gather":
+                lazy = self.gather(n, node, *operands)
+            else:
+                args = [self.values[v] for v in operands]
+                if node.prim in REDUCTIONS:
+                    self.reduction(n, node, args[0], outs[0], n in self.ordered)
+                    continue
+                lazy = Lazy(node.out_types[0], _LAZY[node.prim](node, args, node.out_types[0]),
+                            origins=_origins(n, args))
+            self.values[outs[0]] = lazy
             if n in self.ordered:  # a control edge orders it: a kernel of its own
                 self.realize(outs[0], fenced=True)
             elif self.uses.get(outs[0], 0) > 1 and self.worth_storing(lazy):
@@ -223,12 +233,28 @@ class _Lowering:
                            donated=frozenset(donated))
 
     def worth_storing(self, lazy: Lazy) -> bool:
-        """Is one store and a load per use cheaper than computing ``lazy`` at each use?"""
+        """Is one store and a load per use cheaper than computing ``lazy`` at each use (an
+        indirect load, a random access, counts as an operation)?"""
         nodes = walk(lazy.at(loop_vars("x", lazy.type.ndim)))
-        ops = sum(isinstance(e, (Apply, Reduce)) for e in nodes)
+        ops = sum(isinstance(e, (Apply, Reduce)) or isinstance(e, Load) and bool(e.indirect)
+                  for e in nodes)
         reads = {e.buffer for e in nodes if isinstance(e, Load)
                  and self.buffers[e.buffer].type.numel >= lazy.type.numel}
         return ops > RECOMPUTE_MAX_OPS or (ops > 0 and len(reads) > RECOMPUTE_MAX_READS)
+
+    def gather(self, n, node, x: Value, index: Value) -> Lazy:
+        """torch.gather as an indirect load (NOTE [loop IR]): ``x``'s buffer (a reshape of a
+        buffer reads it as it is; a lazy ``x`` is stored first) at the output's point with
+        its ``dim`` coordinate replaced by the index operand's value there."""
+        source = self._buffer_view(x, strided=False)[0] or self.realize(x)
+        shape, dim, t = self.graph.type_of(x).shape, node.kwargs["dim"], node.out_types[0]
+        position, (i,) = self.values[index], loop_vars("i", 1)
+
+        def at(idx):
+            point = (*idx[:dim], i, *idx[dim + 1:])
+            return Load(source, flat(point, shape), t.dtype, ((position.at(idx), shape[dim]),))
+
+        return Lazy(t, at, origins=_origins(n, [position]))
 
     def extern(self, n, node, operands, outs):
         names, views = [], []

@@ -13,7 +13,8 @@ reorder -> overlap -> plan``, each behind its switch in ``plait.config`` (``inpl
   sum of live bytes during one kernel (its inputs and outputs both live).
 * ``reuse``: a kernel's store takes over a buffer it reads when that buffer has the same numel
   and dtype, no kernel after this one reads it, it is not a (non-donated) input, constant or
-  output, and the kernel reads it only at the index it stores at. That is read-before-write
+  output, and the kernel reads it only at the index it stores at (never through an indirect
+  load, which may read any element). That is read-before-write
   per element in the generated code: reductions run over the whole row before any store of
   the row, a store's value is computed before it is written, and other stores of the same
   pass that come later must not read the buffer (their loads would see the new values). An
@@ -138,12 +139,12 @@ def liveness(program: LoopProgram) -> Liveness:
 # ---------------------------------------------------------------------------------------
 def _takes_over(kernel: Kernel, position: int, b: str) -> bool:
     """May the kernel's store at ``position`` write into ``b``'s memory (NOTE [memory
-    passes]): every load of ``b`` at the store's index, and no later store of the same pass
-    reading ``b``?"""
+    passes]): every load of ``b`` at the store's index (none indirect: it may read any
+    element), and no later store of the same pass reading ``b``?"""
     store = kernel.stores[position]
     loads = [e for s in kernel.stores for e in walk(s.value)
              if isinstance(e, Load) and e.buffer == b]
-    if any(sympy.expand(e.index - store.index) != 0 for e in loads):
+    if any(e.indirect or sympy.expand(e.index - store.index) != 0 for e in loads):
         return False
     later = [s for s in kernel.stores[position + 1:] if is_inner(s) == is_inner(store)]
     return not any(isinstance(e, Load) and e.buffer == b for s in later for e in walk(s.value))
