@@ -8,7 +8,8 @@ become extra graph inputs), transforms that graph with a pass (``passes/autodiff
 tensors, a transformed function runs through ``jit`` (so it is traced once per signature and
 cached). The one-shot forms (``jvp(f, ...)``, ``vjp(f, ...)``, ``vmap(f)(...)``) keep that
 jit per function and options (``_staged_for``), so calling them again on the same function
-reuses its compilations, as calling ``grad(f)`` again does. Inside a traced function the
+reuses its compilations, as calling one ``g = grad(f)`` again does (``grad(f)(x)`` written
+inline makes a new function, traced at each call). Inside a traced function the
 user holds ``functionalize`` wrappers; a transform unwraps them to tracers on entry and wraps
 its results again on exit.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -56,14 +58,20 @@ _BUILTIN_BODIES: dict = {}  # builtin function -> {key: staged body} (builtins l
 
 def _staged_for(func: Callable, key: tuple, body: Callable) -> Callable:
     """``_staged(body)``, made once per (``func``, ``key``): ``key`` names everything else
-    the body depends on. They are kept on a Python function itself, so they go with it (the
-    body refers to ``func``: kept anywhere else, they would keep it alive); other callables
-    (modules, partials, bound methods made anew at each access) are not cached, so nothing
-    is written into the user's objects."""
-    if isinstance(func, types.BuiltinFunctionType):
+    the body depends on. A Python function keeps its bodies itself, so they go with it (the
+    body refers to ``func``: kept anywhere else, they would keep it alive), under the
+    attribute ``_plait_staged`` with a weak reference to their owner: ``functools.wraps``
+    copies the attribute into a wrapper, which must not take the wrapped function's bodies.
+    A module's builtin (``torch.sin``) keeps them in ``_BUILTIN_BODIES``; other callables
+    (modules, partials, bound methods, which hold their object) are not cached."""
+    if isinstance(func, types.BuiltinFunctionType) and \
+            isinstance(getattr(func, "__self__", None), (types.ModuleType, type(None))):
         bodies = _BUILTIN_BODIES.setdefault(func, {})
     elif isinstance(func, types.FunctionType):
-        bodies = vars(func).setdefault("_plait_staged", {})
+        owner, bodies = vars(func).get("_plait_staged", (None, None))
+        if owner is None or owner() is not func:
+            owner, bodies = weakref.ref(func), {}
+            func._plait_staged = owner, bodies
     else:
         return _staged(body)
     if key not in bodies:

@@ -215,8 +215,9 @@ def test_scatter_reduce_gradients_match_autograd(reduce, include_self):
 def test_one_shot_transforms_reuse_their_compilation(monkeypatch):
     """NOTE [how a transform runs]: jvp, vjp and vmap called again on the same function trace
     it once, as grad(f) does; a new function (here a lambda made per call) traces anew."""
-    from plait import api
+    from plait import api, transforms
 
+    monkeypatch.setattr(transforms, "_BUILTIN_BODIES", {})  # torch.sin's, from other tests
     lowered = []
     original = api.Jitted._lower
     monkeypatch.setattr(api.Jitted, "_lower", lambda self, *a, **k: lowered.append(1) or
@@ -235,6 +236,41 @@ def test_one_shot_transforms_reuse_their_compilation(monkeypatch):
             run()
         assert len(lowered) == traces
     torch.testing.assert_close(plait.jvp(f, (x,), (x,))[1], torch.func.jvp(f, (x,), (x,))[1])
+
+
+def test_a_wrapper_does_not_take_the_wrapped_functions_compilation():
+    """functools.wraps copies a function's attributes, its cached compilations included: a
+    wrapper (grad's own, or a user's decorator) must compile its own."""
+    import functools
+
+    def loss(x):
+        return (x.sin() ** 2).sum()
+
+    def twice(g):
+        @functools.wraps(g)
+        def h(x):
+            return 2 * g(x)
+        return h
+
+    xs, x, t = torch.randn(4, 3), torch.randn(3), torch.randn(3)
+    plait.vmap(loss)(xs)
+    torch.testing.assert_close(plait.vmap(plait.grad(loss))(xs),
+                               torch.func.vmap(torch.func.grad(loss))(xs))
+    plait.jvp(loss, (x,), (t,))
+    torch.testing.assert_close(plait.jvp(twice(loss), (x,), (t,))[1],
+                               torch.func.jvp(twice(loss), (x,), (t,))[1])
+
+
+def test_a_bound_builtin_method_is_not_kept_alive():
+    import gc
+    import weakref
+
+    a, x, t = torch.randn(3), torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(plait.jvp(a.mul, (x,), (t,))[1], a * t)
+    alive = weakref.ref(a)
+    del a
+    gc.collect()
+    assert alive() is None
 
 
 def test_transforms_write_nothing_into_the_users_objects():
