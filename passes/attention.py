@@ -99,7 +99,7 @@ def _scaled(g, s: Value, members: set) -> tuple[Value, float]:
         if g.node(s.node).prim == "mul" and _scalar(g, c) is None:
             x, c = c, x
         factor = _scalar(g, c)
-        if factor is None:
+        if factor is None or factor == 0 and g.node(s.node).prim == "div":
             break
         scale = scale * factor if g.node(s.node).prim == "mul" else scale / factor
         members.add(s.node)
@@ -198,7 +198,12 @@ def fuse_attention(graph: Graph) -> Graph:
         found = match(graph, node.kwargs, *graph.operands(n))
         if found is None or not _exclusive(graph, n, found[-1], pinned):
             return None
-        q, (k, k_swap), (v, v_swap), scale, _ = match(b, node.kwargs, *operands)
+        # the same pattern among the new nodes, unless a node of it was fused already
+        # (an attention whose output is matmul'd again inside this one)
+        found = match(b, node.kwargs, *operands)
+        if found is None:
+            return None
+        q, (k, k_swap), (v, v_swap), scale, _ = found
         t, provenance = node.out_types[0], node.provenance
         q, k, v = _batched(b, [q, _unswapped(b, k, k_swap, provenance),
                                _unswapped(b, v, v_swap, provenance)], t.shape[:-2], provenance)
