@@ -265,8 +265,9 @@ def run(cases: list[str], quick: bool, repeat: int, tune: bool = False) -> dict:
               "|---|--:|--:|--:|--:|---|")
         for name, r in results.items():
             if "error" not in r:
-                chosen = "; ".join(f"{k.split()[0]}: X{c['XBLOCK']} R{c['RBLOCK']} "
-                                   f"w{c['num_warps']}" for k, c in sorted(r["tuned"].items()))
+                chosen = "; ".join(f"{k.split()[0]}: " + " ".join(
+                    f"{n[0] if n.endswith('BLOCK') else 'w'}{v}" for n, v in c.items())
+                    for k, c in sorted(r["tuned"].items()))
                 print(f"| {name} | {r['plait_ms']:.3f} | {r['tuned_ms']:.3f} | "
                       f"{r['tc_ms'] / r['tuned_ms']:.2f}x | {r['tune_s']:.1f} | {chosen} |")
     print(f"\n  geometric mean, plait speedup over torch.compile: "

@@ -558,7 +558,7 @@ def main(argv=None) -> int:
         import gpu
     known = gpu.CASES if cuda else CASES
     cases = list(known) if args.cases is None else [c for c in args.cases.split(",") if c]
-    args.repeat = args.repeat or (2 if args.quick else 30 if cuda else 7)
+    args.repeat = args.repeat or ((5 if cuda else 2) if args.quick else 30 if cuda else 7)
     args.calls = args.calls or (200 if args.quick else 2000)
     if args.repeat < 1 or args.calls < 1:
         parser.error("--repeat and --calls must be at least 1")
@@ -598,7 +598,7 @@ def main(argv=None) -> int:
                     ("jit / eager", f"{o['jit_us'] / o['eager_us']:.1f}", "x"),
                 ])
 
-    if cuda:
+    if cuda and cases:
         gpu.run(cases, args.quick, args.repeat)
     elif cases:
         print_compilers(bench_compilers([CASES[c] for c in cases], args.quick, args.repeat),

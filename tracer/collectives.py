@@ -282,13 +282,16 @@ class CommBufferType:
 
 
 def _symm_mem_usable(group_name: str, t: TensorType) -> bool:
-    from torch.distributed import _symmetric_memory as symm
-
     # one_shot_all_reduce dispatches on float32 and bfloat16
-    return (t.device.startswith("cuda") and t.dtype in (torch.float32, torch.bfloat16)
+    if not (t.device.startswith("cuda") and t.dtype in (torch.float32, torch.bfloat16)
             and 0 < t.nbytes <= config.symm_mem_max_bytes
-            and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
-            and symm.is_symm_mem_enabled_for_group(group_name))
+            and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")):
+        return False
+    try:  # a torch build without it has none enabled
+        from torch.distributed import _symmetric_memory as symm
+    except ImportError:
+        return False
+    return symm.is_symm_mem_enabled_for_group(group_name)
 
 
 def _symm_mem_allocate(nbytes: int, device, group_name: str, alloc_id: int) -> torch.Tensor:
