@@ -69,6 +69,7 @@ class Lowered:
     def __init__(self, traced: TracedFunction, backend: str, donated: frozenset = frozenset()):
         self.traced = traced
         self.backend = backend
+        self.donated = donated
         # a mutated input is written back after the call: its memory is not free for results
         self.source_graph = traced.graph.donating(sorted(donated - set(traced.mutated_inputs)))
         self._config = config.keyed()
@@ -112,19 +113,19 @@ class Lowered:
     @functools.cached_property
     def runner(self):
         """What a call runs: the program an earlier process compiled and kept on disk (NOTE
-        [program cache]), or else ``compiled`` (kept for the next process where it can be)."""
+        [program cache]), or else ``compiled``'s runner (kept for the next process where it
+        pickles), or ``compiled`` itself for a backend whose programs are not kept."""
         backend = get_backend(self.backend)
         if not (config.program_cache and backend.keeps_programs):
             return self.compiled
-        with config.patch(**self._config):
-            key = program_cache.key(self.source_graph, backend)
+        key = program_cache.key(self.source_graph, backend, tuple(self._config.values()))
         runner = program_cache.load(key)
-        if runner is None:
-            runner = self.compiled
-            program_cache.store(key, getattr(runner, "runner", None))
-        else:
+        if runner is not None:
             _cache_log.debug("program cache hit: %s", key)
-        return runner
+            return runner
+        runner = getattr(self.compiled, "runner", None)
+        program_cache.store(key, runner)
+        return self.compiled if runner is None else runner
 
     @property
     def kernels(self) -> tuple:
@@ -160,13 +161,13 @@ class Lowered:
 class _Compiled:
     """A compiled signature: run the graph, then rebuild the outputs and write back inputs."""
 
-    def __init__(self, lowered: Lowered, donated: frozenset = frozenset()):
+    def __init__(self, lowered: Lowered):
         self.lowered = lowered
         traced = lowered.traced
         self._run = lowered.runner
         self._out_tree, self._out_leaves = traced.out_tree, traced.out_leaves
         self._mutated = traced.mutated_inputs
-        self._donated = donated
+        self._donated = donated = lowered.donated
         # the arguments the compiled code writes, and why (checked for aliasing per call)
         self._written = {i: "is donated (donate_argnums)" for i in donated} | {
             i: "is mutated by the function" for i in self._mutated}
@@ -278,9 +279,8 @@ class Jitted:
             name = debug.function_name(self.fn)
             _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
                              name, [str(TensorType.of(t)) for t in tensors])
-            donated = self._donated(args)
-            compiled = self._cache[key] = _Compiled(self._lower(leaves, tree, backend, donated),
-                                                    donated)
+            compiled = self._cache[key] = _Compiled(
+                self._lower(leaves, tree, backend, self._donated(args)))
             if len(self._cache) > config.cache_size:
                 self._cache.popitem(last=False)
                 _cache_log.debug("%s: evicted the oldest signature", name)

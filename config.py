@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 
 import attrs
@@ -119,12 +120,12 @@ class Config:
 
     def cache_key(self) -> tuple:
         """The knobs that change what a compiled function computes or how."""
-        return tuple(getattr(self, name) for name in _KEYED)
+        return _key(self)
 
     def keyed(self) -> dict:
         """The knobs of ``cache_key`` by name, for ``patch``: a compilation finished later
         (``Lowered``'s lazy stages) runs under the settings it started with."""
-        return {name: getattr(self, name) for name in _KEYED}
+        return dict(zip(_KEYED, _key(self)))
 
     @contextlib.contextmanager
     def _patched(self, changes: dict):
@@ -151,6 +152,7 @@ class Config:
 _KEYED = ("simplify", "fuse_attention", "fold_max_numel", "allow_opaque", "cpp_compiler",
           "cpp_flags", "inplace", "reorder", "plan_memory", "overlap", "symm_mem_max_bytes",
           "comm_pool_reuse")
+_key = operator.attrgetter(*_KEYED)
 
 
 class _Patch(contextlib.ContextDecorator):

@@ -512,7 +512,6 @@ class CompiledProgram:
     and may offer a picklable ``runner`` (NOTE [program cache]); None keeps nothing on disk."""
 
     reserved: frozenset = frozenset()
-    runner: Runner | None = None
 
     def __init__(self, program: LoopProgram, plan=None):
         from ..passes import memory

@@ -12,10 +12,11 @@ backend and its config, ``config.cache_key()``, the torch version and plait's ow
 An entry is a header line holding the sha256 of the pickle, then the pickle: a damaged or
 truncated entry, or one whose library is gone, is a miss, and the program compiled again
 replaces it. Writes are atomic, so processes compiling one function at once both succeed.
-Only runners that pickle are kept: the cpp backend's, whose kernel steps pickle as their
-library's path and symbol, with ATen ops by name. A program calling a Python callback or a
-collective, and the triton backend's programs (launch configurations are resolved per device),
-are compiled in each process; ``config.program_cache`` turns the cache off. Entries are
+Only the programs of backends registered with ``keeps_programs`` are looked up, and of those
+only runners that pickle are kept: the cpp backend's, whose kernel steps pickle as their
+library's path and symbol, with ATen ops by name. A program calling a collective is compiled
+in each process, as are the triton backend's (not registered: its launch configurations are
+resolved per device); ``config.program_cache`` turns the cache off. Entries are
 pickles: the cache folder must be trusted, as Triton's and Inductor's are.
 """
 from __future__ import annotations
@@ -29,16 +30,16 @@ import pickle
 
 import torch
 
-from ..config import config
 from .codegen import cache_folder, write_atomically
 
 _log = logging.getLogger("plait.cache")
-_HEADER = b"plait program "
 
 
-def key(graph, backend) -> str:
-    parts = (graph.digest, repr(backend.cache_key()), repr(config.cache_key()),
-             torch.__version__, _plait_source())
+def key(graph, backend, config_key: tuple) -> str:
+    """The entry of ``graph`` compiled by ``backend`` under settings ``config_key``
+    (``config.cache_key()`` when the compilation began)."""
+    parts = (graph.digest, repr(backend.cache_key()), repr(config_key), torch.__version__,
+             _plait_source())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
 
 
@@ -61,12 +62,14 @@ def _path(key: str) -> str | None:
 def load(key: str):
     """The runner kept under ``key``, or None."""
     path = _path(key)
+    if path is None:
+        return None
     try:
         with open(path, "rb") as f:
             header, payload = f.readline(), f.read()
-    except (OSError, TypeError):  # no entry, or no cache folder (path None)
+    except OSError:  # no entry
         return None
-    if header != _HEADER + hashlib.sha256(payload).hexdigest().encode() + b"\n":
+    if header != _header(payload):
         _log.debug("program cache: %s is damaged; compiling again", path)
         return None
     try:
@@ -88,8 +91,11 @@ def store(key: str, runner) -> None:
         _log.debug("program cache: not kept (%s)", e)
         return
     payload = buffer.getvalue()
-    write_atomically(path, _HEADER + hashlib.sha256(payload).hexdigest().encode() + b"\n"
-                     + payload)
+    write_atomically(path, _header(payload) + payload)
+
+
+def _header(payload: bytes) -> bytes:
+    return b"plait program " + hashlib.sha256(payload).hexdigest().encode() + b"\n"
 
 
 class _Pickler(pickle.Pickler):
