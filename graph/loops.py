@@ -29,10 +29,11 @@ Every node knows its dtype. Nodes are frozen and compare by value, so a DAG shar
 subexpressions and code generators can emit each once. Loads are always in bounds: lowering
 clamps the indices of a branch that ``where`` discards (padding, concatenation), and a code
 generator checks each indirect position against its size: one outside ``[0, size)`` is read
-at 0 and recorded, and the program raises ``CheckError`` as eager's gather does (NOTE [kernel
-errors] in backends/codegen.py). An index with ``i..`` is data-dependent: analyses that read
-an index as an affine function of the loop variables (alignment for fusion and in-place
-reuse, strides) treat an indirect load as unaligned, with no known stride. An
+at 0 and recorded, and the program raises ``CheckError`` as eager's gather does, except on
+CUDA (NOTE [kernel errors] in backends/codegen.py). An index with ``i..`` is data-dependent:
+an indirect load never reads "the element at a store's index" (``reads_at``: vertical fusion,
+in-place reuse) and has no known stride; two loads with equal index and positions are still
+the same load (sibling fusion). An
 ``Extern`` runs a torch function on whole buffers (a library call such as a matmul, or a
 primitive with no loop form); a collective is an Extern marked ``collective``, and a ``Wait``
 completes one that was only started (NOTE [overlap] in passes/memory.py). A ``Buffer`` with a
@@ -238,6 +239,12 @@ def walk(*exprs) -> list:
     for e in exprs:
         visit(e)
     return list(seen)
+
+
+def reads_at(load: Load, index) -> bool:
+    """Does ``load`` read the element at flat ``index`` at every point (the same offset
+    expression; an indirect load may read any element)?"""
+    return not load.indirect and sympy.expand(load.index - index) == 0
 
 
 def children(expr) -> tuple:

@@ -26,7 +26,7 @@ import itertools
 import attrs
 import sympy
 
-from ..graph.loops import (Kernel, Load, LoopProgram, Store, children, loop_vars, walk,
+from ..graph.loops import (Kernel, Load, LoopProgram, Store, children, loop_vars, reads_at, walk,
                            with_children)
 
 
@@ -107,7 +107,7 @@ def _merged(p, c, keep, p_vars, c_vars, sizes, reduction_sizes) -> Kernel | None
         nonlocal aligned
         if isinstance(e, Load) and e.buffer in stores:
             store = stores[e.buffer]
-            if e.indirect or sympy.expand(e.index - store.index) != 0:
+            if not reads_at(e, store.index):
                 aligned = False
                 return None
             return store.value

@@ -55,7 +55,8 @@ VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "
 @attrs.frozen
 class Lazy:
     """A value not in memory: ``at(index)`` is its expression at that index. ``buffer``
-    names the contiguous buffer it reads straight through, if it is one (reshape keeps it)."""
+    names the buffer it is, whole and as stored, if it is one (``in_memory``); a view of a
+    buffer is lazy (``_buffer_view`` sees through it for an extern)."""
 
     type: TensorType
     at: Callable[[tuple], object] = attrs.field(converter=lambda at: _memoized(at))
@@ -155,8 +156,7 @@ class _Lowering:
 
     def held(self, lazy: Lazy) -> bool:
         """Is ``lazy`` a whole buffer as it is (nothing to store)?"""
-        return lazy.buffer is not None and \
-            self.buffers[lazy.buffer].type.shape == lazy.type.shape
+        return lazy.buffer is not None
 
     def store(self, lazy: Lazy, fenced: bool = False, comm: CommKind | None = None) -> str:
         """A new buffer that a pointwise kernel stores ``lazy`` into."""

@@ -73,9 +73,8 @@ import heapq
 from typing import Callable
 
 import attrs
-import sympy
 
-from ..graph.loops import Extern, Kernel, Load, LoopProgram, Wait, is_inner, walk
+from ..graph.loops import Extern, Kernel, Load, LoopProgram, Wait, is_inner, reads_at, walk
 
 
 # ---------------------------------------------------------------------------------------
@@ -144,7 +143,7 @@ def _takes_over(kernel: Kernel, position: int, b: str) -> bool:
     store = kernel.stores[position]
     loads = [e for s in kernel.stores for e in walk(s.value)
              if isinstance(e, Load) and e.buffer == b]
-    if any(e.indirect or sympy.expand(e.index - store.index) != 0 for e in loads):
+    if not all(reads_at(e, store.index) for e in loads):
         return False
     later = [s for s in kernel.stores[position + 1:] if is_inner(s) == is_inner(store)]
     return not any(isinstance(e, Load) and e.buffer == b for s in later for e in walk(s.value))
@@ -363,8 +362,9 @@ def reorder(program: LoopProgram,
     compute between its start and its wait hides its communication, NOTE [overlap])."""
     settle = then or (lambda p: p)
     succ, lv = _successors(program), liveness(program)
-    given = settle(program)
-    best, best_peak, windows = program, liveness(given).peak, _overlap_windows(given)
+    given = settle(program)  # the program itself where nothing settles
+    best, windows = program, _overlap_windows(given)
+    best_peak = (lv if given is program else liveness(given)).peak
     for strategy in STRATEGIES.values():
         order = _schedule(program, lv, succ, strategy)
         candidate = attrs.evolve(program, kernels=tuple(program.kernels[i] for i in order))
@@ -389,6 +389,8 @@ def _overlap_windows(program: LoopProgram) -> dict[str, int]:
 def overlap(program: LoopProgram) -> LoopProgram:
     """Each collective that can be waited for apart starts right after the last step it must
     follow and is waited for right before the first step that needs it (NOTE [overlap])."""
+    if not any(isinstance(k, Extern) and k.split for k in program.kernels):
+        return program  # the common case, and reorder settles every order it tries
     kernels: list = []
     for k in program.kernels:
         i, needs = len(kernels), set(k.reads)
