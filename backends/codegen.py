@@ -140,15 +140,22 @@ INT_DIVISIONS = ("div", "fmod", "remainder")
 
 # NOTE [kernel errors]
 # Where eager raises on a value, a generated kernel records the failed check as a code in an
-# error flag (cpp: the library's ``plait_error``; triton: a one-element buffer, NOTE
-# [integer division by zero]) and carries on with a safe value: an integer division by zero
-# (DIVISION_BY_ZERO) gives 0, an indirect load's position outside [0, size)
-# (INDEX_OUT_OF_RANGE: a gather's index, NOTE [loop IR]) reads element 0 of its range. The
-# wrapper reads the flag after each such kernel and raises ``kernel_error(code)``; where
-# several checks failed, one of them is reported. On CUDA the flag is not read (eager does
-# not raise on a division there, and a gather out of range is a device-side assert). A gather
-# whose result is only partly used (sliced) is checked only where it is used.
+# error flag (cpp: the library's ``plait_error``; triton: a one-element buffer per device)
+# and carries on with a safe value: an integer division by zero (DIVISION_BY_ZERO) gives 0,
+# an indirect load's position outside [0, size) (INDEX_OUT_OF_RANGE: a gather's index, NOTE
+# [loop IR]) reads element 0 of its range. The generated preludes name the codes as
+# ``ERROR_<NAME>`` (``with_error_codes``). The launch step of each such kernel reads the flag
+# after it and raises ``kernel_error(code)``; where several checks failed, one of them is
+# reported. On CUDA the flag is not read: eager does not raise on a division there (a gather
+# out of range is a device-side assert), and reading it would wait for the GPU after every
+# launch. A gather whose result is only partly used (sliced) is checked only where it is used.
 DIVISION_BY_ZERO, INDEX_OUT_OF_RANGE = 1, 2
+
+
+def with_error_codes(prelude: str) -> str:
+    """A generated prelude with its ``ERROR_<NAME>`` placeholders replaced by the codes."""
+    return prelude.replace("ERROR_DIVISION_BY_ZERO", str(DIVISION_BY_ZERO)).replace(
+        "ERROR_INDEX_OUT_OF_RANGE", str(INDEX_OUT_OF_RANGE))
 
 
 def kernel_error(code: int) -> CheckError:

@@ -24,7 +24,7 @@ integer ``pow`` with negative exponents, out-of-range shifts, rounding functions
 float-to-narrow-int conversion through int32 as torch's scalar cast compiles, so a vectorized
 saturating pack never changes an out-of-range value). Integer division (``div``, ``fmod``,
 ``remainder``) by zero and an indirect load's position out of range (a gather's index) raise
-in eager; a kernel records them in a flag that the wrapper turns into ``CheckError`` after
+in eager; a kernel records them in a flag that its launch step turns into ``CheckError`` after
 the kernel (NOTE [kernel errors] in codegen.py; the flag is per library, so concurrent calls
 of one program share it).
 
@@ -62,10 +62,11 @@ import torch
 
 from ..config import config
 from ..errors import BackendError
-from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children, is_inner, loop_vars, walk)
+from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
+                           is_inner, loop_vars, walk)
 from . import codegen
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, identifier,
-                      kernel_error, levels, reduces)
+                      kernel_error, levels, reduces, with_error_codes)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -159,19 +160,19 @@ template <class T> inline T plait_fmin(T a, T b) {
   if constexpr (plait_is_float<T>) return std::fmin(a, b); else return std::min(a, b);
 }
 
-// Checks eager raises for are recorded for the wrapper (NOTE [kernel errors] in codegen.py):
-// 1 an integer division by zero, 2 an indirect load's position out of range (read at 0).
+// Checks eager raises for are recorded for the launch step (NOTE [kernel errors] in
+// codegen.py): an integer division by zero, an indirect load's position out of range (read at 0).
 // x / -1 is a negation (INT_MIN / -1 traps on x86).
 static int plait_error = 0;
 extern "C" int plait_take_error() { return __atomic_exchange_n(&plait_error, 0, __ATOMIC_RELAXED); }
 template <class T> inline bool plait_divisor_ok(T b) {
   if (b != 0) return true;
-  __atomic_store_n(&plait_error, 1, __ATOMIC_RELAXED);
+  __atomic_store_n(&plait_error, ERROR_DIVISION_BY_ZERO, __ATOMIC_RELAXED);
   return false;
 }
 inline int64_t plait_position(int64_t p, int64_t n) {
   if (p >= 0 && p < n) return p;
-  __atomic_store_n(&plait_error, 2, __ATOMIC_RELAXED);
+  __atomic_store_n(&plait_error, ERROR_INDEX_OUT_OF_RANGE, __ATOMIC_RELAXED);
   return 0;
 }
 template <class T> inline T plait_div(T a, T b) {  // true division of floats, truncating of integers
@@ -428,13 +429,10 @@ class _KernelWriter:
             lines.append(f"{inner}for (int64_t {r} = 0; {r} < {_int(n)}; ++{r}) {{")
             inner += "  "
         inner = self._point_loop(lines, inner)
-        kept = {}
+        scope = _Scope(self, lines, inner, bound)
         for red, s in self.stashes.items():  # read back before any store overwrites them
-            kept[red.body] = f"t{self.count}"
-            self.count += 1
-            lines.append(f"{inner}const {_ctype(red.body.dtype)} {kept[red.body]} = "
-                         f"{self.params[s.buffer]}[{_index(s.index)}];")
-        scope = _Scope(self, lines, inner, bound | kept)
+            scope.names[red.body] = scope.local(_ctype(red.body.dtype),
+                                                f"{self.params[s.buffer]}[{_index(s.index)}]")
         for s in stores:
             lines.append(f"{inner}{self.params[s.buffer]}[{_index(s.index)}] = "
                          f"{scope.value(s.value)};")
@@ -673,7 +671,8 @@ class CompiledProgram(codegen.CompiledProgram):
         return w, w.source({b: self.program.buffers[b].type for b in w.buffers})
 
     def load(self, texts: list[str]) -> str:
-        self.cpp_source = "\n\n".join([_PRELUDE + _INDEX_HELPERS, *texts]) + "\n"
+        self.cpp_source = "\n\n".join([with_error_codes(_PRELUDE) + _INDEX_HELPERS,
+                                        *texts]) + "\n"
         self._library = build(self.cpp_source, [w.cname for w in self.writers.values()])
         return self.cpp_source
 

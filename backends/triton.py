@@ -43,8 +43,7 @@ maximum, Python-signed remainder, truncating integer division, out-of-range shif
 half to even, negation that keeps the sign of zero, float fmod through libdevice on the GPU,
 float-to-narrow-int conversion through int32). Integer division by zero and an indirect
 load's position out of range raise in eager: such kernels get an error-flag buffer (NOTE
-[integer division by zero], NOTE [kernel errors] in codegen.py), read after the launch where
-eager raises too.
+[kernel errors] in codegen.py), read after the launch where eager raises too.
 Index arithmetic is int32 unless the kernel's domain, a buffer it touches or a constant of its
 index expressions reaches 2**31; then the program ids, and so every index, are int64. An
 indirect load's positions are int64 (checked by ``_position``), and so is its index; the
@@ -104,7 +103,7 @@ from ..graph.loops import (
 )
 from . import codegen
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, identifier,
-                      kernel_error, levels, reduces, write_atomically)
+                      kernel_error, levels, reduces, with_error_codes, write_atomically)
 
 _log = logging.getLogger("plait.kernels")
 
@@ -217,14 +216,14 @@ def _safe_divisor(b):  # integer division by zero is reported, never executed
 @triton.jit
 def _check_divisor(err, b, mask):
     bad = ((b + tl.zeros(mask.shape, b.dtype)) == 0) & mask  # b may be 0-d (see load)
-    tl.store(err + tl.zeros_like(bad.to(tl.int32)), 1, mask=bad)
+    tl.store(err + tl.zeros_like(bad.to(tl.int32)), ERROR_DIVISION_BY_ZERO, mask=bad)
 
 
 @triton.jit
 def _position(err, p, n, mask):  # an indirect load's position: outside [0, n) reported, 0
     p = p.to(tl.int64) + tl.zeros(mask.shape, tl.int64)  # p may be 0-d
     ok = (p >= 0) & (p < n)
-    tl.store(err + tl.zeros_like(ok.to(tl.int32)), 2, mask=mask & ~ok)
+    tl.store(err + tl.zeros_like(ok.to(tl.int32)), ERROR_INDEX_OUT_OF_RANGE, mask=mask & ~ok)
     return tl.where(ok, p, 0)
 
 
@@ -391,7 +390,8 @@ def interpreting() -> bool:
 def prelude() -> str:
     """The helpers: a float ``%`` compiled for the GPU is not C's fmod on every value (inf,
     large quotients), libdevice's is; the interpreter has only ``%`` (numpy's fmod)."""
-    return _PRELUDE.replace("FLOAT_FMOD", "a % b" if interpreting() else "libdevice.fmod(a, b)")
+    return with_error_codes(_PRELUDE).replace(
+        "FLOAT_FMOD", "a % b" if interpreting() else "libdevice.fmod(a, b)")
 
 
 def supported_ops() -> frozenset:
@@ -978,7 +978,7 @@ class CompiledProgram(codegen.CompiledProgram):
     def __init__(self, program: LoopProgram, plan=None):
         self._types = {b: buf.type for b, buf in program.buffers.items()}
         self._on_device: dict = {}  # device -> constants there
-        self._error_flags: dict = {}  # device -> the flag dividing kernels set
+        self._error_flags: dict = {}  # device -> the flag checking kernels set
         super().__init__(program, plan)
 
     def write(self, kernel: Kernel, name: str):
@@ -1035,12 +1035,7 @@ class CompiledProgram(codegen.CompiledProgram):
         return device
 
     def _error_flag(self, device: torch.device) -> torch.Tensor:
-        """NOTE [integer division by zero]: a kernel dividing integers sets this flag where a
-        divisor is 0, one with indirect loads where a position is out of range (the code says
-        which, NOTE [kernel errors]). Eager raises there on the CPU (the interpreter's
-        device), so the flag is read after each such launch; on CUDA eager does not raise on
-        a division (a gather out of range is a device-side assert there), and reading the
-        flag would wait for the GPU after every launch, so it is not read."""
+        """The error flag of this device's launches (NOTE [kernel errors])."""
         if device not in self._error_flags:
             self._error_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return self._error_flags[device]
