@@ -21,7 +21,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import unittest.mock
 from typing import Callable
 
@@ -29,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import plait
-from run import _geomean, _reason  # benchmarks/ is on the path: this script's folder, or run.py's
+# benchmarks/ is on the path: this script's folder, or run.py's
+from run import _check as run_check, _geomean, _reason, _timed
 
 BF16 = torch.bfloat16
 
@@ -137,11 +137,7 @@ def _time(fn, args, repeat: int) -> float:
 
 
 def _cold_s(fn, args) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(*args)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return _timed(lambda: fn(*args), "cuda")
 
 
 def _peak_mib(fn, args) -> float:
@@ -168,10 +164,7 @@ def _matmul_rate() -> float:
 
 
 def _check(got, want, what: str) -> None:
-    try:
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    except AssertionError as e:
-        raise AssertionError(f"{what} differs from eager: {e}") from None
+    run_check(got, want, what, tol=2e-2)  # bf16 cases
 
 
 @contextlib.contextmanager

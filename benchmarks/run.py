@@ -224,10 +224,10 @@ CASES = {c.name: c for c in [
 ]}
 
 
-def _check(got, expected, what: str) -> None:
+def _check(got, expected, what: str, tol: float = 1e-4) -> None:
     """A fast wrong answer must not pass: every compiled result is checked against eager."""
     try:
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     except AssertionError as e:
         raise AssertionError(f"{what} differs from eager: {e}") from None
 
