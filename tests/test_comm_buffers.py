@@ -281,7 +281,10 @@ def test_only_small_sum_all_reduces_of_our_values_take_the_comm_path(group, fake
 
 def test_symmetric_memory_falls_back_on_the_cpu(group):
     """Enabled for the group, symmetric memory is still never chosen for CPU tensors."""
+    from torch.distributed import _symmetric_memory
+
     plait.distributed.enable_symmetric_memory(group)
+    assert _symmetric_memory.is_symm_mem_enabled_for_group(group)
     x = torch.randn(4, 6)
     lowered = plait.jit(lambda x: plait.distributed.all_reduce(x * 2), backend="cpp").lower(x)
     assert _comm_buffers(lowered) == [] and lowered.memory["comm_pools"] == ()
