@@ -82,7 +82,7 @@ class Lowered:
     @functools.cached_property
     def _simplified(self) -> tuple[Graph, tuple]:
         passes: list = []
-        with config.patch(**self._config):
+        with config.patch(**self._config), no_dynamo_import():
             graph = simplify(self.source_graph, lambda *p: passes.append(p)) \
                 if config.simplify else self.source_graph
         return graph, tuple(passes)

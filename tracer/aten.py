@@ -4,8 +4,10 @@ Handlers receive the op's arguments (tracers, real tensors, Python values) and e
 primitives with ``bind``. A handler may also call torch functions on tracers: those re-enter
 the dispatcher and are traced like any other op, which keeps the composite handlers (advanced
 indexing, scatter of a mask) short. Promotion and broadcasting of elementwise ops come from
-``torch._refs`` (reached through the decomposition table), which mirror eager exactly; the
-``prims`` handlers below then only need to line up Python scalars and 0-dim tensors.
+``torch._refs``, which mirror eager exactly: reached through the decomposition table, or,
+for the plain forms of the common ops, followed here (NOTE [plain forms of torch's
+references]). The ``prims`` handlers then only need to line up Python scalars and 0-dim
+tensors.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from ..graph import TensorType
 from ..graph.types import contiguous_strides
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
-from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback, bind,
-                    current_trace)
+from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _decomposition, _NeedsFallback,
+                    bind, current_trace)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -80,11 +82,23 @@ def reshape(x, shape):
 # ---------------------------------------------------------------------------------------
 # prims (the targets of torch._refs)
 # ---------------------------------------------------------------------------------------
+def broadcast_shapes(*shapes) -> tuple[int, ...]:
+    """The shape ``shapes`` broadcast to (torch.broadcast_shapes imports the symbolic-shapes
+    machinery on its first call: NOTE [plain forms of torch's references])."""
+    out = [1] * max(map(len, shapes), default=0)
+    for shape in shapes:
+        for i, n in enumerate(shape, len(out) - len(shape)):
+            if n != out[i] and 1 not in (n, out[i]):
+                raise ShapeError("shapes " + ", ".join(str(list(s)) for s in shapes) +
+                                 " do not broadcast: sizes must match or be 1 in every dim")
+            out[i] = n if out[i] == 1 else out[i]
+    return tuple(out)
+
+
 def common_shape(operands) -> tuple[tuple[int, ...], str]:
     """Broadcast shape and device of the tensor operands."""
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
-    shape = tuple(torch.broadcast_shapes(*[type_of(x).shape for x in tensors]))
-    return shape, type_of(tensors[0]).device
+    return broadcast_shapes(*[type_of(x).shape for x in tensors]), type_of(tensors[0]).device
 
 
 def line_up(operands, dtype, shape, device) -> list:
@@ -337,6 +351,206 @@ for _kind in ("r2c", "c2r", "c2c"):
          _prim("resize"), _prim("xor_sum"))
 def _prims_no_equivalent(*args, **kwargs):
     raise _NeedsFallback("prim without a plait equivalent")
+
+
+# ---------------------------------------------------------------------------------------
+# ATen elementwise ops, sums and means: the plain forms of torch's references
+# ---------------------------------------------------------------------------------------
+# NOTE [plain forms of torch's references]
+# Most ATen elementwise ops decompose to a reference (torch._refs) made by one of two generic
+# factories: promote the operands (elementwise_dtypes, by the reference's promotion kind),
+# broadcast them, run the body (usually one prim), convert the result. Run per op, the
+# factories' wrappers cost most of a trace (signature binding, scalar and out= handling), and
+# their torch._check imports torch.fx.experimental.symbolic_shapes, about 15 ms once per
+# process: most of a warm start's tracing. So plait reads each such reference's body and
+# promotion kind out of the reference itself (torch stays the one source of the semantics)
+# and does the promotion and broadcasting here, with the same nodes as a result; sums, means,
+# dtype conversions and add, sub and div without alpha or rounding mode get the same
+# treatment by hand. A call outside the plain form (a keyword, an operand the reference
+# rejects) returns NotImplemented from its plain rule and runs the reference.
+_K = torch._prims_common.ELEMENTWISE_TYPE_PROMOTION_KIND
+_R = torch._prims_common.REDUCTION_OUTPUT_TYPE_KIND
+
+
+def _code_named(factory, name: str):
+    """The code of the function called ``name`` that ``factory`` defines, at any depth."""
+    stack = [factory.__code__]
+    while stack:
+        code = stack.pop()
+        if code.co_name == name:
+            return code
+        stack += [c for c in code.co_consts if hasattr(c, "co_consts")]
+    return None
+
+
+# The bodies of the generic references, by their number of operands.
+_GENERIC_BODIES = {_code_named(torch._refs._make_elementwise_unary_reference, "_ref"): 1,
+                   _code_named(torch._refs._make_elementwise_binary_reference, "_ref"): 2}
+
+
+def _closure(fn) -> dict:
+    code = getattr(fn, "__code__", None)
+    return {} if code is None else dict(zip(
+        code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+def _generic_reference(reference):
+    """(body's closure, promotion kind, number of operands) of a reference from the generic
+    factories, read through its wrappers (each keeps the function it wraps as ``fn``; the
+    factories' ``wraps(prim)`` points ``__wrapped__`` past them); None for any other."""
+    kind = None
+    while reference is not None:
+        cells = _closure(reference)
+        promotion = cells.get("self")
+        if isinstance(promotion, torch._prims_common.wrappers.elementwise_type_promotion_wrapper):
+            kind = promotion.type_promotion_kind
+        arity = _GENERIC_BODIES.get(getattr(reference, "__code__", None))
+        if arity is not None:
+            return (cells, kind, arity) if kind is not None else None
+        reference = cells.get("fn", getattr(reference, "__wrapped__", None))
+    return None
+
+
+def _cpu_scalar(x) -> bool:
+    """A 0-dim CPU tensor: the references leave it to the prim to broadcast."""
+    return x.ndim == 0 and x.device.type == "cpu"
+
+
+def _promoted(operands, kind, body):
+    """``body`` on ``operands`` promoted and broadcast as torch's elementwise references do,
+    its result converted to the promoted result dtype. A real tensor operand (a constant) is
+    converted and broadcast eagerly, as there."""
+    compute, result = torch._prims_common.elementwise_dtypes(*operands,
+                                                              type_promotion_kind=kind)
+    number = torch._prims_common.dtype_to_type_ctor(compute)
+    operands = [number(x) if not isinstance(x, torch.Tensor) else convert(x, compute)
+                if isinstance(x, TracerTensor) else x.to(compute) for x in operands]
+    if len(operands) > 1:
+        shape = broadcast_shapes(*[x.shape for x in operands if isinstance(x, torch.Tensor)])
+        operands = [x if not isinstance(x, torch.Tensor) or _cpu_scalar(x) else
+                    broadcast_to(x, shape) if isinstance(x, TracerTensor) else
+                    x.expand(shape) if x.shape != shape else x for x in operands]
+    return convert(body(*operands), result)
+
+
+def _generic_rule(cells, kind, arity):
+    body = cells["prim"]
+    scalars_allowed = (cells.get("supports_lhs_python_scalar", False),
+                       cells.get("supports_rhs_python_scalar", False))
+
+    def plain(*args, **kwargs):
+        scalars = [not isinstance(x, torch.Tensor) for x in args]
+        if kwargs or len(args) != arity or all(scalars) or cells.get("extra_meta") or any(
+                s and not allowed for s, allowed in zip(scalars, scalars_allowed)):
+            return NotImplemented
+        return _promoted(args, kind, body)
+
+    return plain
+
+
+PLAIN_FORMS: set = set()  # the ops given a plain rule
+
+
+def _plain_or_reference(op, plain):
+    """HANDLERS[op]: ``plain``, or torch's reference where ``plain`` does not apply."""
+    reference = _decomposition(op)
+    PLAIN_FORMS.add(op)
+
+    def handler(*args, **kwargs):
+        out = plain(*args, **kwargs)
+        return reference(*args, **kwargs) if out is NotImplemented else out
+
+    HANDLERS[op] = handler
+
+
+for _op, _reference in list(torch._decomp.decomposition_table.items()):
+    if isinstance(_op, torch._ops.OpOverload) and not _op._schema.is_mutable and \
+            _op not in HANDLERS and (_generic := _generic_reference(_reference)):
+        _plain_or_reference(_op, _generic_rule(*_generic))
+
+
+def _pow(a, b):
+    """torch._refs.pow's body (its special exponents) without the symbolic-shapes machinery
+    it imports to compare them."""
+    if not isinstance(b, torch.Tensor):
+        if b == 1.0:
+            return a.clone()
+        if b == 2.0:
+            return a * a
+        if b == 0.5:
+            return torch.sqrt(a)
+    elif not isinstance(a, torch.Tensor):
+        if a == 1.0:
+            return torch.fill(b, True)
+        if a == 2.0 and (type_of(b).dtype.is_floating_point or type_of(b).dtype.is_complex):
+            return torch.exp2(b)
+    return prims.pow.default(a, b)
+
+
+for _op in (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar):
+    _cells, _kind, _arity = _generic_reference(_decomposition(_op))
+    _plain_or_reference(_op, _generic_rule({**_cells, "prim": _pow}, _kind, _arity))
+
+
+def _neg(a):
+    if type_of(a).dtype == torch.bool:
+        return NotImplemented  # its reference's one extra check, with its message
+    return _promoted((a,), _K.DEFAULT, prims.neg.default)
+
+
+_plain_or_reference(aten.neg.default, _neg)
+
+
+def _without(keyword: str, kind, body):
+    """add and sub without alpha, div without rounding mode: a generic binary reference."""
+    def plain(a, b, **kwargs):
+        if kwargs.get(keyword) is not None or set(kwargs) - {keyword}:
+            return NotImplemented
+        return _promoted((a, b), kind, body)
+
+    return plain
+
+
+_plain_or_reference(aten.add.Tensor, _without("alpha", _K.DEFAULT, prims.add.default))
+_plain_or_reference(aten.sub.Tensor, _without("alpha", _K.DEFAULT, prims.sub.default))
+_plain_or_reference(aten.div.Tensor, _without("rounding_mode", _K.INT_TO_FLOAT,
+                                              prims.div.default))
+
+
+def _to_dtype(x, dtype, non_blocking=False, copy=False, memory_format=None):
+    if non_blocking or copy or memory_format is not None:
+        return NotImplemented
+    return x if type_of(x).dtype == dtype else convert(x, dtype)
+
+
+def _sum(x, dim=None, keepdim=False, *, dtype=None, mean=False):
+    """The references' sum (and, with ``mean``, their mean) over ``dim`` (every dim for
+    None or []), accumulated in the computation dtype of ``dtype``."""
+    t = type_of(x)
+    exact = t.dtype.is_floating_point or t.dtype.is_complex
+    dtype = dtype or (t.dtype if exact or mean else torch.int64)
+    if mean and not (dtype.is_floating_point or dtype.is_complex):
+        return NotImplemented  # the reference's error
+    dims = torch._prims_common.reduction_dims(t.shape, None if dim in ((), []) else dim)
+    compute, result = torch._prims_common.reduction_dtypes(x, _R.KEEP_PROMOTED_TYPE if mean
+                                                           else _R.SAME, dtype)
+    out = bind("sum", convert(x, compute), dims=dims)
+    if keepdim:
+        out = bind("broadcast_in_dim", out, shape=tuple(
+            1 if i in dims else n for i, n in enumerate(t.shape)),
+            broadcast_dimensions=tuple(i for i in range(t.ndim) if i not in dims))
+    if mean:
+        count = math.prod(t.shape[i] for i in dims) if t.ndim else 1
+        out = _promoted((out, count), _K.INT_TO_FLOAT,
+                        prims.div.default)
+    return convert(out, dtype if mean else result)
+
+
+_plain_or_reference(aten.to.dtype, _to_dtype)
+for _op in (aten.sum.default, aten.sum.dim_IntList):
+    _plain_or_reference(_op, _sum)
+for _op in (aten.mean.default, aten.mean.dim):
+    _plain_or_reference(_op, lambda x, *args, **kwargs: _sum(x, *args, **kwargs, mean=True))
 
 
 # ---------------------------------------------------------------------------------------
@@ -878,7 +1092,7 @@ def _flatten_indexed(x, indices):
             raise _MaskIndex()
     positions = [d for d, i in enumerate(indices) if i is not None]
     rest = [d for d in range(t.ndim) if d not in positions]
-    bshape = tuple(torch.broadcast_shapes(*[type_of(indices[d]).shape for d in positions]))
+    bshape = broadcast_shapes(*[type_of(indices[d]).shape for d in positions])
     linear = None
     for d in positions:
         n = t.shape[d]

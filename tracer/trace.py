@@ -236,7 +236,7 @@ class Trace:
             return out
         except ShapeError as e:
             if outermost and not str(e).startswith(str(func)):
-                raise ShapeError(f"{func}: {e}") from None
+                raise ShapeError(f"{func}: {e} (operands: {_describe(args, kwargs)})") from None
             raise
         except PlaitError:
             raise
