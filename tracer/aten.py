@@ -488,8 +488,8 @@ def _pow(a, b):
 
 
 for _op in (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar):
-    _cells, _kind, _arity = _generic_reference(_decomposition(_op))
-    _plain_or_reference(_op, _generic_rule({**_cells, "prim": _pow}, _kind, _arity))
+    if _generic := _generic_reference(_decomposition(_op)):
+        _plain_or_reference(_op, _generic_rule({**_generic[0], "prim": _pow}, *_generic[1:]))
 
 
 def _neg(a):
