@@ -43,11 +43,11 @@ def _tensors_tree(n: int) -> pytree.TreeSpec:
 
 def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
     """Split a call into its leaves and a hashable signature (the cache key)."""
-    if not kwargs and not static_argnums and all(type(a) is torch.Tensor for a in args):
+    if not kwargs and not static_argnums and all(isinstance(a, torch.Tensor) for a in args):
         # the common call, keyed without flattening (and hashing) a pytree: most of a
         # cached call's host time otherwise
-        return list(args), _tensors_tree(len(args)), (len(args), *(
-            (a.shape, a.dtype, a.device, a.layout, is_dense(a)) for a in args))
+        return list(args), _tensors_tree(len(args)), tuple(
+            (a.shape, a.dtype, a.device, a.layout, is_dense(a)) for a in args)
     static = _picked(static_argnums, len(args))
     args = tuple(Static(a) if i in static else a for i, a in enumerate(args))
     leaves, tree = pytree.tree_flatten((args, kwargs))

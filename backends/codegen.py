@@ -18,7 +18,8 @@ import torch
 
 from ..config import config
 from ..errors import BackendError, CheckError
-from ..graph.loops import Extern, Kernel, LoopProgram, Reduce, Wait, children
+from ..graph.loops import (Extern, Kernel, Load, LoopProgram, Reduce, Wait, children, loop_vars,
+                           walk)
 from ..tracer.collectives import COMM_BUFFER_TYPES
 
 
@@ -111,6 +112,28 @@ def levels(*exprs) -> list[list]:
         visit(red)
     return [[r for r, d in depth.items() if d == level]
             for level in range(max(depth.values(), default=-1) + 1)]
+
+
+def column_wise(kernel: Kernel) -> bool:
+    """Does the kernel reduce along a strided axis of data contiguous along its outer loop
+    (a column sum)? Then a program should take neighbouring outputs together."""
+    if not kernel.sizes or not kernel.reduction_sizes:
+        return False
+    body = [s.value for s in kernel.stores]
+    if any(r.op not in ("sum", "prod", "amax", "amin") for r in reduces(*body)):
+        return False
+    x = loop_vars("x", len(kernel.sizes))[-1]
+    r = loop_vars("r", len(kernel.reduction_sizes))[-1]
+    strides = []
+    for e in walk(*body):
+        if isinstance(e, Load) and not e.indirect:  # an indirect one has no known stride
+            index = sympy.expand(e.index)
+            if not index.is_polynomial(x, r) or sympy.degree(index, x) > 1 \
+                    or sympy.degree(index, r) > 1:
+                return False
+            strides.append((index.coeff(x, 1), index.coeff(r, 1)))
+    return bool(strides) and all(sx in (0, 1) for sx, _ in strides) \
+        and any(sr not in (0, 1) for _, sr in strides)
 
 
 def reduces(*exprs) -> list:
@@ -447,17 +470,17 @@ class _WaitCall:
 
     wait: Wait
     outs: tuple[int, ...]
+    params: dict  # the wait's, as keywords
 
     def __call__(self, env, device):
-        params = dict(self.wait.params)
         for s in self.outs:
-            env[s] = self.wait.fn(env[s], **params)
+            env[s] = self.wait.fn(env[s], **self.params)
 
 
 def _extern_step(k: Extern | Wait, program: LoopProgram, slot: dict) -> Callable:
     outs = tuple(slot[b] for b in k.outputs)
     if isinstance(k, Wait):
-        return _WaitCall(k, outs)
+        return _WaitCall(k, outs, dict(k.params))
     return _ExternCall(k, tuple(slot[b] for b in k.inputs), outs,
                        tuple(program.buffers[b].type for b in k.outputs))
 
@@ -562,6 +585,10 @@ class Runner:
 def write_atomically(path: str, data: bytes) -> None:
     """A concurrent reader sees the old file or the new one, never a partial file."""
     fd, tmp = tempfile.mkstemp(suffix=os.path.splitext(path)[1], dir=os.path.dirname(path))
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: no half-written file left behind
+        os.unlink(tmp)
+        raise

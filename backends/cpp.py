@@ -57,16 +57,15 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
-import sympy
 import torch
 
 from ..config import config
 from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
-                           is_inner, loop_vars, walk)
+                           is_inner, walk)
 from . import codegen
-from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, identifier,
-                      kernel_error, levels, reduces, with_error_codes)
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, column_wise,
+                      identifier, kernel_error, levels, with_error_codes)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -360,7 +359,7 @@ class _KernelWriter:
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
         taken: set = set()
         self.params = {b: identifier(b, taken) for b in self.buffers}
-        self.columns = _column_wise(kernel)
+        self.columns = column_wise(kernel)
 
     def param(self, buffer: str) -> str:
         return self.params[buffer]
@@ -565,26 +564,6 @@ def _row_vars(kernel) -> list[str]:
 # reduction loops outside and the point loop inside, contiguous and vectorized; later passes
 # and the stores loop over the chunk's points the same way.
 _COLUMNS = 64
-
-
-def _column_wise(kernel: Kernel) -> bool:
-    if not kernel.sizes or not kernel.reduction_sizes:
-        return False
-    body = [s.value for s in kernel.stores]
-    if any(r.op not in ("sum", "prod", "amax", "amin") for r in reduces(*body)):
-        return False
-    x = loop_vars("x", len(kernel.sizes))[-1]
-    r = loop_vars("r", len(kernel.reduction_sizes))[-1]
-    strides = []
-    for e in walk(*body):
-        if isinstance(e, Load) and not e.indirect:  # an indirect one has no known stride
-            index = sympy.expand(e.index)
-            if not index.is_polynomial(x, r) or sympy.degree(index, x) > 1 \
-                    or sympy.degree(index, r) > 1:
-                return False
-            strides.append((index.coeff(x, 1), index.coeff(r, 1)))
-    return bool(strides) and all(sx in (0, 1) for sx, _ in strides) \
-        and any(sr not in (0, 1) for _, sr in strides)
 
 
 # ---------------------------------------------------------------------------------------

@@ -91,7 +91,10 @@ def store(key: str, runner) -> None:
         _log.debug("program cache: not kept (%s)", e)
         return
     payload = buffer.getvalue()
-    write_atomically(path, _header(payload) + payload)
+    try:
+        write_atomically(path, _header(payload) + payload)
+    except OSError as e:  # a full disk, say: the program runs, it is just not kept
+        _log.warning("program cache: could not keep %s (%s)", path, e)
 
 
 def _header(payload: bytes) -> bytes:

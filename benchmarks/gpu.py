@@ -131,8 +131,9 @@ _BUSY_CYCLES = 1_000_000
 def _time(fn, args, repeat: int, busy: bool = True) -> float:
     """Median milliseconds of ``fn(*args)`` over CUDA events, after warm-up. ``busy``: the
     device time. The GPU is kept busy while the call's host work (argument checks, cache
-    lookup, launches) runs, as a training loop keeps it, so only the GPU's own work counts.
-    Otherwise the latency of one call on an idle GPU, host work included."""
+    lookup, launches) runs, as a training loop keeps it, so only the GPU's own work counts;
+    host work that outlasts the spin counts too, so the measure never undercounts the
+    device's. Otherwise the latency of one call on an idle GPU, host work included."""
     for _ in range(3):
         fn(*args)
     times = []

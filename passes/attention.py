@@ -164,6 +164,9 @@ def _unswapped(b: GraphBuilder, v: Value, swap: bool, provenance) -> Value:
     source = _swapped(b, v)
     if source is not None:
         return source
+    # batch reshapes keep the last two dims: swap them before those, so that the operands
+    # keep the batch dims they share (the library's fused kernels take only 4-D ones)
+    v = _batch_view(b, v)
     t, nd = b.type_of(v), b.type_of(v).ndim
     return b.add_node("transpose", (v,), {"permutation": (*range(nd - 2), nd - 1, nd - 2)},
                       (attrs.evolve(t, shape=(*t.shape[:-2], t.shape[-1], t.shape[-2])),),

@@ -104,9 +104,14 @@ def _clamp(e, n):
     return sympy.Max(0, sympy.Min(n - 1, e))
 
 
-# Externs whose implementations read strided operands as they are: a transposed operand is
-# passed as a view of its buffer, not copied.
-STRIDED_EXTERNS = frozenset(("dot_general", "attention"))
+def _reads_transposed(extern: str, permutation) -> bool:
+    """Does the extern read an operand transposed by ``permutation`` as it is (a view of
+    its buffer, not a copy)? BLAS reads any transpose; the attention library's fused kernels
+    need the last dim contiguous (else torch silently takes its path that stores the scores),
+    so only transposes that keep it."""
+    return extern == "dot_general" or (extern == "attention" and
+                                       permutation[-1] == len(permutation) - 1)
+
 
 # A value with several users is stored once rather than recomputed at each use when it costs
 # more than this many operations, or reads more than this many buffers of its own size
@@ -246,7 +251,7 @@ class _Lowering:
         """torch.gather as an indirect load (NOTE [loop IR]): ``x``'s buffer (a reshape of a
         buffer reads it as it is; a lazy ``x`` is stored first) at the output's point with
         its ``dim`` coordinate replaced by the index operand's value there."""
-        source = self._buffer_view(x, strided=False)[0] or self.realize(x)
+        source = self._buffer_view(x, "gather")[0] or self.realize(x)
         shape, dim, t = self.graph.type_of(x).shape, node.kwargs["dim"], node.out_types[0]
         position, (i,) = self.values[index], loop_vars("i", 1)
 
@@ -259,12 +264,13 @@ class _Lowering:
     def extern(self, n, node, operands, outs):
         names, views = [], []
         for v in operands:
-            name, steps = self._buffer_view(v, strided=node.prim in STRIDED_EXTERNS)
+            name, steps = self._buffer_view(v, node.prim)
             names.append(name or self.realize(v))
             views.append(steps)
         results = tuple(self.new_buffer("buf", t) for t in node.out_types)
         label = str(node.kwargs["op"]) if node.prim == "opaque" else node.prim
-        self.kernels.append(Extern(f"extern{len(self.kernels)}", Impl(node.prim, tuple(views)),
+        self.kernels.append(Extern(f"extern{len(self.kernels)}",
+                                   Impl(node.prim, tuple(views) if any(views) else ()),
                                    tuple(names), results, node.params, label, frozenset({n}),
                                    fenced=is_effectful(node) or n in self.ordered))
         for v, name in zip(outs, results):
@@ -306,16 +312,17 @@ class _Lowering:
         self.values[v] = self.in_memory(name)  # its other users read it there
         return name
 
-    def _buffer_view(self, v: Value, strided: bool):
+    def _buffer_view(self, v: Value, extern: str):
         """An extern operand that is a view of a buffer: the buffer, and the view's steps
         ((tensor method, argument), ...) that the extern applies when it runs, so no copy is
-        stored: a reshape of the whole buffer and, for an extern that reads strided
-        operands as they are (BLAS), a transpose of that. (None, ()) otherwise."""
+        stored: a reshape of the whole buffer and, where the extern reads it as it is
+        (``_reads_transposed``), a transpose of that. (None, ()) otherwise."""
         steps = []
         for prim, method, param in (("transpose", "permute", "permutation"),
                                     ("reshape", "reshape", "shape")):
             node = self.graph.node(v.node)
-            if node.prim == prim and (strided or prim == "reshape"):
+            if node.prim == prim and (prim == "reshape" or
+                                      _reads_transposed(extern, node.kwargs[param])):
                 steps.insert(0, (method, node.kwargs[param]))
                 (v,) = self.graph.operands(v.node)
         source = self.values[v]

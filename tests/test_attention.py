@@ -150,9 +150,29 @@ def test_gradients_of_attention():
     gradients are eager's."""
     q, k, v = _qkv(2, 16, 8)
     loss = lambda q, k, v: attention(q, k, v).square().sum()  # noqa: E731
-    ours = plait.jit(plait.grad(loss, argnums=(0, 1, 2)), backend="cpp")(q, k, v)
+    jitted = plait.jit(plait.grad(loss, argnums=(0, 1, 2)), backend="cpp")
+    assert "attention" not in _prims(jitted.lower(q, k, v).graph)
     theirs = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert_close(jitted(q, k, v), theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("keys", ["rows", "columns", "three_dims"])
+def test_the_library_gets_operands_its_fused_kernel_reads(keys):
+    """The attention library's fused kernels read 4-D operands whose last dim is
+    contiguous; given others, torch silently takes its path that stores the scores, and with
+    only the fused kernel allowed it raises. Keys given as columns (kᵀ) are copied, not
+    viewed; 3-D operands get a head dim."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = _qkv(*((4, 64, 16) if keys == "three_dims" else (2, 2, 64, 16)))
+    fn = lambda q, kt, v: torch.softmax(q @ kt * q.shape[-1] ** -0.5, -1) @ v  # noqa: E731
+    args = (q, k.mT.contiguous(), v)
+    if keys != "columns":
+        fn, args = attention, (q, k, v)
+    jitted = plait.jit(fn, backend="cpp")
+    assert "attention" in _prims(jitted.lower(*args).graph)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        assert_close(jitted(*args), fn(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_vmapped_attention_is_fused():

@@ -197,6 +197,11 @@ def test_cache_hits_and_retraces():
     jf.clear_cache()
     assert_close(jf(b), f(b))
     assert jf.trace_count == 4
+    with torch.no_grad():  # a tensor subclass of one signature: the same compilation
+        assert_close(jf(torch.nn.Parameter(b)), f(b))
+    assert jf.trace_count == 4
+    assert_close(jf(x=b), f(b))               # the same call through a keyword: keyed apart
+    assert jf.trace_count == 5
 
 
 def test_retrace_on_new_pytree_structure():

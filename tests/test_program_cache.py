@@ -155,3 +155,12 @@ def test_aten_ops_are_kept_by_name(tmp_path):
     with plait.config.patch(cache_dir=str(tmp_path)):
         program_cache.store("op", {"op": torch.ops.aten.add.Tensor})
         assert program_cache.load("op")["op"] is torch.ops.aten.add.Tensor
+
+
+def test_a_program_that_cannot_be_written_still_runs(lowerings, monkeypatch, caplog):
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(program_cache, "write_atomically", disk_full)
+    check(plait.jit(f, backend="cpp"))
+    assert "could not keep" in caplog.text

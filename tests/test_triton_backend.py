@@ -349,6 +349,17 @@ def test_online_softmax_reads_long_rows_once_before_storing(fn, passes, monkeypa
     assert jitted(fn, x).kernels[0].source.count("for roff") == passes
 
 
+def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
+    """Rows reduced along a strided axis (a column sum) launch several outputs per program,
+    so each chunk's loads coalesce; contiguous rows one (codegen.column_wise)."""
+    monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
+    x = torch.randn(37, 8)
+    columns = jitted(lambda x: x.sum(0), x).source
+    rows = jitted(lambda x: x.sum(1), x).source
+    assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in columns
+    assert f"XBLOCK={triton_backend.LOOPED_XBLOCK}," in rows
+
+
 def test_kernel_globals_equal_themselves():
     """Triton (compiled, not interpreted) refuses to launch a kernel whose globals no longer
     equal what it was compiled with, by ==: a NaN constexpr global would fail every launch."""

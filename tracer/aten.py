@@ -11,6 +11,7 @@ tensors.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -365,9 +366,10 @@ def _prims_no_equivalent(*args, **kwargs):
 # process: most of a warm start's tracing. So plait reads each such reference's body and
 # promotion kind out of the reference itself (torch stays the one source of the semantics)
 # and does the promotion and broadcasting here, with the same nodes as a result; sums, means,
-# dtype conversions and add, sub and div without alpha or rounding mode get the same
-# treatment by hand. A call outside the plain form (a keyword, an operand the reference
-# rejects) returns NotImplemented from its plain rule and runs the reference.
+# dtype conversions and add, sub and div without alpha get the same treatment by hand. A
+# call outside the plain form (a keyword, an operand the reference rejects) gets
+# NotImplemented from its plain rule, and the dispatcher runs the reference. (A few bodies,
+# deg2rad's say, still call torch._check themselves.)
 _K = torch._prims_common.ELEMENTWISE_TYPE_PROMOTION_KIND
 _R = torch._prims_common.REDUCTION_OUTPUT_TYPE_KIND
 
@@ -383,9 +385,10 @@ def _code_named(factory, name: str):
     return None
 
 
-# The bodies of the generic references, by their number of operands.
-_GENERIC_BODIES = {_code_named(torch._refs._make_elementwise_unary_reference, "_ref"): 1,
-                   _code_named(torch._refs._make_elementwise_binary_reference, "_ref"): 2}
+# The bodies of the generic references (none where a torch version renamed them: then every
+# op runs its reference).
+_GENERIC_BODIES = {_code_named(torch._refs._make_elementwise_unary_reference, "_ref"),
+                   _code_named(torch._refs._make_elementwise_binary_reference, "_ref")} - {None}
 
 
 def _closure(fn) -> dict:
@@ -395,18 +398,18 @@ def _closure(fn) -> dict:
 
 
 def _generic_reference(reference):
-    """(body's closure, promotion kind, number of operands) of a reference from the generic
-    factories, read through its wrappers (each keeps the function it wraps as ``fn``; the
-    factories' ``wraps(prim)`` points ``__wrapped__`` past them); None for any other."""
+    """(body's closure, promotion kind) of a reference from the generic factories, read
+    through its wrappers (each keeps the function it wraps as ``fn``; the factories'
+    ``wraps(prim)`` points ``__wrapped__`` past them); None for any other, and for one with
+    an extra check of its operand (neg's)."""
     kind = None
     while reference is not None:
         cells = _closure(reference)
         promotion = cells.get("self")
         if isinstance(promotion, torch._prims_common.wrappers.elementwise_type_promotion_wrapper):
             kind = promotion.type_promotion_kind
-        arity = _GENERIC_BODIES.get(getattr(reference, "__code__", None))
-        if arity is not None:
-            return (cells, kind, arity) if kind is not None else None
+        if getattr(reference, "__code__", None) in _GENERIC_BODIES:
+            return (cells, kind) if kind is not None and not cells.get("extra_meta") else None
         reference = cells.get("fn", getattr(reference, "__wrapped__", None))
     return None
 
@@ -419,7 +422,7 @@ def _cpu_scalar(x) -> bool:
 def _promoted(operands, kind, body):
     """``body`` on ``operands`` promoted and broadcast as torch's elementwise references do,
     its result converted to the promoted result dtype. A real tensor operand (a constant) is
-    converted and broadcast eagerly, as there."""
+    converted and broadcast eagerly, as there. A prim body goes straight to its handler."""
     compute, result = torch._prims_common.elementwise_dtypes(*operands,
                                                               type_promotion_kind=kind)
     number = torch._prims_common.dtype_to_type_ctor(compute)
@@ -430,18 +433,17 @@ def _promoted(operands, kind, body):
         operands = [x if not isinstance(x, torch.Tensor) or _cpu_scalar(x) else
                     broadcast_to(x, shape) if isinstance(x, TracerTensor) else
                     x.expand(shape) if x.shape != shape else x for x in operands]
-    return convert(body(*operands), result)
+    return convert(HANDLERS.get(body, body)(*operands), result)
 
 
-def _generic_rule(cells, kind, arity):
+def _generic_rule(cells, kind):
     body = cells["prim"]
     scalars_allowed = (cells.get("supports_lhs_python_scalar", False),
                        cells.get("supports_rhs_python_scalar", False))
 
     def plain(*args, **kwargs):
-        scalars = [not isinstance(x, torch.Tensor) for x in args]
-        if kwargs or len(args) != arity or all(scalars) or cells.get("extra_meta") or any(
-                s and not allowed for s, allowed in zip(scalars, scalars_allowed)):
+        if kwargs or any(not isinstance(x, torch.Tensor) and not allowed
+                         for x, allowed in zip(args, scalars_allowed)):
             return NotImplemented
         return _promoted(args, kind, body)
 
@@ -451,22 +453,15 @@ def _generic_rule(cells, kind, arity):
 PLAIN_FORMS: set = set()  # the ops given a plain rule
 
 
-def _plain_or_reference(op, plain):
-    """HANDLERS[op]: ``plain``, or torch's reference where ``plain`` does not apply."""
-    reference = _decomposition(op)
+def _plain(op, rule):
+    HANDLERS[op] = rule
     PLAIN_FORMS.add(op)
-
-    def handler(*args, **kwargs):
-        out = plain(*args, **kwargs)
-        return reference(*args, **kwargs) if out is NotImplemented else out
-
-    HANDLERS[op] = handler
 
 
 for _op, _reference in list(torch._decomp.decomposition_table.items()):
     if isinstance(_op, torch._ops.OpOverload) and not _op._schema.is_mutable and \
             _op not in HANDLERS and (_generic := _generic_reference(_reference)):
-        _plain_or_reference(_op, _generic_rule(*_generic))
+        _plain(_op, _generic_rule(*_generic))
 
 
 def _pow(a, b):
@@ -489,7 +484,7 @@ def _pow(a, b):
 
 for _op in (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar):
     if _generic := _generic_reference(_decomposition(_op)):
-        _plain_or_reference(_op, _generic_rule({**_generic[0], "prim": _pow}, *_generic[1:]))
+        _plain(_op, _generic_rule({**_generic[0], "prim": _pow}, _generic[1]))
 
 
 def _neg(a):
@@ -498,29 +493,21 @@ def _neg(a):
     return _promoted((a,), _K.DEFAULT, prims.neg.default)
 
 
-_plain_or_reference(aten.neg.default, _neg)
-
-
-def _without(keyword: str, kind, body):
-    """add and sub without alpha, div without rounding mode: a generic binary reference."""
-    def plain(a, b, **kwargs):
-        if kwargs.get(keyword) is not None or set(kwargs) - {keyword}:
-            return NotImplemented
-        return _promoted((a, b), kind, body)
+def _without_alpha(body):
+    """add and sub: a generic binary body, when no alpha scales the second operand."""
+    def plain(a, b, *, alpha=None):
+        return NotImplemented if alpha is not None else _promoted((a, b), _K.DEFAULT, body)
 
     return plain
 
 
-_plain_or_reference(aten.add.Tensor, _without("alpha", _K.DEFAULT, prims.add.default))
-_plain_or_reference(aten.sub.Tensor, _without("alpha", _K.DEFAULT, prims.sub.default))
-_plain_or_reference(aten.div.Tensor, _without("rounding_mode", _K.INT_TO_FLOAT,
-                                              prims.div.default))
-
-
-def _to_dtype(x, dtype, non_blocking=False, copy=False, memory_format=None):
-    if non_blocking or copy or memory_format is not None:
-        return NotImplemented
-    return x if type_of(x).dtype == dtype else convert(x, dtype)
+_plain(aten.neg.default, _neg)
+_plain(aten.add.Tensor, _without_alpha(prims.add.default))
+_plain(aten.sub.Tensor, _without_alpha(prims.sub.default))
+_plain(aten.div.Tensor, lambda a, b: _promoted((a, b), _K.INT_TO_FLOAT, prims.div.default))
+_plain(aten.to.dtype, lambda x, dtype, non_blocking=False, copy=False, memory_format=None:
+       NotImplemented if non_blocking or copy or memory_format is not None else
+       convert(x, dtype))
 
 
 def _sum(x, dim=None, keepdim=False, *, dtype=None, mean=False):
@@ -541,16 +528,14 @@ def _sum(x, dim=None, keepdim=False, *, dtype=None, mean=False):
             broadcast_dimensions=tuple(i for i in range(t.ndim) if i not in dims))
     if mean:
         count = math.prod(t.shape[i] for i in dims) if t.ndim else 1
-        out = _promoted((out, count), _K.INT_TO_FLOAT,
-                        prims.div.default)
+        out = _promoted((out, count), _K.INT_TO_FLOAT, prims.div.default)
     return convert(out, dtype if mean else result)
 
 
-_plain_or_reference(aten.to.dtype, _to_dtype)
 for _op in (aten.sum.default, aten.sum.dim_IntList):
-    _plain_or_reference(_op, _sum)
+    _plain(_op, _sum)
 for _op in (aten.mean.default, aten.mean.dim):
-    _plain_or_reference(_op, lambda x, *args, **kwargs: _sum(x, *args, **kwargs, mean=True))
+    _plain(_op, functools.partial(_sum, mean=True))
 
 
 # ---------------------------------------------------------------------------------------

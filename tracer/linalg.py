@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CheckError, LinAlgError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
-from .aten import full, handles, type_of
+from .aten import broadcast_shapes, full, handles, type_of
 from .primitives import _check, define, jvp_rule, vjp_rule
 from .trace import bind, current_trace
 
@@ -475,7 +475,7 @@ def _eye(n: int, like, cols: int | None = None):
 
 def _broadcast_batch(*xs):
     """Expand the batch dims (all but the last ``ndim`` of each pair) to a common shape."""
-    batch = torch.broadcast_shapes(*[type_of(x).shape[:-k] for x, k in xs])
+    batch = broadcast_shapes(*[type_of(x).shape[:-k] for x, k in xs])
     return [x.expand(*batch, *type_of(x).shape[type_of(x).ndim - k:]) for x, k in xs]
 
 
@@ -762,7 +762,7 @@ def _lstsq_check(a, b, rcond=None, *, driver=None):
          f"input.size(-2) should match other.size({-1 if vector else -2})")
     need(driver in (None, "gels", "gelsy", "gelsd", "gelss"),
          "parameter `driver` should be one of (gels, gelsy, gelsd, gelss)")
-    torch.broadcast_shapes(a.shape[:-2], b.shape[:-1 if vector else -2])
+    broadcast_shapes(a.shape[:-2], b.shape[:-1 if vector else -2])
 
 
 def _lstsq_gels(a, b):

@@ -86,8 +86,16 @@ def _attention_infer(q, k, v, *, scale):
     return (TensorType((*q.shape[:-1], v.shape[-1]), q.dtype, q.device),)
 
 
-define("attention", _attention_infer, lambda q, k, v, *, scale:
-       torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale))
+def _attention(q, k, v, *, scale):
+    """torch's fused attention, whose fused kernels take only 4-D operands (others silently
+    take its path that stores the scores): the batch dims become one, heads one."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *[x if x.ndim == 4 else x.reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v)],
+        scale=scale)
+    return out if q.ndim == 4 else out.reshape(*q.shape[:-1], v.shape[-1])
+
+
+define("attention", _attention_infer, _attention)
 
 
 def _flipped_transpose(w, groups: int):

@@ -6,7 +6,8 @@ Functionalization turns in-place ops, ``out=`` and writes through views into fun
 (and, at the end, a ``copy_`` into every mutated input, which becomes a write-back output).
 Every ATen op then reaches ``Trace.dispatch`` (through ``_TraceMode``: NOTE [tracing through
 a mode]), which tries, in order:
-  1. a plait handler (``HANDLERS``, filled by ``tracer/aten.py``) that emits primitives;
+  1. a plait handler (``HANDLERS``, filled by ``tracer/aten.py``) that emits primitives (or
+     returns NotImplemented: the plain rules of NOTE [plain forms of torch's references]);
   2. PyTorch's decomposition table (``torch._refs`` and ``torch._decomp``): the decomposition
      runs on tracers, so its ops come back here, and ``torch.ops.prims`` ops map 1:1 to plait
      primitives;
@@ -267,7 +268,9 @@ class Trace:
                 "with a mask) or run this part outside plait.jit.")
         handler = HANDLERS.get(func)
         if handler is not None:
-            return handler(*args, **kwargs)
+            out = handler(*args, **kwargs)
+            if out is not NotImplemented:  # a plain rule passing on a call it does not fit
+                return out
         if func._schema.is_mutable:
             return self._functionalize(func, args, kwargs)
         decomposition = _decomposition(func)
