@@ -608,7 +608,8 @@ def build(source: str, symbols: Sequence[str]) -> Library:
     """The shared library of ``source`` (which defines ``symbols``), from the disk cache or
     built with the configured compiler (NOTE [C++ build cache])."""
     compiler = _compiler()
-    command = [compiler, *shlex.split(config.cpp_flags), "-shared", "-fPIC"]
+    # NOTE [one rounding per op] (codegen.py); before the configured flags, which may say otherwise
+    command = [compiler, "-ffp-contract=off", *shlex.split(config.cpp_flags), "-shared", "-fPIC"]
     st = os.stat(compiler)
     key = hashlib.sha256("\0".join([source, *command, str(st.st_size),
                                     str(st.st_mtime_ns)]).encode()).hexdigest()[:40]

@@ -81,7 +81,7 @@ import pathlib
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import sympy
 import torch
@@ -143,12 +143,15 @@ TRITON_OPS: dict[str, str] = {**_CORE_OPS, **_LIBDEVICE_OPS}
 _BOOL_OPS = {"add": "({0} | {1})", "mul": "({0} & {1})"}
 PERSISTENT_MAX = 4096   # rows up to this many points are reduced in one tile
 LOOPED_RBLOCK = 512     # the chunk of longer rows
+ONLINE_CHUNKS = 4       # chunks per step of a loop with an online softmax (_update_online)
 LOOPED_XBLOCK = 1       # longer rows per program (on an H200, cross-entropy's 50304-long rows
                         # 0.454 ms, against 0.486 at 1024 x 2)
 COLUMNS_XBLOCK = 8      # outputs per program of a reduction along a strided axis (a column
                         # sum): neighbouring columns make each chunk's loads coalesce (on an
                         # H200, a 65536x2048 f32 column sum 190 us, against 954 at 1)
 TILE_MAX = 4096         # XBLOCK * RBLOCK of a reduction tile
+FEW_ROWS = 128          # fewer long rows than this: FEW_ROWS_WARPS warps reduce each
+FEW_ROWS_WARPS = 32
 POINTWISE_XBLOCK = 1024
 TILE_EDGE = 64          # a 2-D tile is TILE_EDGE x TILE_EDGE points (TILE_EDGE**2 if one side
                         # is short)
@@ -368,7 +371,13 @@ def _convert(a, dtype: tl.constexpr):
     elif a.dtype.is_floating() and dtype.is_int() and dtype.primitive_bitwidth < 32:
         r = a.to(tl.int32).to(dtype)  # through int32, as torch's scalar cast
     else:
-        r = a.to(dtype)
+        r = _narrow(a, dtype)
+    return r
+
+
+@triton.jit
+def _narrow(a, dtype: tl.constexpr):  # rounds to nearest even, as eager
+    NARROW_BODY
     return r
 
 
@@ -394,7 +403,25 @@ def prelude() -> str:
     """The helpers: a float ``%`` compiled for the GPU is not C's fmod on every value (inf,
     large quotients), libdevice's is; the interpreter has only ``%`` (numpy's fmod)."""
     return with_error_codes(_PRELUDE).replace(
-        "FLOAT_FMOD", "a % b" if interpreting() else "libdevice.fmod(a, b)")
+        "FLOAT_FMOD", "a % b" if interpreting() else "libdevice.fmod(a, b)").replace(
+        "    NARROW_BODY\n", _INTERPRETED_NARROW if interpreting() else "    r = a.to(dtype)\n")
+
+
+# The interpreter's own float32 -> bfloat16 cast truncates: round the bits to nearest even
+# (through float32: double rounding from there is exact for bfloat16), keeping NaN a NaN.
+_INTERPRETED_NARROW = """\
+    if dtype == tl.bfloat16:
+        bits = a.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = tl.where(a != a, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
+        r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        r = a.to(dtype)
+"""
+
+
+def _cast(code: str, dtype: torch.dtype) -> str:
+    """``code`` converted to ``dtype``; to half precision through ``_narrow``."""
+    return f"_narrow({code}, {_tl(dtype)})" if dtype in _HALF else f"{code}.to({_tl(dtype)})"
 
 
 def supported_ops() -> frozenset:
@@ -557,7 +584,7 @@ class _Scope:
             result = "tl.float32" if e.dtype in _HALF else _tl(e.dtype)
             code = (form or TRITON_OPS[e.op]).format(*args, T=result)
             if e.dtype in _HALF:
-                code = f"({code}).to({_tl(e.dtype)})"
+                code = _cast(code, e.dtype)
             if e.op in INT_DIVISIONS and not e.dtype.is_floating_point:
                 self.writer.checks_error = True
                 self.emit(f"_check_divisor(err, {args[1]}, {self.mask})")
@@ -576,6 +603,12 @@ class _Scope:
 
     def emit(self, line: str) -> None:
         self.lines.append(self.indent + line)
+
+
+def _options(blocks: dict, warps: int) -> dict:
+    """A launch's keywords: block sizes, warps, and no FMA contraction (NOTE [one rounding
+    per op] in codegen.py)."""
+    return {**blocks, "num_warps": warps, "enable_fp_fusion": False}
 
 
 class _KernelWriter:
@@ -615,13 +648,21 @@ class _KernelWriter:
             self.y_first = ny >= nx
         elif self.row_kernel:
             self.persistent = self.rnumel <= PERSISTENT_MAX
-            rblock = _pow2(self.rnumel) if self.persistent else LOOPED_RBLOCK
+            rblock = _pow2(self.rnumel) if self.persistent else \
+                min(TILE_MAX, _pow2(self.rnumel)) if self._few_rows() else LOOPED_RBLOCK
             self.blocks = {"XBLOCK": min(_pow2(self.numel), max(1, TILE_MAX // rblock)
                                          if self.persistent else COLUMNS_XBLOCK
                                          if column_wise(k) else LOOPED_XBLOCK),
                            "RBLOCK": rblock}
         else:
             self.blocks = {"XBLOCK": min(_pow2(self.numel), POINTWISE_XBLOCK), "RBLOCK": 1}
+
+    def _few_rows(self) -> bool:
+        """Long rows too few to fill a GPU with programs (the mean of cross-entropy's
+        losses: one row of 8192): each program waits on its loads step by step, so it takes
+        the biggest chunks and FEW_ROWS_WARPS warps to keep more loads in flight (13 us
+        after cross-entropy's main kernel on an H200, 34 at the default)."""
+        return self.row_kernel and not self.persistent and self.numel < FEW_ROWS
 
     def local(self, prefix: str) -> str:
         self.count += 1
@@ -772,14 +813,18 @@ class _KernelWriter:
             sums = {red: self._accumulate(top, online[red], lines, ind)
                     for red in level if red in online}
             body: list[str] = []
-            rows = self._loop(top, body, ind)
+            chunks: dict = {red: [] for red in sums}  # each chunk's masked values
+            for rows in self._loop(top, body, ind, ONLINE_CHUNKS if sums else 1):
+                for red, acc in zip(level, accs):
+                    if red in sums:
+                        chunks[red].append(self._masked_value(rows, red))
+                    else:
+                        self._update(rows, red, acc)
+                for s in early:
+                    self.store(rows, s)
             for red, acc in zip(level, accs):
                 if red in sums:
-                    self._update_online(rows, red, acc, sums[red])
-                else:
-                    self._update(rows, red, acc)
-            for s in early:
-                self.store(rows, s)
+                    self._update_online(rows, acc, sums[red], chunks[red])
             early = []
             lines += body
             for red, acc in zip(level, accs):
@@ -791,15 +836,19 @@ class _KernelWriter:
         inner = early + inner  # early: still there if no pass ran
         if inner:
             body = []
-            rows = self._loop(top, body, ind)
+            (rows,) = self._loop(top, body, ind)
             for s in inner:
                 self.store(rows, s)
             lines += body
 
-    def _loop(self, top: _Scope, body: list, ind: str) -> _Scope:
-        body.append(f"{ind}for roff in range(0, {self.rnumel}, RBLOCK):")
-        self._rindex("roff + ", body, ind + "    ")
-        return _Scope(self, body, ind + "    ", "xrmask", parent=top)
+    def _loop(self, top: _Scope, body: list, ind: str, chunks: int = 1) -> Iterator[_Scope]:
+        """The loop over the rows, ``chunks`` chunks of RBLOCK points a step: a scope per
+        chunk, its ``rindex`` (and masks) bound as the caller reaches it."""
+        step = "RBLOCK" if chunks == 1 else f"{chunks} * RBLOCK"
+        body.append(f"{ind}for roff in range(0, {self.rnumel}, {step}):")
+        for j in range(chunks):
+            self._rindex(f"roff + {j} * RBLOCK + " if j else "roff + ", body, ind + "    ")
+            yield _Scope(self, body, ind + "    ", "xrmask", parent=top)
 
     def _masked_body(self, rows: _Scope, red: Reduce, fill: str) -> str:
         v = rows.value(red.body)
@@ -818,7 +867,7 @@ class _KernelWriter:
                       f"tl.int32)), 1, _{red.op})")
         else:
             rows.emit(f"{name} = tl.reduce({v}, 1, _{self._combine(red)})")
-        rows.emit(f"{name} = {name}[:, None].to({_tl(red.dtype)})")
+        rows.emit(f"{name} = {_cast(f'{name}[:, None]', red.dtype)}")
         return name
 
     @staticmethod
@@ -845,15 +894,25 @@ class _KernelWriter:
             v = self._masked_body(rows, red, _identity(red.op, _acc_dtype(red)))
             rows.emit(f"{acc} = _{self._combine(red)}({acc}, {v})")
 
-    def _update_online(self, rows: _Scope, top: Reduce, acc: str, total: str) -> None:
+    def _masked_value(self, rows: _Scope, top: Reduce) -> str:
+        """The max's operand in this chunk, -inf where masked, bound to a local (the next
+        chunk rebinds the masks)."""
+        v = self.local("v")
+        rows.emit(f"{v} = {self._masked_body(rows, top, '_NEG_INF')}")
+        return v
+
+    def _update_online(self, rows: _Scope, acc: str, total: str, values: list[str]) -> None:
         """NOTE [online softmax]: the running max and the sum of exp(v - max) rescaled to
-        it, in one pass. A lane whose max is still -inf subtracts 0 instead (its sum stays
-        0, where -inf - -inf would make it NaN): one select per element, not two."""
-        v = self._masked_body(rows, top, "_NEG_INF")
+        it, in one pass. Each lane takes ONLINE_CHUNKS values a step, so the rescaling exp
+        is paid once per ONLINE_CHUNKS elements, not per element: two exps per element made
+        cross-entropy's 50304-long rows 8% slower on an H200 (428 us, 395 with one). A lane
+        whose max is still -inf subtracts 0 instead (its sum stays 0, where -inf - -inf
+        would make it NaN): one select per step, not one per exp."""
         new, shift = self.local("m"), self.local("m")
-        rows.emit(f"{new} = _maximum({acc}, {v})")
+        rows.emit(f"{new} = {functools.reduce(lambda a, v: f'_maximum({a}, {v})', values, acc)}")
         rows.emit(f"{shift} = tl.where({new} == _NEG_INF, 0.0, {new})")
-        rows.emit(f"{total} = {total} * tl.exp({acc} - {shift}) + tl.exp({v} - {shift})")
+        terms = " + ".join(f"tl.exp({v} - {shift})" for v in values)
+        rows.emit(f"{total} = {total} * tl.exp({acc} - {shift}) + {terms}")
         rows.emit(f"{acc} = {new}")
 
     def _finish_online(self, top: _Scope, red: Reduce, total_red: Reduce, acc: str,
@@ -863,8 +922,8 @@ class _KernelWriter:
         # a lane whose max is -inf has a sum of 0 (_update_online): 0 * exp(-inf - m) is 0
         top.emit(f"{s} = tl.sum({total} * tl.exp({acc} - {m}), 1)[:, None]")
         # a row of -inf only: eager's exp(-inf - -inf) is NaN
-        top.emit(f"{s} = tl.where({m} == _NEG_INF, {m} - {m}, {s}).to({_tl(total_red.dtype)})")
-        top.emit(f"{m} = {m}.to({_tl(red.dtype)})")
+        top.emit(f"{s} = {_cast(f'tl.where({m} == _NEG_INF, {m} - {m}, {s})', total_red.dtype)}")
+        top.emit(f"{m} = {_cast(m, red.dtype)}")
         return m, s
 
     def _finish(self, top: _Scope, red: Reduce, acc: str) -> str:
@@ -873,14 +932,15 @@ class _KernelWriter:
             top.emit(f"_, {name} = tl.reduce(({acc}, {acc}_index), 1, _{red.op})")
         else:
             top.emit(f"{name} = tl.reduce({acc}, 1, _{self._combine(red)})")
-        top.emit(f"{name} = {name}[:, None].to({_tl(red.dtype)})")
+        top.emit(f"{name} = {_cast(f'{name}[:, None]', red.dtype)}")
         return name
 
     # -- launching -------------------------------------------------------------------------
     def launch_options(self) -> dict:
         """The heuristic launch configuration."""
-        warps = 8 if math.prod(self.blocks.values()) >= 2048 else 4
-        return {**self.blocks, "num_warps": warps}
+        warps = FEW_ROWS_WARPS if self._few_rows() else \
+            8 if math.prod(self.blocks.values()) >= 2048 else 4
+        return _options(self.blocks, warps)
 
     def grid(self, options: dict) -> tuple[int, ...]:
         counts = tuple(math.ceil(n / options[b]) for b, n in self.extents.items())
@@ -908,8 +968,8 @@ class _KernelWriter:
         found = [self.launch_options()]
         for shape in shapes:
             for w in warps:
-                option = {b: min(n, _pow2(self.extents[b])) if b in self.extents else n
-                          for b, n in zip(self.blocks, shape)} | {"num_warps": w}
+                option = _options({b: min(n, _pow2(self.extents[b])) if b in self.extents
+                                   else n for b, n in zip(self.blocks, shape)}, w)
                 if option not in found:
                     found.append(option)
         return found
@@ -1078,7 +1138,8 @@ class CompiledProgram(codegen.CompiledProgram):
                        timings[json.dumps(w.launch_options())] * 1e3)
             write_atomically(self._tuning_path, json.dumps(self._tuning, indent=1,
                                                            sort_keys=True).encode())
-        return self._tuning[key]
+        # over the heuristic's: a file an older plait wrote may lack a keyword
+        return w.launch_options() | self._tuning[key]
 
     def _compile_kernels(self, device: torch.device) -> None:
         """Compile every kernel for ``device`` at once, in threads, instead of one by one at

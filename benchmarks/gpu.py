@@ -277,7 +277,8 @@ def run(cases: list[str], quick: bool, repeat: int, tune: bool = False) -> dict:
         for name, r in results.items():
             if "error" not in r:
                 chosen = "; ".join(f"{k.split()[0]}: " + " ".join(
-                    f"{n[0] if n.endswith('BLOCK') else 'w'}{v}" for n, v in c.items())
+                    f"{n[0] if n.endswith('BLOCK') else 'w'}{v}" for n, v in c.items()
+                    if n.endswith("BLOCK") or n == "num_warps")
                     for k, c in sorted(r["tuned"].items()))
                 print(f"| {name} | {r['plait_ms']:.3f} | {r['tuned_ms']:.3f} | "
                       f"{r['tc_ms'] / r['tuned_ms']:.2f}x | {r['tune_s']:.1f} | {chosen} |")

@@ -36,6 +36,7 @@ def rows(request, monkeypatch):
     if request.param == "looped":
         monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
         monkeypatch.setattr(triton_backend, "LOOPED_RBLOCK", 4)
+        monkeypatch.setattr(triton_backend, "FEW_ROWS", 0)  # chunks of 4 however few the rows
     return request.param
 
 
@@ -344,6 +345,7 @@ def test_online_softmax_reads_long_rows_once_before_storing(fn, passes, monkeypa
     exponentials in one pass, with eager's results on rows of -inf, NaN and +inf too."""
     monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
     monkeypatch.setattr(triton_backend, "LOOPED_RBLOCK", 4)
+    monkeypatch.setattr(triton_backend, "FEW_ROWS", 0)  # chunks of 4 however few the rows
     x = torch.randn(6, 37)
     x[1], x[2, 3], x[3, 5], x[4, :10] = float("-inf"), float("nan"), float("inf"), float("-inf")
     assert jitted(fn, x).kernels[0].source.count("for roff") == passes
@@ -358,6 +360,17 @@ def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     rows = jitted(lambda x: x.sum(1), x).source
     assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in columns
     assert f"XBLOCK={triton_backend.LOOPED_XBLOCK}," in rows
+
+
+def test_few_long_rows_take_the_biggest_chunks_and_more_warps(monkeypatch):
+    """Fewer long rows than fill a GPU with programs (a mean over every row's loss): each
+    program keeps more loads in flight; many rows keep the default chunks."""
+    monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
+    few = jitted(lambda x: x.sum(1), torch.randn(3, 5000)).source
+    many = jitted(lambda x: x.sum(1), torch.randn(triton_backend.FEW_ROWS, 50)).source
+    assert (f"RBLOCK={triton_backend.TILE_MAX}, num_warps={triton_backend.FEW_ROWS_WARPS},"
+            in few)
+    assert f"RBLOCK={triton_backend.LOOPED_RBLOCK}, num_warps=4," in many
 
 
 def test_kernel_globals_equal_themselves():
@@ -375,6 +388,7 @@ def test_row_stores_that_need_no_reduction_share_its_pass(monkeypatch):
     is read once."""
     monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
     monkeypatch.setattr(triton_backend, "LOOPED_RBLOCK", 4)
+    monkeypatch.setattr(triton_backend, "FEW_ROWS", 0)  # chunks of 4 however few the rows
 
     def f(x):
         return x.sum(-1), x / 10, (x / 10).t().contiguous().t()
@@ -435,7 +449,7 @@ def test_2d_tile_indices_and_launch():
                  "xmask = (yindex < 210) & (xindex < 40)", "x1 = (yindex // 70)",
                  "x0 = yindex % 70", "x2 = xindex"]:
         assert f"    {line}\n" in source
-    assert "[(4, 1)](in0, buf1, YBLOCK=64, XBLOCK=64, num_warps=8)" in lowered.source
+    assert "[(4, 1)](in0, buf1, YBLOCK=64, XBLOCK=64, num_warps=8, enable_fp_fusion=False)" in lowered.source
 
 
 # ---------------------------------------------------------------------------------------
