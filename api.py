@@ -41,20 +41,24 @@ def _tensors_tree(n: int) -> pytree.TreeSpec:
     return pytree.tree_flatten(((None,) * n, {}), is_leaf=lambda x: x is None)[1]
 
 
+def _tensor_key(x: torch.Tensor) -> tuple:
+    """What compiling a tensor argument depends on."""
+    return x.shape, x.dtype, x.device, x.layout, is_dense(x)
+
+
 def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
     """Split a call into its leaves and a hashable signature (the cache key)."""
     if not kwargs and not static_argnums and all(isinstance(a, torch.Tensor) for a in args):
         # the common call, keyed without flattening (and hashing) a pytree: most of a
         # cached call's host time otherwise
-        return list(args), _tensors_tree(len(args)), tuple(
-            (a.shape, a.dtype, a.device, a.layout, is_dense(a)) for a in args)
+        return list(args), _tensors_tree(len(args)), tuple(map(_tensor_key, args))
     static = _picked(static_argnums, len(args))
     args = tuple(Static(a) if i in static else a for i, a in enumerate(args))
     leaves, tree = pytree.tree_flatten((args, kwargs))
     signature = [tree]
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
-            signature.append((tuple(x.shape), x.dtype, x.device, x.layout, is_dense(x)))
+            signature.append(_tensor_key(x))
             continue
         if not isinstance(x, Static):
             leaves[i] = x = Static(x)
@@ -84,6 +88,7 @@ class Lowered:
         # a mutated input is written back after the call: its memory is not free for results
         self.source_graph = traced.graph.donating(sorted(donated - set(traced.mutated_inputs)))
         self._config = config.keyed()
+        self._keeps_program = config.program_cache
 
     @property
     def traced_graph(self) -> Graph:
@@ -127,7 +132,7 @@ class Lowered:
         [program cache]), or else ``compiled``'s runner (kept for the next process where it
         pickles), or ``compiled`` itself for a backend whose programs are not kept."""
         backend = get_backend(self.backend)
-        if not (config.program_cache and backend.keeps_programs):
+        if not (self._keeps_program and backend.keeps_programs):
             return self.compiled
         key = program_cache.key(self.source_graph, backend, tuple(self._config.values()))
         runner = program_cache.load(key)

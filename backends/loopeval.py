@@ -50,8 +50,10 @@ class _KernelEval:
         self.shapes = {"point": self.outer, "full": self.outer + self.red}
         self.buffers, self.memo = buffers, {}
 
-    def index(self, expr, ctx):
-        return _index(expr, self.grids[ctx], self.shapes[ctx])
+    def index(self, expr, ctx, positions: dict | None = None):
+        """``expr`` over the context's grid, and a gather's ``positions`` where given."""
+        grid = self.grids[ctx] if positions is None else self.grids[ctx] | positions
+        return _index(expr, grid, self.shapes[ctx])
 
     def value(self, expr, ctx):
         key = (expr, ctx)
@@ -62,8 +64,8 @@ class _KernelEval:
     def _value(self, expr, ctx):
         shape = self.shapes[ctx]
         if isinstance(expr, Load):
-            return self.buffers[expr.buffer].reshape(-1)[_index(
-                expr.index, self.grids[ctx] | self.positions(expr, ctx), shape)]
+            return self.buffers[expr.buffer].reshape(-1)[
+                self.index(expr.index, ctx, self.positions(expr, ctx))]
         if isinstance(expr, Constant):
             return torch.full(shape, expr.value, dtype=expr.dtype)
         if isinstance(expr, IndexValue):

@@ -81,8 +81,7 @@ def load(key: str):
 
 def store(key: str, runner) -> None:
     """Keep ``runner`` under ``key`` if it pickles (NOTE [program cache])."""
-    path = _path(key)
-    if path is None or runner is None:
+    if runner is None or (path := _path(key)) is None:
         return
     buffer = io.BytesIO()
     try:

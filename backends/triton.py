@@ -648,12 +648,14 @@ class _KernelWriter:
             self.y_first = ny >= nx
         elif self.row_kernel:
             self.persistent = self.rnumel <= PERSISTENT_MAX
-            rblock = _pow2(self.rnumel) if self.persistent else \
-                min(TILE_MAX, _pow2(self.rnumel)) if self._few_rows() else LOOPED_RBLOCK
-            self.blocks = {"XBLOCK": min(_pow2(self.numel), max(1, TILE_MAX // rblock)
-                                         if self.persistent else COLUMNS_XBLOCK
-                                         if column_wise(k) else LOOPED_XBLOCK),
-                           "RBLOCK": rblock}
+            if self.persistent:
+                rblock = _pow2(self.rnumel)
+                rows = max(1, TILE_MAX // rblock)
+            else:
+                rows = COLUMNS_XBLOCK if column_wise(k) else LOOPED_XBLOCK
+                rblock = min(TILE_MAX // rows, _pow2(self.rnumel)) if self._few_rows() \
+                    else LOOPED_RBLOCK
+            self.blocks = {"XBLOCK": min(_pow2(self.numel), rows), "RBLOCK": rblock}
         else:
             self.blocks = {"XBLOCK": min(_pow2(self.numel), POINTWISE_XBLOCK), "RBLOCK": 1}
 

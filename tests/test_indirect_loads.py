@@ -7,7 +7,7 @@ import plait
 import pytest
 import torch
 import torch.nn.functional as F
-from plait.errors import CheckError
+from plait.errors import CheckError, ShapeError
 from plait.graph.loops import Extern, Kernel, Load, walk
 
 BACKENDS = ["cpp", "triton", "loops"]
@@ -52,13 +52,23 @@ def test_gather_along_a_dim_of_size_one(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_index_longer_than_the_operand_off_the_gathered_dim_is_refused(backend):
+    """As eager refuses it: the indirect load checks only the positions it gathers along."""
+    x, i = torch.randn(2, 3), torch.zeros(4, 3, dtype=torch.int64)
+    with pytest.raises(RuntimeError):
+        torch.gather(x, 1, i)
+    with pytest.raises(ShapeError, match="no longer than it in every dim but dim=1"):
+        run(lambda x, i: torch.gather(x, 1, i) * 2, backend, x, i)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gather_is_an_indirect_load_in_the_consuming_kernel(backend):
     def f(x, i):
         return (x.gather(1, i) * 3).sum(1)
 
     x, i = torch.randn(9, 11), torch.randint(0, 11, (9, 4))
     torch.testing.assert_close(run(f, backend, x, i), f(x, i))
-    lowered = lower(f, x, i)
+    lowered = lower(f, x, i, backend=backend)
     assert not any(isinstance(k, Extern) for k in lowered.compiled.program.kernels)
     assert lowered.stats["kernels"] == 1 and len(indirect_loads(lowered)) == 1
 
@@ -92,7 +102,7 @@ def test_take_along_dim_index_select_and_embedding_lookups(backend):
     x, i, j = torch.randn(6, 8), torch.randint(0, 8, (6, 3)), torch.tensor([5, 0, 2, 2, -1])
     for got, want in zip(run(f, backend, x, i, j), f(x, i, j)):
         torch.testing.assert_close(got, want)
-    assert not any(isinstance(k, Extern) for k in lower(f, x, i, j).compiled.program.kernels)
+    assert not any(isinstance(k, Extern) for k in lower(f, x, i, j, backend=backend).compiled.program.kernels)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -23,6 +23,7 @@ from plait.backends.triton import (
 )
 from plait.graph.loops import Extern, IndexValue, Kernel, Reduce, Store, loop_vars
 from test_cpp_backend import _check, ap, const, load, per_op_program, program
+from test_cpu_compiler import loop_ordering
 
 F32, I64, BOOL = torch.float32, torch.int64, torch.bool
 x0, x1, x2 = loop_vars("x", 3)
@@ -412,13 +413,6 @@ def _tiled(kernel) -> bool:
     return "tl.program_id(1)" in kernel.source and "YBLOCK" in kernel.source
 
 
-def _loop_order(x):
-    y = torch.sum(torch.sum(x, dim=-1))
-    z = x / 10.0
-    z_t = z.t().contiguous().t()
-    return y, z, z_t
-
-
 @pytest.mark.parametrize("fn, shapes, tiled", [
     (lambda x: x.t().contiguous(), [(37, 45)], 1),
     (lambda x: x.t().contiguous(), [(45, 37)], 1),
@@ -428,7 +422,7 @@ def _loop_order(x):
     (lambda x: (x.exp(), x.exp().t().contiguous()), [(37, 45)], 1),
     (lambda x: x.permute(2, 1, 0) * 2 + 1, [(9, 4, 11)], 1),
     (lambda x: x.transpose(1, 2).contiguous(), [(3, 37, 45)], 1),
-    (_loop_order, [(37, 45)], 0),
+    (loop_ordering, [(37, 45)], 0),
     (lambda x: x * 2 + 1, [(37, 45)], 0),
     (lambda x, c: x + c[:, None], [(37, 45), (37,)], 0),
 ], ids=["copy", "copy_wide", "t_plus", "broadcasts", "flip", "transposed_store", "permute_3d",

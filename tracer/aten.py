@@ -23,7 +23,7 @@ from ..graph import TensorType
 from ..graph.types import contiguous_strides
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
-from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _decomposition, _NeedsFallback,
+from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback,
                     bind, current_trace)
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -414,11 +414,6 @@ def _generic_reference(reference):
     return None
 
 
-def _cpu_scalar(x) -> bool:
-    """A 0-dim CPU tensor: the references leave it to the prim to broadcast."""
-    return x.ndim == 0 and x.device.type == "cpu"
-
-
 def _promoted(operands, kind, body):
     """``body`` on ``operands`` promoted and broadcast as torch's elementwise references do,
     its result converted to the promoted result dtype. A real tensor operand (a constant) is
@@ -430,7 +425,9 @@ def _promoted(operands, kind, body):
                 if isinstance(x, TracerTensor) else x.to(compute) for x in operands]
     if len(operands) > 1:
         shape = broadcast_shapes(*[x.shape for x in operands if isinstance(x, torch.Tensor)])
-        operands = [x if not isinstance(x, torch.Tensor) or _cpu_scalar(x) else
+        # a 0-dim CPU tensor is left to the prim to broadcast, as in the references
+        operands = [x if not isinstance(x, torch.Tensor) or
+                    torch._prims_common.is_cpu_scalar_tensor(x) else
                     broadcast_to(x, shape) if isinstance(x, TracerTensor) else
                     x.expand(shape) if x.shape != shape else x for x in operands]
     return convert(HANDLERS.get(body, body)(*operands), result)
@@ -458,12 +455,6 @@ def _plain(op, rule):
     PLAIN_FORMS.add(op)
 
 
-for _op, _reference in list(torch._decomp.decomposition_table.items()):
-    if isinstance(_op, torch._ops.OpOverload) and not _op._schema.is_mutable and \
-            _op not in HANDLERS and (_generic := _generic_reference(_reference)):
-        _plain(_op, _generic_rule(*_generic))
-
-
 def _pow(a, b):
     """torch._refs.pow's body (its special exponents) without the symbolic-shapes machinery
     it imports to compare them."""
@@ -482,9 +473,15 @@ def _pow(a, b):
     return prims.pow.default(a, b)
 
 
-for _op in (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar):
-    if _generic := _generic_reference(_decomposition(_op)):
-        _plain(_op, _generic_rule({**_generic[0], "prim": _pow}, _generic[1]))
+_OWN_BODIES = {aten.pow: _pow}  # generic references whose body is written here
+
+for _op, _reference in list(torch._decomp.decomposition_table.items()):
+    if isinstance(_op, torch._ops.OpOverload) and not _op._schema.is_mutable and \
+            _op not in HANDLERS and (_generic := _generic_reference(_reference)):
+        _cells, _kind = _generic
+        if _own := _OWN_BODIES.get(_op.overloadpacket):
+            _cells = {**_cells, "prim": _own}
+        _plain(_op, _generic_rule(_cells, _kind))
 
 
 def _neg(a):

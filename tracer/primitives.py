@@ -815,8 +815,10 @@ def _dot_cotangent(ct, other, out_free, other_free, other_batch, batch, free, co
 
 
 def _gather_infer(x, index, *, dim):
-    ok = index.dtype == torch.int64 and index.ndim == x.ndim
-    _check(ok, "gather", f"index must be int64 with the operand's rank (dim={dim})", x, index)
+    ok = index.dtype == torch.int64 and index.ndim == x.ndim and 0 <= dim < x.ndim and all(
+        i <= n for d, (i, n) in enumerate(zip(index.shape, x.shape)) if d != dim)
+    _check(ok, "gather", f"index must be int64 with the operand's rank and no longer than it "
+           f"in every dim but dim={dim}", x, index)
     return (TensorType(index.shape, x.dtype, x.device),)
 
 
