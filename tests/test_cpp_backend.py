@@ -214,7 +214,10 @@ def test_full_reduction_runs_the_reduction_loop_in_parallel():
                                   ["x"], [k], ["s", "p"]))
     s, p = run([x])
     torch.testing.assert_close(s, x.sum(), rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(p, torch.exp(x * 1e-3).prod(), rtol=1e-4, atol=1e-5)
+    # a float32 product of 300k factors: eager's own rounding differs from the exact one by
+    # 3e-4 on some vector widths, so the reference is the product in float64
+    exact = torch.exp(x.double() * 1e-3).prod().float()
+    torch.testing.assert_close(p, exact, rtol=1e-4, atol=1e-5)
     assert "#pragma omp parallel for reduction(+:acc0) reduction(*:acc1)" in run.kernels[0].source
 
 
@@ -260,7 +263,8 @@ def test_buffers_are_freed_after_their_last_use():
     torch.testing.assert_close(run([x])[0], torch.exp(-x + 1))
     assert seen["a_dead_later"]
     assert "    del a\n" in run.wrapper_source
-    assert run.wrapper_source.index("a = torch.empty") < run.wrapper_source.index("k0(x, a)")
+    first = f"{run.writers[0].name}(x, a)"
+    assert run.wrapper_source.index("a = torch.empty") < run.wrapper_source.index(first)
 
 
 # Behaviour of the wrapper both code generators share (backends/codegen.py), for each.
