@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -17,8 +18,8 @@ from .backends import get_backend, program_cache, resolve_backend
 from .config import config
 from .errors import TraceError
 from .graph import Graph, TensorType
-from .graph.loops import program_stats
 from .passes import memory, simplify
+from .passes.pipeline import Stages
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.trace import is_dense, no_dynamo_import
 
@@ -81,10 +82,12 @@ class Lowered:
     when first needed, under the settings it was created with; a call needs only ``runner``,
     which the program cache may give without simplifying or compiling anything."""
 
-    def __init__(self, traced: TracedFunction, backend: str, donated: frozenset = frozenset()):
+    def __init__(self, traced: TracedFunction, backend: str, donated: frozenset = frozenset(),
+                 stages: Stages | None = None):
         self.traced = traced
         self.backend = backend
         self.donated = donated
+        self._stages = stages or Stages()
         # a mutated input is written back after the call: its memory is not free for results
         self.source_graph = traced.graph.donating(sorted(donated - set(traced.mutated_inputs)))
         self._config = config.keyed()
@@ -98,9 +101,17 @@ class Lowered:
     @functools.cached_property
     def _simplified(self) -> tuple[Graph, tuple]:
         passes: list = []
+        last = time.perf_counter()
+
+        def on_pass(name: str, graph: Graph) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            passes.append((name, graph))
+            self._stages.record(name, graph, now - last)
+            last = now
+
         with config.patch(**self._config), no_dynamo_import():
-            graph = simplify(self.source_graph, lambda *p: passes.append(p)) \
-                if config.simplify else self.source_graph
+            graph = simplify(self.source_graph, on_pass) if config.simplify else self.source_graph
         return graph, tuple(passes)
 
     @property
@@ -123,8 +134,29 @@ class Lowered:
     @functools.cached_property
     def compiled(self):
         """The backend's callable for this graph (compiled on first use)."""
+        backend = get_backend(self.backend)
+        graph = self.graph
         with config.patch(**self._config), no_dynamo_import():
-            return get_backend(self.backend).factory(self.graph)
+            if backend.staged:
+                return backend.factory(graph, stages=self._stages)
+            return self._stages.run("compile", backend.factory, graph, keep=False)
+
+    @property
+    def stages(self) -> dict:
+        """Stage name -> what it made, in the order they ran (NOTE [pipeline]): the traced
+        graph, the graph after each simplify pass, and for a compiling backend the loop
+        program after lowering, fusion and each memory pass, then the memory plan. Each
+        prints with ``.as_text()``. Compiles what is not compiled yet."""
+        self.compiled
+        return dict(self._stages.irs)
+
+    @property
+    def timings(self) -> dict:
+        """Stage name -> seconds, in the order they ran: ``stages``' and, for a compiling
+        backend, ``codegen`` (writing the kernels), ``native`` (compiling and loading them)
+        and ``wrapper`` (the steps that call them)."""
+        self.compiled
+        return dict(self._stages.seconds)
 
     @functools.cached_property
     def runner(self):
@@ -160,7 +192,7 @@ class Lowered:
         """kernels, externs, bytes_read, bytes_written (the compiler's estimate of memory
         traffic) and peak_bytes, for a backend that lowers to loops; empty otherwise."""
         program = getattr(self.compiled, "program", None)
-        return program_stats(program) if program is not None else {}
+        return memory.program_stats(program) if program is not None else {}
 
     @property
     def memory(self) -> dict:
@@ -278,7 +310,11 @@ class Jitted:
     @no_dynamo_import()
     def _lower(self, leaves, tree, backend: str, donated: frozenset = frozenset()) -> Lowered:
         self.trace_count += 1
-        lowered = Lowered(trace_function(self.fn, leaves, tree), backend, donated)
+        stages = Stages(debug.function_name(self.fn))
+        start = time.perf_counter()
+        traced = trace_function(self.fn, leaves, tree)
+        stages.record("traced", traced.graph, time.perf_counter() - start)
+        lowered = Lowered(traced, backend, donated, stages)
         debug.on_compile(self.fn, lowered)  # logs; writes the report when debug_dir is set
         return lowered
 

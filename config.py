@@ -23,7 +23,7 @@ def _to_bool(raw: str) -> bool:
     return raw.strip().lower() not in ("", "0", "false", "no", "off")
 
 
-LOG_CHANNELS = ("graph", "fusion", "cache", "kernels")
+LOG_CHANNELS = ("graph", "fusion", "cache", "kernels", "compile")
 _log_handler = logging.StreamHandler()
 _log_handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
 # Like logging.lastResort, but at every level: print only where the application configured
@@ -77,6 +77,9 @@ class Config:
     # Where compiled code is kept across processes (PLAIT_CACHE_DIR).
     cache_dir: str = attrs.field(factory=lambda: _env("cache_dir", os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "plait"), str))
+    # A compilation running longer than this many seconds says once on stderr where it is
+    # (NOTE [pipeline], passes/pipeline.py).
+    progress_after: float = attrs.field(factory=lambda: _env("progress_after", 5.0, float))
     # Compiled programs are kept there too, so a new process calling a function that another
     # compiled traces it and compiles nothing (NOTE [program cache], backends/program_cache.py).
     program_cache: bool = attrs.field(factory=lambda: _env("program_cache", True, _to_bool))

@@ -1,6 +1,8 @@
 """Backends turn a graph into a callable; they are registered by name.
 
-A backend factory takes a ``Graph`` and returns ``run(inputs: list[Tensor]) -> list[Tensor]``.
+A backend factory takes a ``Graph`` and returns ``run(inputs: list[Tensor]) -> list[Tensor]``;
+one that also takes ``stages`` gets the compilation's ``passes.pipeline.Stages`` to record
+its stages and their seconds in (what ``Lowered.stages`` and ``Lowered.timings`` show).
 A backend may bring a config object; its ``repr`` joins the compilation cache key, so changing
 it never serves code compiled under other settings. A backend whose callables may have a
 picklable ``runner`` (the callable's runtime alone) registers with ``keeps_programs``: the
@@ -8,6 +10,7 @@ program cache keeps those on disk (NOTE [program cache]).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import attrs
@@ -22,6 +25,11 @@ class Backend:
     factory: Callable
     config: Any = None
     keeps_programs: bool = False
+
+    @property
+    def staged(self) -> bool:
+        """Does the factory take ``stages`` (NOTE [pipeline]) to record its stages in?"""
+        return "stages" in inspect.signature(self.factory).parameters
 
     def cache_key(self) -> tuple:
         return (self.name, repr(self.config))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
-import re
 import tempfile
 import warnings
 import weakref
@@ -96,16 +95,13 @@ class IndexPrinter:
         return f"{fn}({self(a)}, {self(b)})"
 
 
-def identifier(name: str, taken: set) -> str:
-    """``name`` as a C identifier distinct from those ``taken`` (which it joins)."""
-    base = re.sub(r"\W", "_", name)
-    if not base or base[0].isdigit():
-        base = "_" + base
-    out, k = base, 1
-    while out in taken:
-        out, k = f"{base}_{k}", k + 1
-    taken.add(out)
-    return out
+KERNEL_NAME = "KERNEL_NAME"  # where a generated kernel's text names the kernel
+
+
+def kernel_name(text: str) -> str:
+    """A kernel's name, from its text with ``KERNEL_NAME`` where the name goes
+    (NOTE [canonical kernels])."""
+    return "kernel_" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def levels(*exprs) -> list[list]:
@@ -547,36 +543,62 @@ class CompiledProgram:
     """A LoopProgram compiled by a code generator: ``run(inputs) -> outputs``, with
     ``.kernels`` (one CompiledKernel per step), ``.source`` (the generated code, then the
     wrapper's listing), ``.wrapper_source`` and ``.plan`` (by default one without a pool). A
-    generator subclasses it with ``reserved`` (names its kernels must not take),
-    ``write(kernel, name) -> (writer, text)``, ``load(texts) -> code`` (builds or imports the
-    kernels' code), ``launch`` (a ``Launcher``), ``listing(wrapper source)`` and ``__call__``,
-    and may offer a picklable ``runner`` (NOTE [program cache]); None keeps nothing on disk."""
+    generator subclasses it with ``write(kernel) -> (writer, text)`` (the text names the
+    kernel ``KERNEL_NAME`` and its parameters by position; the writer gets ``.name``),
+    ``load(texts) -> code`` (builds or imports the distinct kernels' code), ``launch`` (a
+    ``Launcher``), ``listing(wrapper source)`` and ``__call__``, and may offer a picklable
+    ``runner`` (NOTE [program cache]); None keeps nothing on disk.
 
-    reserved: frozenset = frozenset()
+    NOTE [canonical kernels]
+    A kernel's text depends on its loops and expressions alone: parameters are named by
+    position, and the kernel is named after a digest of its text. The kernels a model's
+    repeated blocks produce (the same loops over other buffers) are then one text: it is
+    written into the program's code once, compiled and loaded once, and every step that runs
+    it calls the one function on its own buffers."""
 
-    def __init__(self, program: LoopProgram, plan=None):
+    def __init__(self, program: LoopProgram, plan=None, stages=None):
         from ..passes import memory
+        from ..passes.pipeline import Stages
 
         self.program = program
         self.plan = plan = plan or memory.plan(program, pool=False)
-        taken = set(self.reserved)
-        self.writers, texts, self.kernels = {}, [], []
-        for i, k in enumerate(program.kernels):
-            if isinstance(k, Kernel):
-                self.writers[i], text = self.write(k, identifier(k.name, taken))
-                texts.append(text)
-            else:
-                text = extern_text(k)
-            self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
-        code = self.load(texts)
-        self._wrapper = Wrapper(program, plan, self.launch)
+        self.stages = stages = stages or Stages()
+        texts = stages.run("codegen", self._write, program, stages, keep=False)
+        code = stages.run("native", self.load, texts, keep=False)
+        self._wrapper = stages.run("wrapper", Wrapper, program, plan, self.launch, keep=False)
         self._constants = tuple((self._wrapper.slot[b], t) for b, t in program.constants.items())
         self.wrapper_source = self._wrapper.source
         self.source = code + self.listing(self.wrapper_source)
+        stages.log()
+
+    def _write(self, program: LoopProgram, stages) -> list[str]:
+        """Each kernel's writer and text; the distinct texts (NOTE [canonical kernels])."""
+        self.writers, distinct, self.kernels = {}, {}, []
+        for i, k in enumerate(program.kernels):
+            stages.progress("codegen", i, len(program.kernels))
+            if isinstance(k, Kernel):
+                writer, text = self.write(k)
+                writer.name = kernel_name(text)
+                text = distinct.setdefault(writer.name, text.replace(KERNEL_NAME, writer.name))
+                self.writers[i] = writer
+            else:
+                text = extern_text(k)
+            self.kernels.append(CompiledKernel(k.name, text, k.reads, k.writes))
+        return list(distinct.values())
 
     @property
     def measured_peak_bytes(self) -> int | None:
         return self._wrapper.measured_peak_bytes
+
+
+def compile_graph(compiled_program: type, graph, stages=None, **target) -> CompiledProgram:
+    """A compiling backend's factory: ``graph`` through the pipeline (NOTE [pipeline]) for a
+    code generator that accepts ``target`` (``supported_ops``, ``supported_dtypes``), then
+    compiled by it."""
+    from ..passes.pipeline import Stages, schedule
+
+    stages = stages or Stages()
+    return compiled_program(*schedule(graph, stages, **target), stages)
 
 
 @attrs.frozen

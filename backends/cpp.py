@@ -65,7 +65,7 @@ from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, ch
                            is_inner, walk)
 from . import codegen
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, column_wise,
-                      identifier, kernel_error, levels, with_error_codes)
+                      KERNEL_NAME, kernel_error, levels, with_error_codes)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -349,16 +349,15 @@ class _Scope:
 
 
 class _KernelWriter:
-    def __init__(self, kernel: Kernel, cname: str, aliases: dict | None = None):
-        self.kernel, self.cname = kernel, cname
+    def __init__(self, kernel: Kernel, aliases: dict | None = None):
+        self.kernel, self.name = kernel, KERNEL_NAME
         # buffers of this kernel that share storage (in-place reuse) are not __restrict__
         shared = {(b, t) for b, t in (aliases or {}).items()}
         self.shared = {b for pair in shared for b in pair if set(pair) <= set(
             kernel.reads + kernel.writes)}
         self.count, self.checks_error = 0, False
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
-        taken: set = set()
-        self.params = {b: identifier(b, taken) for b in self.buffers}
+        self.params = {b: f"arg{n}" for n, b in enumerate(self.buffers)}
         self.columns = column_wise(kernel)
 
     def param(self, buffer: str) -> str:
@@ -372,7 +371,7 @@ class _KernelWriter:
             const = "" if written else "const "
             restrict = "" if (written and read) or b in self.shared else " __restrict__"
             decls.append(f"{const}{_ctype(buffer_types[b].dtype)}*{restrict} {self.params[b]}")
-        lines = [f'extern "C" void {self.cname}({", ".join(decls)}) {{']
+        lines = [f'extern "C" void {self.name}({", ".join(decls)}) {{']
         work = math.prod(k.sizes) * max(1, math.prod(k.reduction_sizes))
         parallel = work >= _PARALLEL_MIN_WORK
         xs = [f"x{i}" for i in range(len(k.sizes))]
@@ -646,21 +645,21 @@ class CompiledProgram(codegen.CompiledProgram):
     """A LoopProgram as one C++ library and the shared wrapper (backends/codegen.py, NOTE
     [wrapper memory]) that calls its kernels through ctypes."""
 
-    def write(self, kernel: Kernel, name: str):
-        w = _KernelWriter(kernel, name, self.program.aliases)
+    def write(self, kernel: Kernel):
+        w = _KernelWriter(kernel, self.program.aliases)
         return w, w.source({b: self.program.buffers[b].type for b in w.buffers})
 
     def load(self, texts: list[str]) -> str:
         self.cpp_source = "\n\n".join([with_error_codes(_PRELUDE) + _INDEX_HELPERS,
                                         *texts]) + "\n"
-        self._library = build(self.cpp_source, [w.cname for w in self.writers.values()])
+        self._library = build(self.cpp_source, {w.name for w in self.writers.values()})
         return self.cpp_source
 
     def launch(self, i: int, k: Kernel, slot: dict):
         w = self.writers[i]
-        call = _KernelCall(self._library, w.cname, tuple(slot[b] for b in w.buffers),
+        call = _KernelCall(self._library, w.name, tuple(slot[b] for b in w.buffers),
                            w.checks_error)
-        return call, f"{w.cname}({', '.join(w.buffers)})"
+        return call, f"{w.name}({', '.join(w.buffers)})"
 
     @staticmethod
     def listing(wrapper_source: str) -> str:
@@ -699,13 +698,8 @@ _CPU = torch.device("cpu")
 compile_program = CompiledProgram
 
 
-def compile_graph(graph):
-    """The ``cpp`` backend's factory: lower the graph for this code generator, fuse the
-    kernels, run the memory passes (NOTE [memory passes]: in-place reuse, memory-aware
-    order, collectives' overlap, pool plan; each behind its config switch), compile them."""
-    from ..passes import memory
-    from ..passes.fusion import fuse
-    from ..passes.lowering import lower
-
-    return CompiledProgram(*memory.optimize(fuse(lower(
-        graph, supported_ops=CPP_OPS, supported_dtypes=CPP_DTYPES, comm_buffers=True))))
+def compile_graph(graph, stages=None):
+    """The ``cpp`` backend's factory (NOTE [pipeline]): lowered for this code generator,
+    fused, through the memory passes, compiled."""
+    return codegen.compile_graph(CompiledProgram, graph, stages, supported_ops=CPP_OPS,
+                                 supported_dtypes=CPP_DTYPES)

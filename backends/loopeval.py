@@ -137,11 +137,14 @@ def _empty(buffer):
     return torch.empty(buffer.type.shape, dtype=buffer.type.dtype)
 
 
-def compile_graph(graph: Graph) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+def compile_graph(graph: Graph, stages=None) -> Callable[[Sequence[torch.Tensor]],
+                                                          list[torch.Tensor]]:
     from ..passes.fusion import fuse
     from ..passes.lowering import lower
+    from ..passes.pipeline import Stages
 
-    return _Interpreted(fuse(lower(graph)))
+    stages = stages or Stages()
+    return _Interpreted(stages.run("fuse", fuse, stages.run("lower", lower, graph)))
 
 
 class _Interpreted:

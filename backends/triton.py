@@ -102,7 +102,7 @@ from ..graph.loops import (
     walk,
 )
 from . import codegen
-from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, column_wise, identifier,
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, cache_folder, column_wise,
                       kernel_error, levels, reduces, with_error_codes, write_atomically)
 
 _log = logging.getLogger("plait.kernels")
@@ -614,12 +614,11 @@ def _options(blocks: dict, warps: int) -> dict:
 class _KernelWriter:
     """One ``@triton.jit`` function for a Kernel, and how to launch it."""
 
-    def __init__(self, kernel: Kernel, fname: str, buffer_types: dict):
-        self.kernel, self.fname, self.types = kernel, fname, buffer_types
+    def __init__(self, kernel: Kernel, buffer_types: dict):
+        self.kernel, self.name, self.types = kernel, KERNEL_NAME, buffer_types
         self.count, self.checks_error = 0, False
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
-        taken: set = set()
-        self.params = {b: "ptr_" + identifier(b, taken) for b in self.buffers}
+        self.params = {b: f"ptr{n}" for n, b in enumerate(self.buffers)}
         self._rows: dict = {}
         k = kernel
         self.numel = math.prod(k.sizes)
@@ -779,7 +778,7 @@ class _KernelWriter:
                 self.store(top, s)
         params = [self.params[b] for b in self.buffers] + ["err"] * self.checks_error
         blocks = ", ".join(f"{b}: tl.constexpr" for b in self.blocks)
-        head = f"@triton.jit\ndef {self.fname}({', '.join(params)}, {blocks}):"
+        head = f"@triton.jit\ndef {self.name}({', '.join(params)}, {blocks}):"
         return "\n".join([head, *lines])
 
     def _rindex(self, base: str, lines, indent) -> None:
@@ -1040,16 +1039,14 @@ class CompiledProgram(codegen.CompiledProgram):
     """A LoopProgram as one module of ``@triton.jit`` kernels and the shared wrapper
     (backends/codegen.py, NOTE [wrapper memory]), which allocates on the inputs' device."""
 
-    reserved = frozenset({"triton", "tl", "libdevice"})
-
-    def __init__(self, program: LoopProgram, plan=None):
+    def __init__(self, program: LoopProgram, plan=None, stages=None):
         self._types = {b: buf.type for b, buf in program.buffers.items()}
         self._on_device: dict = {}  # device -> constants there
         self._error_flags: dict = {}  # device -> the flag checking kernels set
-        super().__init__(program, plan)
+        super().__init__(program, plan, stages)
 
-    def write(self, kernel: Kernel, name: str):
-        w = _KernelWriter(kernel, name, self._types)
+    def write(self, kernel: Kernel):
+        w = _KernelWriter(kernel, self._types)
         return w, w.source()
 
     def load(self, texts: list[str]) -> str:
@@ -1063,9 +1060,9 @@ class CompiledProgram(codegen.CompiledProgram):
         w = self.writers[i]
         options = w.launch_options()
         grid = w.grid(options)
-        fn, args = getattr(self._module, w.fname), tuple(slot[b] for b in w.buffers)
+        fn, args = getattr(self._module, w.name), tuple(slot[b] for b in w.buffers)
         opts = ", ".join(f"{n}={v}" for n, v in options.items())
-        text = f"{w.fname}[{grid}]({', '.join(w.buffers)}{', err' * w.checks_error}, {opts})"
+        text = f"{w.name}[{grid}]({', '.join(w.buffers)}{', err' * w.checks_error}, {opts})"
         written = tuple(b in k.writes for b in w.buffers)
         tuned: dict = {}  # device -> (grid, options), found at the first tuned launch there
 
@@ -1118,7 +1115,7 @@ class CompiledProgram(codegen.CompiledProgram):
         device, timed on the first launch (on copies of the buffers it writes, so the
         program's data is untouched) and kept in ``<module>.tune.json`` beside the kernels."""
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
-        key = f"{w.fname} on {where}"
+        key = f"{w.name} on {where}"
         if self._tuning is None:
             self._tuning = _read_tuning(self._tuning_path)
         if key not in self._tuning:
@@ -1132,7 +1129,7 @@ class CompiledProgram(codegen.CompiledProgram):
                 except Exception as e:  # a candidate that does not compile (resources)
                     if option == w.launch_options():
                         raise
-                    _log.debug("autotuning %s: %s failed: %s", w.fname, option, e)
+                    _log.debug("autotuning %s: %s failed: %s", w.name, option, e)
             best = min(timings, key=timings.get)
             self._tuning[key] = json.loads(best)
             _log.debug("autotuned %s: %s, %.4f ms (heuristic %s, %.4f ms)", key, best,
@@ -1153,9 +1150,9 @@ class CompiledProgram(codegen.CompiledProgram):
             args = [torch.empty(1, dtype=self._types[b].dtype, device=device)
                     for b in w.buffers] + [self._error_flag(device)] * w.checks_error
             options = w.launch_options()
-            getattr(self._module, w.fname).warmup(*args, grid=w.grid(options), **options)
+            getattr(self._module, w.name).warmup(*args, grid=w.grid(options), **options)
 
-        writers = [w for w in self.writers.values() if w.numel]
+        writers = list({w.name: w for w in self.writers.values() if w.numel}.values())
         if len(writers) > 1 and not interpreting():
             with concurrent.futures.ThreadPoolExecutor(min(len(writers), 8)) as pool:
                 list(pool.map(warm_up, writers))
@@ -1171,14 +1168,9 @@ class CompiledProgram(codegen.CompiledProgram):
 compile_program = CompiledProgram
 
 
-def compile_graph(graph):
-    """The ``triton`` backend's factory: lower the graph for this code generator (its ops:
-    ``supported_ops()``), fuse the kernels, run the memory passes as the cpp backend does
-    (``memory.optimize``), generate and load the kernels."""
-    from ..passes import memory
-    from ..passes.fusion import fuse
-    from ..passes.lowering import lower
-
-    return compile_program(*memory.optimize(fuse(lower(
-        graph, supported_ops=supported_ops(), supported_dtypes=TRITON_DTYPES,
-        comm_buffers=True))))
+def compile_graph(graph, stages=None):
+    """The ``triton`` backend's factory (NOTE [pipeline]): lowered for this code generator
+    (its ops: ``supported_ops()``), fused, through the memory passes; its kernels compile for
+    a device at the first call there."""
+    return codegen.compile_graph(compile_program, graph, stages, supported_ops=supported_ops(),
+                                 supported_dtypes=TRITON_DTYPES)

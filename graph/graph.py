@@ -22,6 +22,11 @@ import networkx as nx
 from ..errors import GraphError
 from .types import Node, Provenance, TensorType, Value
 
+# primitive name -> its shape and dtype rule (or None), which ``Graph.validate`` checks nodes
+# against: the tracer's primitive table (tracer/primitives.py) registers each primitive here,
+# so the IR knows the rules by name without importing the layer above it.
+TYPE_RULES: dict[str, Callable | None] = {}
+
 DATA, CONTROL = "data", "control"
 
 
@@ -94,20 +99,20 @@ class Graph:
     # -- checks, text, hash ----------------------------------------------------------------
     def validate(self) -> "Graph":
         """Check acyclicity, operand wiring and types; return self or raise GraphError."""
-        from ..tracer.primitives import get_primitive
-
         if not nx.is_directed_acyclic_graph(self._g):
             raise GraphError(f"graph has a cycle: {nx.find_cycle(self._g)}")
         for n in self._g.nodes:
             node = self.node(n)
-            prim = get_primitive(node.prim)
+            if node.prim not in TYPE_RULES:
+                raise GraphError(f"unknown primitive {node.prim!r}")
+            infer = TYPE_RULES[node.prim]
             operands = self.operands(n)
             for v in operands:
                 if v.index >= len(self.node(v.node).out_types):
                     raise GraphError(f"node %{n} ({node.prim}) reads output {v.index} of "
                                      f"%{v.node}, which has {len(self.node(v.node).out_types)}")
-            if prim.infer is not None:
-                expected = prim.infer(*[self.type_of(v) for v in operands], **node.kwargs)
+            if infer is not None:
+                expected = infer(*[self.type_of(v) for v in operands], **node.kwargs)
                 if tuple(expected) != node.out_types:
                     raise GraphError(f"node %{n} ({node.prim}) is typed "
                                      f"{[str(t) for t in node.out_types]} but its rule gives "

@@ -41,7 +41,7 @@ completes one that was only started (NOTE [overlap] in passes/memory.py). A ``Bu
 """
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any, Callable
 
 import attrs
@@ -137,16 +137,21 @@ class Kernel:
     fenced: bool = False
     origins: frozenset = frozenset()  # the graph nodes it computes (provenance)
 
-    @property
-    def reads(self) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for store in self.stores:
-            for node in walk(store.value):
-                if isinstance(node, Load):
-                    seen[node.buffer] = None
-        return tuple(seen)
+    @functools.cached_property
+    def loads(self) -> dict[str, tuple[Load, ...]]:
+        """buffer -> the distinct loads of it, in the order the stores' DAGs first reach
+        them (loads inside an indirect load's positions included)."""
+        found: dict[str, dict[Load, None]] = {}
+        for node in walk(*(s.value for s in self.stores)):
+            if isinstance(node, Load):
+                found.setdefault(node.buffer, {})[node] = None
+        return {b: tuple(ls) for b, ls in found.items()}
 
-    @property
+    @functools.cached_property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(self.loads)
+
+    @functools.cached_property
     def writes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.buffer for s in self.stores))
 
@@ -220,6 +225,11 @@ class LoopProgram:
     # inputs the caller donated (``jit(donate_argnums=...)``): reuse may write into them
     donated: frozenset = frozenset()
 
+    def as_text(self) -> str:
+        from .printer import program_to_text
+
+        return program_to_text(self)
+
     def describe(self, kernel) -> list[str]:
         """One line per graph node a kernel computes: what it is and where it came from."""
         return [self.provenance[n] for n in sorted(kernel.origins) if n in self.provenance]
@@ -244,7 +254,12 @@ def walk(*exprs) -> list:
 def reads_at(load: Load, index) -> bool:
     """Does ``load`` read the element at flat ``index`` at every point (the same offset
     expression; an indirect load may read any element)?"""
-    return not load.indirect and sympy.expand(load.index - index) == 0
+    return not load.indirect and _same_offset(load.index, index)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _same_offset(a, b) -> bool:
+    return sympy.expand(a - b) == 0
 
 
 def children(expr) -> tuple:
@@ -266,31 +281,3 @@ def with_children(expr, kids: tuple):
     if isinstance(expr, Reduce):
         return attrs.evolve(expr, body=kids[0])
     return attrs.evolve(expr, indirect=tuple((p, n) for p, (_, n) in zip(kids, expr.indirect)))
-
-
-def program_stats(program: LoopProgram) -> dict[str, int]:
-    """The compiler's estimate of a program's memory traffic and footprint: each kernel reads
-    each buffer it reads once (one read only through indirect loads: an element per point of
-    its loops at most) and writes each buffer once; the peak is the largest sum of
-    live bytes (``passes.memory.liveness``: a storage lives from the kernel that writes it to
-    the last that uses it or an in-place alias of it; inputs and constants all along, outputs
-    to the end). A Wait moves no data."""
-    from ..passes.memory import liveness  # the analysis is a pass; the stats are reported here
-
-    size = {n: b.type.nbytes for n, b in program.buffers.items()}
-    kernels = [k for k in program.kernels if not isinstance(k, Wait)]
-    return {"kernels": sum(isinstance(k, Kernel) for k in kernels),
-            "externs": sum(isinstance(k, Extern) for k in kernels),
-            "bytes_read": sum(_bytes_read(k, n, program.buffers[n].type)
-                              for k in kernels for n in k.reads),
-            "bytes_written": sum(size[n] for k in kernels for n in k.writes),
-            "peak_bytes": liveness(program).peak}
-
-
-def _bytes_read(kernel, buffer: str, t: TensorType) -> int:
-    if not isinstance(kernel, Kernel) or any(
-            isinstance(e, Load) and e.buffer == buffer and not e.indirect
-            for s in kernel.stores for e in walk(s.value)):
-        return t.nbytes
-    points = math.prod(kernel.sizes) * math.prod(kernel.reduction_sizes)
-    return min(t.nbytes, points * t.dtype.itemsize)

@@ -1,10 +1,11 @@
-"""Fusion: merge a kernel into the first kernel that reads what it writes.
+"""Fusion: merge kernels that read what another writes, or read what another reads.
 
 NOTE [fusion]
 Lowering already fuses every chain of elementwise ops and views into one expression; the
 kernels it leaves are split at stored values (reductions, values with several users). This
-pass merges a producer kernel P into the first kernel C that reads one of P's buffers, when
-their loops line up, and rewrites C's loads of that buffer into P's expression:
+pass merges a producer kernel P into the first kernel C that reads one of P's buffers
+(*vertical*), when their loops line up, and rewrites C's loads of that buffer into P's
+expression:
 
   * P elementwise over the same elements as C's loops (C's outer loops, or its outer and
     reduction loops together): P's value is computed in place of the load;
@@ -18,16 +19,39 @@ in the merged kernel only if a later kernel or the program's outputs still need 
 The merged kernel takes C's place, which is safe because buffers are written once. A merge
 never crosses an extern (an extern reading P's buffer is its first reader) and never reorders
 kernels, so no cycle can appear; a fenced kernel (one a control edge orders) is never merged.
+
+Two kernels that read a buffer in common and need nothing from each other merge too
+(*siblings*): B joins A, at A's place, when everything B reads is written before A, and B's
+loops, possibly reordered (loop ordering after fusion), cover A's the way A's do, with B's
+reads of the shared buffers at A's indices: the shared buffer is read once.
+
+NOTE [fusion scheduler]
+Compile time must grow with the program, not with its square. The pass keeps an index of
+the program: each buffer's writer and readers, each kernel's place. Candidates come from that
+index: a producer's first reader (vertical), and pairs of readers of one buffer (siblings,
+the nearest ``SIBLING_WINDOW`` readers of each buffer, scored by the bytes of the buffers
+they share and tried best first). Vertical merges run first, in program order, until none is
+left; then sibling merges, best first, with vertical merges after each round, until neither
+finds one: siblings are a final round that can only add fusions, and loop ordering happens
+only there. A pair judged unable to merge is never tried again (a merged kernel is a new
+kernel, with new pairs); a merge re-examines only the kernels around it. Legality is decided
+on the loads of the buffers concerned, their indices renamed (a memoized sympy substitution)
+and compared, before any expression is rewritten: the whole-kernel rewrite runs only for a
+merge that happens.
 """
 from __future__ import annotations
 
+import functools
+import heapq
 import itertools
 
 import attrs
 import sympy
 
-from ..graph.loops import (Kernel, Load, LoopProgram, Store, children, loop_vars, reads_at, walk,
+from ..graph.loops import (Kernel, Load, LoopProgram, Store, children, loop_vars, reads_at,
                            with_children)
+
+SIBLING_WINDOW = 8  # readers of one buffer paired with each reader: keeps candidates linear
 
 
 def rewrite(expr, replace):
@@ -45,16 +69,32 @@ def rewrite(expr, replace):
     return go(expr)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _substituted(expr: sympy.Expr, mapping: tuple) -> sympy.Expr:
+    return expr.xreplace(dict(mapping))
+
+
 def rename(expr, mapping: dict):
-    """Loop variables renamed (sympy substitution) throughout an expression."""
+    """Loop variables renamed throughout an expression (or an index)."""
+    mapping = tuple((k, v) for k, v in mapping.items() if k != v)
+    if not mapping:
+        return expr
+    if isinstance(expr, sympy.Basic):
+        return _substituted(expr, mapping)
+
     def replace(e):
         if isinstance(e, Load):
-            return attrs.evolve(e, index=e.index.subs(mapping, simultaneous=True))
+            return attrs.evolve(e, index=_substituted(e.index, mapping))
         if hasattr(e, "expr") and isinstance(getattr(e, "expr"), sympy.Basic):
-            return attrs.evolve(e, expr=e.expr.subs(mapping, simultaneous=True))
+            return attrs.evolve(e, expr=_substituted(e.expr, mapping))
         return None
 
     return rewrite(expr, replace)
+
+
+def _renamed_stores(kernel: Kernel, mapping: dict, value=lambda v: v) -> list[Store]:
+    return [Store(s.buffer, rename(s.index, mapping), value(rename(s.value, mapping)))
+            for s in kernel.stores]
 
 
 def _variables(kernel):
@@ -89,50 +129,28 @@ def _plans(p: Kernel, c: Kernel):
 
 
 def _merge(p: Kernel, c: Kernel, keep: set[str]) -> Kernel | None:
-    if p.fenced or c.fenced:
-        return None
-    for plan in _plans(p, c):
-        merged = _merged(p, c, keep, *plan)
-        if merged is not None:
-            return merged
+    """P merged into C (vertical), keeping P's stores of ``keep``; None where they cannot."""
+    inlined = [b for b in p.writes if b in c.loads]
+    for p_vars, c_vars, sizes, reduction_sizes in _plans(p, c):
+        at = {s.buffer: rename(s.index, p_vars) for s in p.stores if s.buffer in inlined}
+        if all(reads_at(rename(load, c_vars), at[b]) for b in inlined for load in c.loads[b]):
+            stores = {s.buffer: s for s in _renamed_stores(p, p_vars)}
+
+            def inline(e):
+                return stores[e.buffer].value if isinstance(e, Load) and \
+                    e.buffer in stores else None
+
+            kept = [s for s in stores.values() if s.buffer in keep]
+            return Kernel(c.name, sizes, reduction_sizes,
+                          tuple(kept + _renamed_stores(c, c_vars, lambda v: rewrite(v, inline))),
+                          origins=p.origins | c.origins)
     return None
 
 
-def _merged(p, c, keep, p_vars, c_vars, sizes, reduction_sizes) -> Kernel | None:
-    stores = {s.buffer: Store(s.buffer, s.index.subs(p_vars, simultaneous=True),
-                              rename(s.value, p_vars)) for s in p.stores}
-    aligned = True
-
-    def inline(e):
-        nonlocal aligned
-        if isinstance(e, Load) and e.buffer in stores:
-            store = stores[e.buffer]
-            if not reads_at(e, store.index):
-                aligned = False
-                return None
-            return store.value
-        return None
-
-    c_stores = [Store(s.buffer, s.index.subs(c_vars, simultaneous=True),
-                      rewrite(rename(s.value, c_vars), inline)) for s in c.stores]
-    if not aligned:
-        return None
-    kept = [s for s in stores.values() if s.buffer in keep]
-    return Kernel(c.name, sizes, reduction_sizes, tuple(kept + c_stores),
-                  origins=p.origins | c.origins)
-
-
-def _loads(kernel, buffer) -> set:
-    return {(e.index, e.indirect) for s in kernel.stores for e in walk(s.value)
-            if isinstance(e, Load) and e.buffer == buffer}
-
-
 def _sibling(a: Kernel, b: Kernel, shared: set[str]) -> Kernel | None:
-    """B joins A (they read a buffer in common, neither needs the other): B's loops,
+    """B joined to A (they read ``shared`` in common, neither needs the other): B's loops,
     possibly reordered (loop ordering after fusion), must cover A's rows' points the way A's
     do, with B's reads of the shared buffers at the indices A reads them at."""
-    if a.fenced or b.fenced:
-        return None
     ax, ar = _variables(a)
     bx, _ = _variables(b)
     if b.reduction_sizes and b.reduction_sizes != a.reduction_sizes:
@@ -144,65 +162,144 @@ def _sibling(a: Kernel, b: Kernel, shared: set[str]) -> Kernel | None:
     else:
         return None
     for order in _orders(len(bx)):  # B's loop k runs as A's loop order[k]
-        if tuple(b.sizes[k] for k in range(len(bx))) != tuple(sizes[order[k]]
-                                                            for k in range(len(bx))):
+        if any(b.sizes[k] != sizes[order[k]] for k in range(len(bx))):
             continue
         mapping = {bx[k]: target[order[k]] for k in range(len(bx))}
-        stores = [Store(st.buffer, st.index.subs(mapping, simultaneous=True),
-                        rename(st.value, mapping)) for st in b.stores]
-        renamed = attrs.evolve(b, stores=tuple(stores))
-        if all(_loads(renamed, n) == _loads(a, n) for n in shared):
-            return Kernel(a.name, a.sizes, a.reduction_sizes, a.stores + renamed.stores,
+        if all({rename(load, mapping) for load in b.loads[n]} == set(a.loads[n])
+               for n in shared):
+            return Kernel(a.name, a.sizes, a.reduction_sizes,
+                          a.stores + tuple(_renamed_stores(b, mapping)),
                           origins=a.origins | b.origins)
     return None
 
 
-def _vertical(kernels, outputs) -> bool:
-    for i, p in enumerate(kernels):
-        if not isinstance(p, Kernel):
-            continue
-        readers = [j for j in range(i + 1, len(kernels))
-                   if set(p.writes) & set(kernels[j].reads)]
-        if not readers or not isinstance(kernels[readers[0]], Kernel):
-            continue
-        first = readers[0]
-        later = {b for k in kernels[first + 1:] for b in k.reads} | set(outputs)
-        new = _merge(p, kernels[first], {b for b in p.writes if b in later})
-        if new is not None:
-            kernels[first] = new
-            del kernels[i]
-            return True
-    return False
+class _Schedule:
+    """The program being fused, indexed (NOTE [fusion scheduler]): kernels by place, each
+    buffer's writer and readers. A merged kernel takes one of its parts' places; places only
+    ever disappear, so their order stays the program's."""
 
+    def __init__(self, program: LoopProgram):
+        self.program = program
+        self.at = dict(enumerate(program.kernels))  # place -> kernel
+        self.writer: dict[str, int] = {}            # buffer -> the place writing it
+        self.readers: dict[str, set[int]] = {}      # buffer -> the places reading it
+        self.failed: set[tuple[int, int]] = set()   # (id, id) of pairs judged unmergeable
+        self.seen: list = []                        # every kernel indexed: their ids stay theirs
+        self.nbytes = {n: b.type.nbytes for n, b in program.buffers.items()}
+        self.producers: list[int] = []              # places to try as producers (a heap)
+        self.pairs: list = []                       # (-bytes, place, place) siblings (a heap)
+        for i, k in self.at.items():
+            self._index(i, k)
+        for i, k in self.at.items():
+            self._offer(i, k)
 
-def _horizontal(kernels) -> bool:
-    for i, a in enumerate(kernels):
-        for j in range(i + 1, len(kernels)):
-            b = kernels[j]
-            between = {w for k in kernels[i:j] for w in k.writes}
-            shared = set(a.reads) & set(b.reads)
-            if not (isinstance(a, Kernel) and isinstance(b, Kernel)) or not shared or \
-                    set(b.reads) & between:
+    def _index(self, i: int, k) -> None:
+        self.seen.append(k)
+        for b in k.reads:
+            self.readers.setdefault(b, set()).add(i)
+        for b in k.writes:
+            self.writer[b] = i
+
+    def _unindex(self, i: int) -> None:
+        k = self.at.pop(i)
+        for b in k.reads:
+            self.readers[b].discard(i)
+        for b in k.writes:
+            if self.writer.get(b) == i:
+                del self.writer[b]
+
+    def _mergeable(self, i: int) -> bool:
+        k = self.at.get(i)
+        return isinstance(k, Kernel) and not k.fenced
+
+    def _offer(self, i: int, k) -> None:
+        """Queue what a new kernel at ``i`` may merge with: as a producer, and as a sibling of
+        its buffers' nearest readers."""
+        if not self._mergeable(i):
+            return
+        heapq.heappush(self.producers, i)
+        for b in k.reads:
+            readers = sorted(self.readers[b])
+            n = readers.index(i)
+            for j in readers[max(0, n - SIBLING_WINDOW):n + SIBLING_WINDOW + 1]:
+                if j != i and self._mergeable(j):
+                    shared = set(k.reads) & set(self.at[j].reads)
+                    saved = sum(self.nbytes[s] for s in shared)
+                    heapq.heappush(self.pairs, (-saved, min(i, j), max(i, j)))
+
+    def _replace(self, gone: tuple[int, ...], i: int, merged: Kernel) -> None:
+        moved = set()
+        for g in gone:
+            moved |= set(self.at[g].writes)
+            self._unindex(g)
+        self.at[i] = merged
+        self._index(i, merged)
+        self._offer(i, merged)
+        # their producers have a new first reader; a reader of what moved, new siblings
+        for b in merged.reads:
+            if b in self.writer and self._mergeable(self.writer[b]):
+                heapq.heappush(self.producers, self.writer[b])
+        for b in moved & set(merged.writes):
+            for j in self.readers.get(b, ()):
+                self._offer(j, self.at[j])
+
+    def vertical(self) -> bool:
+        merged = False
+        while self.producers:
+            i = heapq.heappop(self.producers)
+            if not self._mergeable(i):
                 continue
-            new = _sibling(a, b, shared)
-            if new is not None:
-                kernels[i] = new
-                del kernels[j]
-                return True
-    return False
+            p = self.at[i]
+            readers = {j for b in p.writes for j in self.readers.get(b, ()) if j != i}
+            if not readers:
+                continue
+            first = min(readers)
+            c = self.at[first]
+            if not self._mergeable(first) or (id(p), id(c)) in self.failed:
+                continue
+            keep = {b for b in p.writes if b in self.program.outputs
+                    or self.readers.get(b, set()) - {i, first}}
+            new = _merge(p, c, keep)
+            if new is None:
+                self.failed.add((id(p), id(c)))
+                continue
+            self._replace((i, first), first, new)
+            merged = True
+        return merged
+
+    def siblings(self) -> bool:
+        merged = False
+        while self.pairs:
+            _, i, j = heapq.heappop(self.pairs)
+            if not (self._mergeable(i) and self._mergeable(j)):
+                continue
+            a, b = self.at[i], self.at[j]
+            # everything B reads is written before A (A's own writes included)
+            if any(self.writer.get(r, -1) >= i for r in b.reads) or \
+                    (id(a), id(b)) in self.failed:
+                continue
+            new = _sibling(a, b, set(a.reads) & set(b.reads))
+            if new is None:
+                self.failed.add((id(a), id(b)))
+                continue
+            self._replace((i, j), i, new)
+            merged = True
+        return merged
+
+    def kernels(self) -> tuple:
+        return tuple(self.at[i] for i in sorted(self.at))
 
 
 def fuse(program: LoopProgram) -> LoopProgram:
     """Vertical merges first; then siblings sharing reads (reordering loops to line them
-    up), as a final round that can only add fusions; then vertical again."""
-    kernels = list(program.kernels)
-    while _vertical(kernels, program.outputs):
+    up), as a final round that can only add fusions, each round followed by vertical merges
+    again (NOTE [fusion scheduler])."""
+    schedule = _Schedule(program)
+    schedule.vertical()
+    while schedule.siblings() | schedule.vertical():
         pass
-    while _horizontal(kernels) or _vertical(kernels, program.outputs):
-        pass
+    kernels = schedule.kernels()
     buffers = {n: b for n, b in program.buffers.items()
                if n in program.inputs or n in program.constants or n in program.outputs
-               or any(n in k.reads or n in k.writes for k in kernels)}
-    return attrs.evolve(program, buffers=buffers, kernels=tuple(kernels))
-
-
+               or n in schedule.writer or schedule.readers.get(n)}
+    return attrs.evolve(program, buffers=buffers, kernels=kernels)

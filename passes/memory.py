@@ -2,9 +2,9 @@
 overlap, pool planning.
 
 NOTE [memory passes]
-Both compiling backends (cpp, triton) run them after fusion (``optimize``): ``reuse ->
-reorder -> overlap -> plan``, each behind its switch in ``plait.config`` (``inplace``,
-``reorder``, ``overlap``, ``plan_memory``).
+Both compiling backends (cpp, triton) run them after fusion (NOTE [pipeline] in
+passes/pipeline.py): ``reuse -> reorder -> overlap -> plan``, each behind its switch in
+``plait.config`` (``inplace``, ``reorder``, ``overlap``, ``plan_memory``).
 
 * ``liveness``: a *storage* is a buffer together with the in-place aliases that took it over
   (``LoopProgram.aliases``: new buffer -> the buffer whose memory it writes into). A storage
@@ -70,11 +70,13 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 from typing import Callable
 
 import attrs
 
 from ..graph.loops import Extern, Kernel, Load, LoopProgram, Wait, is_inner, reads_at, walk
+from ..graph.types import TensorType
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,6 +135,30 @@ def liveness(program: LoopProgram) -> Liveness:
     return Liveness(uses, storage, span, nbytes, tuple(live))
 
 
+def program_stats(program: LoopProgram) -> dict[str, int]:
+    """The compiler's estimate of a program's memory traffic and footprint: each kernel reads
+    each buffer it reads once (one read only through indirect loads: an element per point of
+    its loops at most) and writes each buffer once; the peak is the largest sum of
+    live bytes (``passes.memory.liveness``: a storage lives from the kernel that writes it to
+    the last that uses it or an in-place alias of it; inputs and constants all along, outputs
+    to the end). A Wait moves no data."""
+    size = {n: b.type.nbytes for n, b in program.buffers.items()}
+    kernels = [k for k in program.kernels if not isinstance(k, Wait)]
+    return {"kernels": sum(isinstance(k, Kernel) for k in kernels),
+            "externs": sum(isinstance(k, Extern) for k in kernels),
+            "bytes_read": sum(_bytes_read(k, n, program.buffers[n].type)
+                              for k in kernels for n in k.reads),
+            "bytes_written": sum(size[n] for k in kernels for n in k.writes),
+            "peak_bytes": liveness(program).peak}
+
+
+def _bytes_read(kernel, buffer: str, t: TensorType) -> int:
+    if not isinstance(kernel, Kernel) or any(not e.indirect for e in kernel.loads[buffer]):
+        return t.nbytes
+    points = math.prod(kernel.sizes) * math.prod(kernel.reduction_sizes)
+    return min(t.nbytes, points * t.dtype.itemsize)
+
+
 # ---------------------------------------------------------------------------------------
 # In-place reuse
 # ---------------------------------------------------------------------------------------
@@ -141,9 +167,7 @@ def _takes_over(kernel: Kernel, position: int, b: str) -> bool:
     passes]): every load of ``b`` at the store's index (none indirect: it may read any
     element), and no later store of the same pass reading ``b``?"""
     store = kernel.stores[position]
-    loads = [e for s in kernel.stores for e in walk(s.value)
-             if isinstance(e, Load) and e.buffer == b]
-    if not all(reads_at(e, store.index) for e in loads):
+    if not all(reads_at(e, store.index) for e in kernel.loads[b]):
         return False
     later = [s for s in kernel.stores[position + 1:] if is_inner(s) == is_inner(store)]
     return not any(isinstance(e, Load) and e.buffer == b for s in later for e in walk(s.value))
@@ -459,6 +483,24 @@ class MemoryPlan:
     def peak(self) -> int:
         return max(self.live, default=self.liveness.peak)
 
+    def as_text(self) -> str:
+        """Each allocation a call makes, over which kernels (by position), and what it holds."""
+        lv = self.liveness
+        lines = [f"memory plan: estimated peak {self.peak} B"]
+        for block, (first, last) in self.blocks().items():
+            if isinstance(block, str):
+                lines.append(f"  {block}: {lv.nbytes[block]} B, kernels {first}..{last}")
+            elif block[0] == "slot":
+                slot = self.slots[block[1]]
+                lines.append(f"  slot{block[1]}: {slot.nbytes} B, kernels {first}..{last}, "
+                             f"holds {', '.join(slot.storages)}")
+            else:
+                pool = self.comm_pools[block[1]]
+                held = ", ".join(f"{s} at {o}" for s, o in pool.offsets.items())
+                lines.append(f"  comm pool {pool.type} {pool.group}: {pool.nbytes} B, kernels "
+                             f"{first}..{last}, holds {held}")
+        return "\n".join(lines)
+
     def blocks(self) -> dict:
         """Every allocation a call makes -> (first, last) kernel: the storages neither pooled
         nor bound on entry (by name), the pool slots (``("slot", j)``) and the comm pools
@@ -520,18 +562,6 @@ def _into_comm_pools(pools: list, candidates: list, lv: Liveness, live: list) ->
                     live[i] -= need
                 break
     return [attrs.evolve(p, offsets=o) for p, o in zip(pools, offsets)]
-
-
-def optimize(program: LoopProgram) -> tuple[LoopProgram, "MemoryPlan"]:
-    """The memory passes as a compiling backend runs them, each behind its config switch:
-    in-place reuse, memory-aware order, the collectives' overlap, then the plan."""
-    from ..config import config
-
-    program = reuse(program) if config.inplace else program
-    then = overlap if config.overlap else None
-    program = reorder(program, then) if config.reorder else program
-    program = then(program) if then else program
-    return program, plan(program, pool=config.plan_memory, comm_reuse=config.comm_pool_reuse)
 
 
 def plan(program: LoopProgram, pool: bool = True, comm_reuse: bool = False) -> MemoryPlan:

@@ -131,7 +131,7 @@ def test_aliases_of_one_storage_are_counted_once():
     lv = memory.liveness(reused)
     assert {lv.storage[b] for b in "abc"} == {"a"} and lv.span["a"] == (0, 3)
     assert memory.liveness(chain).peak == 3 * n * 4
-    assert lv.peak == plait.graph.loops.program_stats(reused)["peak_bytes"] == 2 * n * 4
+    assert lv.peak == memory.program_stats(reused)["peak_bytes"] == 2 * n * 4
     compiled = compile_program(reused, memory.plan(reused))
     x = torch.rand(n) - 1
     (c,) = checked(compiled, [x])

@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from ..errors import CheckError, GraphError, ShapeError, UnsupportedOpError
+from ..graph.graph import TYPE_RULES
 from ..graph.types import TensorType
 
 prims = torch.ops.prims
@@ -78,6 +79,7 @@ class Impl:
 def define(name: str, infer, impl, **kwargs) -> Primitive:
     assert name not in PRIMITIVES, name
     PRIMITIVES[name] = prim = Primitive(name, infer, impl, **kwargs)
+    TYPE_RULES[name] = infer
     return prim
 
 
