@@ -85,6 +85,9 @@ class IndexPrinter:
             op = f" {self.and_op} " if isinstance(e, sympy.And) else f" {self.or_op} "
             return "(" + op.join(map(self, e.args)) + ")"
         if isinstance(e, sympy.core.relational.Relational):
+            num, den = (e.lhs - e.rhs).as_numer_denom()
+            if den.is_Integer and den > 1:  # rational coefficients (r0/16 + x0/1536 < 2)
+                return f"({self(num)} {e.rel_op} 0)"  # scaled by the positive denominator
             return f"({self(e.lhs)} {e.rel_op} {self(e.rhs)})"
         raise BackendError(f"cannot print index expression {e} ({type(e).__name__}) as "
                            f"{self.language}")

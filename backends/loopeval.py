@@ -28,15 +28,20 @@ def _index(expr, env: dict, shape):
     if isinstance(expr, sympy.floor):
         num, den = expr.args[0].as_numer_denom()
         return torch.div(_index(num, env, shape), int(den), rounding_mode="floor")
-    ops = {sympy.Add: torch.add, sympy.Mul: torch.mul, sympy.Mod: torch.remainder,
-           sympy.Max: torch.maximum, sympy.Min: torch.minimum, sympy.And: torch.logical_and,
-           sympy.StrictLessThan: torch.lt, sympy.GreaterThan: torch.ge,
-           sympy.LessThan: torch.le, sympy.StrictGreaterThan: torch.gt}
+    if isinstance(expr, sympy.core.relational.Relational):  # compared as lhs - rhs times its
+        num, _ = (expr.lhs - expr.rhs).as_numer_denom()     # positive denominator, with 0
+        return _OPS[type(expr)](_index(num, env, shape), 0)
     args = [_index(a, env, shape) for a in expr.args]
     result = args[0]
     for a in args[1:]:
-        result = ops[type(expr)](result, a)
+        result = _OPS[type(expr)](result, a)
     return result
+
+
+_OPS = {sympy.Add: torch.add, sympy.Mul: torch.mul, sympy.Mod: torch.remainder,
+        sympy.Max: torch.maximum, sympy.Min: torch.minimum, sympy.And: torch.logical_and,
+        sympy.StrictLessThan: torch.lt, sympy.GreaterThan: torch.ge,
+        sympy.LessThan: torch.le, sympy.StrictGreaterThan: torch.gt}
 
 
 class _KernelEval:

@@ -122,3 +122,17 @@ def test_effects_are_chained_in_program_order():
     graph = plait.make_graph(f)(torch.zeros(3))
     effects = [n for n in graph.order if graph.node(n).prim == "opaque"]
     assert [list(graph.control_preds(n)) for n in effects] == [[], effects[:1], effects[1:2]]
+
+
+@pytest.mark.parametrize("backend", ["cpp", "loops", "triton"])
+@pytest.mark.parametrize("f", [
+    lambda x: x.reshape(2, 96)[:, 64:].square().sum(),
+    lambda x: x.reshape(3, 4, 16)[:, 1:3].reshape(-1).square().sum(),
+    lambda x: (x.reshape(4, 3, 16).transpose(0, 1)[1:, :, 8:] ** 2).sum(),
+], ids=["rows", "middle", "transposed"])
+def test_padding_conditions_with_rational_coefficients(backend, f):
+    """The gradient of a slice of a reshape is a pad whose in-range condition sympy writes
+    with rational coefficients (r0/16 + x0/1536 < 2): compared scaled by the denominator."""
+    x = torch.randn(12, 16)
+    torch.testing.assert_close(plait.jit(plait.grad(f), backend=backend)(x),
+                               torch.func.grad(f)(x))
