@@ -551,6 +551,9 @@ define("pad", _pad_infer, _pad_impl)
 @vjp_rule("slice")
 def _slice_vjp(cts, x, *, outs, start, limit, step):
     ct = cts[0]
+    if all(st == 1 for st in step):  # zeros around it: a pad, which lowers to a select
+        high = tuple(n - s - m for n, s, m in zip(x.shape, start, ct.shape))
+        return (_bind("pad", ct, low=tuple(start), high=high, value=0),)
     for d, (s, st) in enumerate(zip(start, step)):
         if st > 1 or s or ct.shape[d] != x.shape[d]:
             grown = list(ct.shape)
