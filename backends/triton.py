@@ -1160,7 +1160,7 @@ class CompiledProgram(codegen.CompiledProgram):
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         device = self._device(inputs)
         if device not in self._on_device:
-            self._compile_kernels(device)
+            self.stages.run("device", self._compile_kernels, device, keep=False)
             self._on_device[device] = [(s, t.to(device)) for s, t in self._constants]
         return self._wrapper(inputs, device, self._on_device[device])
 
