@@ -141,3 +141,20 @@ def test_the_ir_layer_imports_no_layer_above_it():
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.level >= 2:
                     assert node.module.split(".")[0] in ("errors", "config"), (name, node.module)
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpp"])
+def test_a_broadcast_mask_is_baked_at_its_own_size(backend):
+    """torch's where expands a mask made inside the function to the scores' shape: the graph
+    holds the mask and broadcasts it, not a constant of the scores' size."""
+    def f(x):
+        causal = torch.ones(64, 64, dtype=torch.bool).tril()
+        return x.masked_fill(~causal, float("-inf")).softmax(-1), torch.where(causal, x, 0.5)
+
+    x = torch.randn(4, 8, 64, 64)
+    graph = plait.jit(f, backend=backend).lower(x).traced_graph
+    baked = [graph.node(n).kwargs["value"].tensor for n in graph.order
+             if graph.node(n).prim == "constant"]
+    assert baked and max(t.numel() for t in baked) == 64 * 64
+    for got, want in zip(plait.jit(f, backend=backend)(x), f(x)):
+        torch.testing.assert_close(got, want)

@@ -186,10 +186,24 @@ class Trace:
         check_dtype(tensor, "a captured tensor")
         hit = self._constants.get(id(tensor))
         if hit is None or hit[0] is not tensor:
-            (value,) = self.builder.add_node("constant", (), {"value": Constant(tensor)},
-                                             (TensorType.of(tensor),), self._provenance)
-            hit = self._constants[id(tensor)] = (tensor, value)
+            hit = self._constants[id(tensor)] = (tensor, self._bake(tensor))
         return hit[1]
+
+    def _bake(self, tensor: torch.Tensor) -> Value:
+        """A constant node; a broadcast view (stride 0 along a dim: a mask or a scalar that
+        a decomposition expanded, as torch's ``where`` does) is baked as the tensor it
+        repeats and broadcast in the graph, so the program holds, copies and hashes the
+        mask's bytes, not the view's (a causal mask over [8, 12, 1024, 1024] scores)."""
+        kept = tuple(d for d in range(tensor.ndim) if tensor.stride(d) or tensor.shape[d] <= 1)
+        if len(kept) == tensor.ndim:
+            return self.builder.add_node("constant", (), {"value": Constant(tensor)},
+                                         (TensorType.of(tensor),), self._provenance)[0]
+        repeated = self.constant(tensor[tuple(slice(None) if d in kept else 0
+                                              for d in range(tensor.ndim))])
+        return self.builder.add_node(
+            "broadcast_in_dim", (repeated,), {"shape": tuple(tensor.shape),
+                                              "broadcast_dimensions": kept},
+            (TensorType.of(tensor),), self._provenance)[0]
 
     def type_of(self, x: Any) -> TensorType:
         return self.builder.type_of(self.value_of(x))
