@@ -1144,13 +1144,19 @@ class CompiledProgram(codegen.CompiledProgram):
         """Compile every kernel for ``device`` at once, in threads, instead of one by one at
         first launch: the parts of Triton's compile that leave the GIL (ptxas runs as a
         subprocess) overlap; 10-20% less cold compile for programs of several kernels on an
-        H200 (a process pool would overlap more). Stand-in arguments are fresh allocations,
-        aligned as the buffers are, so the launches find these compiled variants."""
+        H200 (a process pool would overlap more). Each kernel is also loaded and its launcher
+        built (Triton compiles a C launcher per kernel signature at the first launch: 0.3 s
+        each, a 4-block GPT step's first call spent 4 s on them one by one). Stand-in
+        arguments are fresh allocations, aligned as the buffers are, so the launches find
+        these compiled variants."""
         def warm_up(w):
             args = [torch.empty(1, dtype=self._types[b].dtype, device=device)
                     for b in w.buffers] + [self._error_flag(device)] * w.checks_error
             options = w.launch_options()
-            getattr(self._module, w.name).warmup(*args, grid=w.grid(options), **options)
+            compiled = getattr(self._module, w.name).warmup(*args, grid=w.grid(options),
+                                                            **options)
+            with torch.cuda.device(device):
+                getattr(compiled, "_init_handles", lambda: None)()
 
         writers = list({w.name: w for w in self.writers.values() if w.numel}.values())
         if len(writers) > 1 and not interpreting():

@@ -7,6 +7,7 @@ memory plan. The stages are pure functions, run in this order:
 
   lower    primitive graph -> loop program (passes/lowering.py)
   fuse     kernels merged (passes/fusion.py)
+  index    index expressions simplified with the loops' ranges (passes/indexing.py)
   reuse    stores take over dead buffers in place    (passes/memory.py, ``config.inplace``)
   reorder  the kernel order of least peak memory     (``config.reorder``)
   overlap  collectives started early, waited late    (``config.overlap``)
@@ -83,11 +84,12 @@ def schedule(graph, stages: Stages, *, supported_ops, supported_dtypes, comm_buf
     """``graph`` lowered for a code generator, fused, and through the memory passes: the
     loop program and its memory plan (NOTE [pipeline])."""
     # imported here: a program loaded from the disk cache runs without the compiler proper
-    from . import fusion, lowering, memory
+    from . import fusion, indexing, lowering, memory
 
     program = stages.run("lower", lowering.lower, graph, supported_ops=supported_ops,
                          supported_dtypes=supported_dtypes, comm_buffers=comm_buffers)
     program = stages.run("fuse", fusion.fuse, program)
+    program = stages.run("index", indexing.simplify_indices, program)
     program = stages.run("reuse", memory.reuse if config.inplace else _same, program)
     then = memory.overlap if config.overlap else None
     program = stages.run("reorder", memory.reorder if config.reorder else _same, program, then)
