@@ -1,4 +1,4 @@
-"""Small all-reduces inside a jitted function, on every rank of a torchrun launch (issue 8):
+"""Small all-reduces inside a jitted function, on every rank of a torchrun launch:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
         torchrun --nproc-per-node 2 benchmarks/distributed.py [--sizes 4096,65536] [--repeat 7]

@@ -1,4 +1,4 @@
-"""The GPU benchmark of issues 5 and 6: plait's Triton backend against eager and
+"""The GPU benchmark: plait's Triton backend against eager and
 torch.compile on a CUDA GPU, with each case's floor, cold compile times and peak memory.
 
     python benchmarks/gpu.py [--quick] [--cases a,b] [--repeat N] [--autotune]

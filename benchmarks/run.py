@@ -138,7 +138,7 @@ def bench_overhead(device: str, repeat: int, calls: int) -> dict:
 
 # -- (c) the CPU compiler: plait (cpp backend) against eager and torch.compile ----------------
 def loop_order(x):
-    """issue 4's loop-ordering case: both reductions, z and z_t fuse into one read of x."""
+    """The loop-ordering case: both reductions, z and z_t fuse into one read of x."""
     y = torch.sum(torch.sum(x, dim=-1))
     z = x / 10.0
     z_t = z.t().contiguous().t()

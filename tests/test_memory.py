@@ -1,4 +1,4 @@
-"""The memory passes (passes/memory.py, issue 6): liveness with in-place aliases, in-place
+"""The memory passes (passes/memory.py): liveness with in-place aliases, in-place
 reuse, memory-aware order, the pool plan, and the cpp wrapper following them (checked at run
 time by config.check_memory_plan)."""
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_opaque_share(result):
     assert len(result.opaque_ops) / len(result.ops) <= OPAQUE_CEILING, result.summary()
 
 
-# Transforms (issue 3): plait.grad against torch.autograd, plait.vmap against eager per
+# Transforms: plait.grad against torch.autograd, plait.vmap against eager per
 # example (the issue's targets: 95% each), plait.jvp against torch.func.jvp.
 TRANSFORM_FLOORS = {"grad": 0.95, "jvp": 0.95, "vmap": 0.95}
 
@@ -61,7 +61,7 @@ def test_transform_match_rate(transform_result):
     assert r.count("match") / r.total >= TRANSFORM_FLOORS[mode], r.summary()
 
 
-# The CPU compiler (issue 4): the same jit sweep through lowering, fusion and generated C++.
+# The CPU compiler: the same jit sweep through lowering, fusion and generated C++.
 @pytest.fixture(scope="module")
 def cpp_result():
     r = sweep("jit", backend="cpp")
