@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable
 
 import attrs
-import networkx as nx
 import torch
 
 from ..config import config
@@ -23,9 +22,12 @@ def dce(graph: Graph) -> Graph:
     """Drop nodes that no output, effect or control successor needs."""
     roots = {v.node for v in graph.outputs}
     roots |= {n for n in graph.nx.nodes if is_effectful(graph.node(n))}
-    live = set(roots)
-    for r in roots:
-        live |= nx.ancestors(graph.nx, r)
+    live, todo = set(roots), list(roots)  # one walk up from all roots: linear in the graph
+    while todo:
+        for u in graph.nx.predecessors(todo.pop()):
+            if u not in live:
+                live.add(u)
+                todo.append(u)
     if len(live | set(graph.inputs)) == len(graph):
         return graph
     return rewrite(graph, keep=live)
