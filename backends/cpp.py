@@ -46,6 +46,7 @@ flags without it. The program calling the library is kept too, by its traced gra
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -563,6 +564,7 @@ def _row_vars(kernel) -> list[str]:
 # reduction loops outside and the point loop inside, contiguous and vectorized; later passes
 # and the stores loop over the chunk's points the same way.
 _COLUMNS = 64
+KERNELS_PER_LIBRARY = 16  # fewest distinct kernels a library is built for (CompiledProgram.load)
 
 
 # ---------------------------------------------------------------------------------------
@@ -650,14 +652,27 @@ class CompiledProgram(codegen.CompiledProgram):
         return w, w.source({b: self.program.buffers[b].type for b in w.buffers})
 
     def load(self, texts: list[str]) -> str:
-        self.cpp_source = "\n\n".join([with_error_codes(_PRELUDE) + _INDEX_HELPERS,
-                                        *texts]) + "\n"
-        self._library = build(self.cpp_source, {w.name for w in self.writers.values()})
+        """The distinct kernels' source, built as one library, or, for a program of many
+        kernels, as a library per core built in parallel (each compiler also parses the
+        prelude, so a library takes ``KERNELS_PER_LIBRARY`` kernels at least)."""
+        prelude = with_error_codes(_PRELUDE) + _INDEX_HELPERS
+        self.cpp_source = "\n\n".join([prelude, *texts]) + "\n"
+        names = list(dict.fromkeys(w.name for w in self.writers.values()))  # as ``texts``
+        parts = max(1, min(os.cpu_count() or 1, len(texts) // KERNELS_PER_LIBRARY))
+        if parts == 1:
+            library = build(self.cpp_source, names)
+            self._library_of = dict.fromkeys(names, library)
+            return self.cpp_source
+        chunks = [(texts[j::parts], names[j::parts]) for j in range(parts)]
+        with concurrent.futures.ThreadPoolExecutor(parts) as pool:  # g++ runs outside the GIL
+            libraries = list(pool.map(
+                lambda chunk: build("\n\n".join([prelude, *chunk[0]]) + "\n", chunk[1]), chunks))
+        self._library_of = {n: lib for lib, (_, ns) in zip(libraries, chunks) for n in ns}
         return self.cpp_source
 
     def launch(self, i: int, k: Kernel, slot: dict):
         w = self.writers[i]
-        call = _KernelCall(self._library, w.name, tuple(slot[b] for b in w.buffers),
+        call = _KernelCall(self._library_of[w.name], w.name, tuple(slot[b] for b in w.buffers),
                            w.checks_error)
         return call, f"{w.name}({', '.join(w.buffers)})"
 

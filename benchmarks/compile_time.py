@@ -9,8 +9,9 @@ and its backward (``torch.autograd.grad`` of the compiled loss, AOTAutograd's jo
 Each depth runs in a fresh process in which both compilers are imported and warmed on a small
 function first, with empty caches of their own, so each column is a cold compile of that
 model alone; every column's grads are checked against eager's. plait's seconds per stage
-(``Lowered.timings``: trace, simplify passes, lowering, fusion, memory passes, code generation,
-native compilation) are summed over the stages of each kind.
+(``Lowered.timings``: trace, simplify passes, lowering, fusion, index simplification, memory
+passes, code generation, native compilation, and on a GPU compiling the kernels for the
+device) are summed over the stages of each kind.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGE_KINDS = {"trace": ("traced",), "simplify": ("dce", "fold_constants", "fuse_attention",
                                                   "algebra", "cse"),
-               "lower": ("lower",), "fuse": ("fuse",),
+               "lower": ("lower",), "fuse": ("fuse",), "index": ("index",),
                "memory": ("reuse", "reorder", "overlap", "plan"),
                "codegen": ("codegen", "wrapper"), "native": ("native",), "device": ("device",)}
 
@@ -121,7 +122,7 @@ def main() -> None:
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         tc = row.get("torch_compile_s")
-        stages = " ".join(f"{k} {v:.2f}" for k, v in row["plait_stages"].items())
+        stages = " ".join(f"{k} {v:.2f}" for k, v in row["plait_stages"].items() if v)
         error = max(row["plait_error"], row.get("torch_compile_error", 0.0))
         print(f"{blocks:>6} {row['plait_s']:>8.2f} {tc or float('nan'):>11.2f} "
               f"{(row['plait_s'] / tc) if tc else float('nan'):>6.3f} "

@@ -334,6 +334,27 @@ def test_disk_cache_reuses_the_library(tmp_path, monkeypatch):
     torch.testing.assert_close(second([x])[0], first([x])[0])
 
 
+def test_many_kernels_build_a_library_per_core_in_parallel(tmp_path, monkeypatch):
+    """CompiledProgram.load: distinct kernels split among libraries built at once; every
+    kernel call finds its own library, also in a runner loaded from the program cache."""
+    import pickle
+
+    monkeypatch.setattr(cpp, "KERNELS_PER_LIBRARY", 1)
+    monkeypatch.setattr(cpp.os, "cpu_count", lambda: 3)
+    calls = count_builds(monkeypatch)
+    kernels = [Kernel(f"k{i}", (4,), (), (Store(f"y{i}", x0, ap("add", load("x", x0),
+                                                                 const(i + 0.5))),))
+               for i in range(4)]
+    bufs = {"x": ((4,), F32)} | {f"y{i}": ((4,), F32) for i in range(4)}
+    with plait.config.patch(cache_dir=str(tmp_path)):
+        compiled = compile_program(program(bufs, ["x"], kernels, [f"y{i}" for i in range(4)]))
+    assert len(calls) == 3 and len(set(compiled._library_of.values())) == 3
+    x = torch.randn(4)
+    for run in (compiled, pickle.loads(pickle.dumps(compiled.runner))):
+        for i, y in enumerate(run([x])):
+            torch.testing.assert_close(y, x + (i + 0.5))
+
+
 def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch):
     calls = count_builds(monkeypatch)
     good, bad = tmp_path / "good", tmp_path / "bad"
