@@ -36,8 +36,10 @@ and raises ``BackendError``.
 NOTE [C++ build cache]
 The library's file name is a hash of the source, the compiler command and the compiler
 binary's identity (path, size, mtime), under ``<config.cache_dir>/cpp``. A hit is loaded
-without running anything; one that fails to load or lacks a kernel symbol (corrupt, truncated)
-is rebuilt. Builds happen in a private temporary folder and are moved in with ``os.replace``,
+without running anything; one that fails to load or lacks a kernel symbol is rebuilt. A
+library is loaded only if its length and sha256 are those written beside it when it was
+built (``<name>.so.sha256``): a truncated library can pass the loader's checks and fault
+(SIGBUS) when a page past its end is touched, killing the process. Builds happen in a private temporary folder and are moved in with ``os.replace``,
 so concurrent builds of one program both succeed and readers never see a partial file. An
 unwritable cache folder warns once and builds in a temporary folder instead. ``-march=native``
 code is keyed by the flags, not the CPU: a cache folder shared by different machines needs
@@ -588,6 +590,10 @@ class Library:
     def __init__(self, path: str, symbols: Sequence[str]):
         self.path, self.symbols = path, tuple(symbols)
         try:
+            with open(path + ".sha256") as f:
+                if f.read() != _fingerprint(path):
+                    raise OSError("its length or digest is not the one written when it was "
+                                  "built (damaged or truncated)")
             self.cdll = ctypes.CDLL(path)
             for s in self.symbols:
                 getattr(self.cdll, s)
@@ -596,6 +602,13 @@ class Library:
 
     def __reduce__(self):
         return Library, (self.path, self.symbols)
+
+
+def _fingerprint(path: str) -> str:
+    """A library file's length and sha256 (NOTE [C++ build cache])."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
 
 
 def _load(path: str, symbols: Sequence[str]) -> Library | None:
@@ -630,12 +643,15 @@ def build(source: str, symbols: Sequence[str]) -> Library:
         if proc.returncode != 0:
             raise BackendError(f"the C++ compiler failed ({shlex.join(command)}):\n"
                                f"{proc.stderr[-4000:]}")
+        with open(out + ".sha256", "w") as f:
+            f.write(_fingerprint(out))
         if cache is None:
             target = out  # loaded before the folder goes: the mapping outlives the file
         else:
             os.replace(src, os.path.join(cache, key + ".cpp"))  # kept for reading
             os.replace(out, target)
-        return Library(target, symbols)
+            os.replace(out + ".sha256", target + ".sha256")  # after it: a reader between
+        return Library(target, symbols)                      # the two sees none, a miss
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -329,7 +329,8 @@ def test_disk_cache_reuses_the_library(tmp_path, monkeypatch):
         first = compile_program(_unique_program(0.25))
         second = compile_program(_unique_program(0.25))
     assert len(calls) == 1
-    assert sorted(os.path.splitext(f)[1] for f in os.listdir(tmp_path / "cpp")) == [".cpp", ".so"]
+    assert sorted(os.path.splitext(f)[1] for f in os.listdir(tmp_path / "cpp")) == [
+        ".cpp", ".sha256", ".so"]
     x = torch.randn(4)
     torch.testing.assert_close(second([x])[0], first([x])[0])
 
@@ -353,6 +354,32 @@ def test_many_kernels_build_a_library_per_core_in_parallel(tmp_path, monkeypatch
     for run in (compiled, pickle.loads(pickle.dumps(compiled.runner))):
         for i, y in enumerate(run([x])):
             torch.testing.assert_close(y, x + (i + 0.5))
+
+
+_TRUNCATED = """
+import torch, plait
+print(plait.jit(lambda x: (x * 3.5).exp(), backend="cpp")(torch.ones(3)).tolist())
+"""
+
+
+def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path):
+    """A library cut short past its ELF header loads and then faults (SIGBUS) when a page
+    past its end is touched: its length and digest are checked first, by the library cache
+    and by a program the program cache loads. In processes of their own: a fault kills one."""
+    import sys
+
+    env = dict(os.environ, PLAIT_CACHE_DIR=str(tmp_path))
+    run = lambda: subprocess.run([sys.executable, "-c", _TRUNCATED], env=env,  # noqa: E731
+                                 capture_output=True, text=True, timeout=300)
+    want = (torch.ones(3) * 3.5).exp().tolist()
+    assert eval(run().stdout) == want
+    for program_cache in ("1", "0"):
+        env["PLAIT_PROGRAM_CACHE"] = program_cache
+        (library,) = [f for f in (tmp_path / "cpp").iterdir() if f.suffix == ".so"]
+        os.truncate(library, 8192)
+        proc = run()
+        assert proc.returncode == 0, proc.stderr
+        assert eval(proc.stdout) == want
 
 
 def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch):
