@@ -105,22 +105,53 @@ class _Traced:
         leaves = [values[x] if isinstance(x, int) else x.value for x in self.traced.out_leaves]
         return pytree.tree_unflatten(leaves, self.traced.out_tree)
 
+    def structure(self):
+        """The function's result with ``_TENSOR`` for each tensor (non-tensors as they are)."""
+        return self.outputs([_TENSOR] * len(self.graph.outputs))
+
+
+def _argnums(argnums, n_args: int) -> tuple[int, ...]:
+    """``argnums`` (an int or a tuple of ints, as torch.func takes) as argument positions,
+    each checked to name one of the ``n_args`` arguments, once."""
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if not isinstance(nums, (tuple, list)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in nums):
+        raise TraceError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
+    if not nums:
+        raise TraceError("argnums must name at least one argument, got ()")
+    for num in nums:
+        if not -n_args <= num < n_args:
+            raise TraceError(f"argnums={argnums} names argument {num}, but the function got "
+                             f"{n_args} positional arguments")
+    positions = tuple(n % n_args for n in nums)
+    if len(set(positions)) != len(positions):
+        raise TraceError(f"argnums={argnums} names an argument twice; name each once")
+    return positions
+
+
+_TENSOR = object()  # stands for each tensor result where only the results' structure matters
+
+
+def _only_tensors(out, what: str) -> None:
+    """The transforms differentiate and batch tensors: a function returns tensors (or
+    pytrees of them) besides its aux, as torch.func requires. ``out``: the result, or its
+    structure with ``_TENSOR`` for each tensor (``_Traced.structure``)."""
+    for leaf in pytree.tree_leaves(out):
+        if not (leaf is _TENSOR or isinstance(leaf, torch.Tensor)):
+            raise TraceError(f"{what}: the function must return only tensors (or pytrees of "
+                             f"them), got a {type(leaf).__name__}; return other values as "
+                             "aux (has_aux=True) or outside the transformed function")
+
 
 def _argnum_leaves(args: tuple, kwargs: dict, argnums: int | tuple[int, ...]):
     """Positions (in the flattened (args, kwargs)) of the leaves of the chosen arguments."""
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums:
-        raise TraceError("argnums must name at least one argument")
+    nums = _argnums(argnums, len(args))
     positions, start = {}, 0
     for i, a in enumerate(args):
         n = len(pytree.tree_leaves(a))
         positions[i] = list(range(start, start + n))
         start += n
-    for num in nums:
-        if not -len(args) <= num < len(args):
-            raise TraceError(f"argnums={argnums} names argument {num}, but the function got "
-                             f"{len(args)} positional arguments")
-    chosen = [positions[num % len(args)] for num in nums]
+    chosen = [positions[num] for num in nums]
     flat = pytree.tree_leaves((args, kwargs))
     for pos in chosen:
         for p in pos:
@@ -153,6 +184,7 @@ def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
     chosen = _argnum_leaves(args, kwargs, argnums)
     t = _Traced(func, args, kwargs)
     types = t.graph.output_types
+    _only_tensors(_split_aux(t.structure(), has_aux, "vjp")[0], "vjp")
     main, _ = _split_aux(t.outputs(list(range(len(types)))), has_aux, "vjp")
     seeds = seeds_for(main, types)
     cotangents = [seeds[k] if k in seeds else autodiff.zeros(ty) for k, ty in enumerate(types)]
@@ -211,6 +243,7 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
     trace the forward pass is traced twice, and simplification (CSE) merges the copies."""
     argnums = tuple(range(len(primals)))
     main, aux = _split_aux(_forward(func, primals), has_aux, "vjp")
+    _only_tensors(main, "vjp")
 
     def backward(primal_args, cotangents):
         def seeds(main_slots, types):
@@ -267,6 +300,7 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, has_aux: bool = False):
         results = inline(autodiff.jvp(t.graph, wrt), t.inputs + [
             leaves[i] for i in t.tensor_pos])
         n = len(t.graph.outputs)
+        _only_tensors(_split_aux(t.structure(), has_aux, "jvp")[0], "jvp")
         out, aux = _split_aux(t.outputs(results[:n]), has_aux, "jvp")
         tangent_out, _ = _split_aux(t.outputs(results[n:]), has_aux, "jvp")
         return (out, tangent_out, aux) if has_aux else (out, tangent_out)
@@ -340,6 +374,7 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
         flags = [dims[i] is not None for i in t.tensor_pos] + [False] * len(t.traced.captured)
         graph, out_flags = batching.vmap(t.graph, flags, size, randomness)
         results = inline(graph, [moved[i] for i in t.tensor_pos] + list(t.traced.captured))
+        _only_tensors(t.structure(), "vmap")
         out = t.outputs(list(range(len(results))))
         placed = []
         for k, d in zip(pytree.tree_leaves(out), _leaf_dims(out_dims, out, "out_dims")):
@@ -363,12 +398,7 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
 # ---------------------------------------------------------------------------------------
 def _with_args(func: Callable, args: tuple, argnums) -> tuple[Callable, tuple]:
     """``func`` as a function of the ``argnums`` arguments only, and their values."""
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    nums = tuple(n % len(args) if -len(args) <= n < len(args) else n for n in nums)
-    for n in nums:
-        if not isinstance(n, int) or not 0 <= n < len(args):
-            raise TraceError(f"argnums={argnums} does not name one of the {len(args)} "
-                             "positional arguments")
+    nums = _argnums(argnums, len(args))
 
     def of_chosen(*chosen):
         full = list(args)
@@ -406,7 +436,7 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
 
             rows = vmap(row)(_basis(leaf))
             jacobians.append(_per_arg(argnums, [
-                pytree.tree_map(lambda r: r.reshape(*leaf.shape, *r.shape[1:]), r)
+                pytree.tree_map(lambda r: r.reshape((*leaf.shape, *r.shape[1:])), r)
                 for r in rows]))
         result = pytree.tree_unflatten(jacobians, tree)
         return (result, aux[0]) if has_aux else result
@@ -430,7 +460,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
 
             cols = vmap(column, randomness=randomness)(_basis(leaf))
             per_input.append(pytree.tree_map(
-                lambda c: c.movedim(0, -1).reshape(*c.shape[1:], *leaf.shape), cols))
+                lambda c: c.movedim(0, -1).reshape((*c.shape[1:], *leaf.shape)), cols))
         out_tree = pytree.tree_structure(per_input[0])
         jacobians = [pytree.tree_unflatten([pytree.tree_leaves(p)[i] for p in per_input], tree)
                      for i in range(out_tree.num_leaves)]

@@ -284,3 +284,39 @@ def test_transforms_write_nothing_into_the_users_objects():
     torch.testing.assert_close(grad, torch.ones(4, 2) @ model.weight)
     assert "_plait_staged" not in vars(model)
     pickle.loads(pickle.dumps(model))
+
+
+@pytest.mark.parametrize("name", ["jacrev", "jacfwd", "hessian"])
+def test_jacobians_of_a_function_of_a_0_dim_tensor(name):
+    x = torch.tensor(1.5, dtype=torch.float64)
+    got = getattr(plait, name)(lambda x: x.sin() * x)(x)
+    want = getattr(torch.func, name)(lambda x: x.sin() * x)(x)
+    assert got.shape == want.shape == ()
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("argnums,says", [(1.0, "an int or a tuple of ints"), ((), "at least one"),
+                                          ((0, 0), "twice"), ((1, -1), "twice"),
+                                          (2, "names argument 2")])
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "jacfwd"])
+def test_bad_argnums_are_refused_as_torch_func_refuses_them(transform, argnums, says):
+    x = torch.randn(3)
+    with pytest.raises(RuntimeError):  # torch.func refuses each too
+        getattr(torch.func, transform)(lambda x, y: (x * y).sum(), argnums=argnums)(x, x)
+    with pytest.raises(plait.PlaitError, match=says):
+        getattr(plait, transform)(lambda x, y: (x * y).sum(), argnums=argnums)(x, x)
+
+
+@pytest.mark.parametrize("call", [
+    lambda f, x: plait.vjp(f, x), lambda f, x: plait.vmap(f)(x),
+    lambda f, x: plait.jacrev(f)(x), lambda f, x: plait.jvp(f, (x,), (x,)),
+    lambda f, x: plait.jit(plait.vmap(f))(x)], ids=["vjp", "vmap", "jacrev", "jvp", "jit_vmap"])
+def test_a_non_tensor_result_is_refused_by_the_transforms(call):
+    """torch.func takes functions returning tensors only; so does plait (jit returns them)."""
+    def f(x):
+        return x.sin(), None
+
+    with pytest.raises(plait.PlaitError, match="only tensors"):
+        call(f, torch.randn(3))
+    out = plait.jit(f)(torch.randn(3))
+    assert out[1] is None
