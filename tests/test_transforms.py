@@ -320,3 +320,17 @@ def test_a_non_tensor_result_is_refused_by_the_transforms(call):
         call(f, torch.randn(3))
     out = plait.jit(f)(torch.randn(3))
     assert out[1] is None
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpp"])
+def test_vmap_with_different_randomness_draws_once_per_example(backend):
+    """The meta kernel that types a random draw ran under the enclosing trace, which recorded
+    it as a draw of its own on the meta device: the cpp backend then read a meta tensor's
+    (absent) data and the process died."""
+    f = plait.jit(plait.vmap(lambda x: x + torch.rand(3), randomness="different"),
+                  backend=backend)
+    graph = f.lower(torch.zeros(4, 3)).graph
+    draws = [graph.node(n) for n in graph.order if graph.node(n).prim == "opaque"]
+    assert len(draws) == 4 and all("meta" not in str(d.params) for d in draws)
+    out = f(torch.zeros(4, 3))
+    assert ((out >= 0) & (out < 1)).all() and len({tuple(r.tolist()) for r in out}) == 4

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
@@ -342,7 +342,10 @@ class Trace:
                 (torch.device("meta") if isinstance(x, torch.device) else x), (args, kwargs))
             if "device" in meta_kwargs:
                 meta_kwargs["device"] = torch.device("meta")
-            out = func(*meta_args, **meta_kwargs)
+            # no mode sees the meta call: one tracing random draws (an enclosing trace's)
+            # would record it as a draw of its own, on the meta device
+            with _disable_current_modes():
+                out = func(*meta_args, **meta_kwargs)
         except Exception as e:
             raise UnsupportedOpError(f"{func}: plait has no decomposition for it and cannot "
                                      f"infer its output from its meta kernel ({e})") from None
