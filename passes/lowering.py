@@ -49,7 +49,7 @@ from ..tracer.primitives import ELEMENTWISE, Impl, is_effectful
 
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
-                   "concatenate", "stop_gradient", "after"))
+                   "concatenate", "stop_gradient", "no_grad", "after"))
 
 
 @attrs.frozen
@@ -457,6 +457,7 @@ _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
     "broadcast_in_dim": _broadcast, "reshape": _reshape, "transpose": _transpose,
     "slice": _slice, "rev": _rev, "pad": _pad, "concatenate": _concatenate,
     "stop_gradient": lambda node, args, t: args[0].at,
+    "no_grad": lambda node, args, t: args[0].at,
     "after": lambda node, args, t: args[0].at,
     "full": lambda node, args, t: lambda idx: Constant(node.kwargs["value"], t.dtype),
     "iota": lambda node, args, t: lambda idx: IndexValue(

@@ -334,3 +334,44 @@ def test_vmap_with_different_randomness_draws_once_per_example(backend):
     assert len(draws) == 4 and all("meta" not in str(d.params) for d in draws)
     out = f(torch.zeros(4, 3))
     assert ((out >= 0) & (out < 1)).all() and len({tuple(r.tolist()) for r in out}) == 4
+
+
+def _no_grad(x):
+    with torch.no_grad():
+        y = x.sin()
+    return (y * x).sum()
+
+
+def _grad_disabled(x):
+    with torch.set_grad_enabled(False):
+        y = x.exp() * 2
+    return (y * x + x.cos()).sum()
+
+
+def _no_grad_then_enabled(x):
+    with torch.no_grad():
+        y = x.sin()
+        with torch.enable_grad():
+            z = y * x
+    return (z + y).sum()
+
+
+@pytest.mark.parametrize("f", [_no_grad, _grad_disabled, _no_grad_then_enabled])
+@pytest.mark.parametrize("jit", [False, True])
+def test_grad_mode_off_inside_a_differentiated_function(f, jit):
+    """NOTE [grad mode while tracing]: torch.func's grad treats what was computed with grad
+    mode off as a constant (it was differentiated through before); its jvp does not."""
+    x = torch.randn(5, dtype=torch.float64)
+    grad = plait.jit(plait.grad(f)) if jit else plait.grad(f)
+    torch.testing.assert_close(grad(x), torch.func.grad(f)(x))
+    t = torch.randn(5, dtype=torch.float64)
+    for got, want in zip(plait.jvp(f, (x,), (t,)), torch.func.jvp(f, (x,), (t,))):
+        torch.testing.assert_close(got, want)
+
+
+def test_grad_under_an_outer_no_grad_still_differentiates():
+    x = torch.randn(4, dtype=torch.float64)
+    f = lambda x: (x.sin() * x).sum()  # noqa: E731
+    with torch.no_grad():
+        torch.testing.assert_close(plait.grad(f)(x), torch.func.grad(f)(x))
+        torch.testing.assert_close(plait.jit(plait.grad(f))(x), torch.func.grad(f)(x))

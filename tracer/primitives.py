@@ -449,6 +449,11 @@ define("after", lambda x: (x,), lambda x: x,
 define("stop_gradient", lambda x: (x,), lambda x: x,
        vjp=lambda cts, x, *, outs: (None,))
 
+# The identity, through which reverse-mode derivatives do not flow and forward-mode ones do:
+# the result of an op traced with grad mode off (torch.no_grad() inside a function under
+# plait.grad), which torch.func's reverse mode treats as a constant and its jvp does not.
+define("no_grad", lambda x: (x,), lambda x: x, vjp=lambda cts, x, *, outs: (None,))
+
 
 @vjp_rule("convert")
 def _convert_vjp(cts, x, *, outs, dtype):
@@ -1021,7 +1026,7 @@ def _attach_shifted(names, *keys):
 
 
 _attach_shifted([*ELEMENTWISE, "complex", "real", "imag", "conj", "frexp", "stop_gradient",
-                 "after"])
+                 "no_grad", "after"])
 _attach_shifted(list(REDUCTIONS) + ["argmax", "argmin", "rev"], "dims")
 _attach_shifted(list(SCANS) + ["sort", "topk", "gather", "scatter", "concatenate"], "dim")
 
@@ -1088,6 +1093,7 @@ jvp_rule("convert")(lambda ops, tans, outs, *, dtype: (
     None if tans[0] is None or not dtype.is_floating_point else _bind("convert", tans[0],
                                                                       dtype=dtype),))
 jvp_rule("stop_gradient")(lambda ops, tans, outs: (None,))
+jvp_rule("no_grad")(lambda ops, tans, outs: (tans[0],))
 
 
 @jvp_rule("scatter")

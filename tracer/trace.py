@@ -218,6 +218,10 @@ class Trace:
         tracers = tuple(TracerTensor(self, v) for v in outs)
         return tracers if prim.multiple_results else tracers[0]
 
+    def _without_grad(self, t: "TracerTensor") -> "TracerTensor":
+        dtype = self.type_of(t).dtype
+        return self.bind("no_grad", t) if dtype.is_floating_point or dtype.is_complex else t
+
     def _chain_effect(self) -> None:
         """Effects keep their program order: an effectful node (a check, a random draw) gets
         a control edge from the one before."""
@@ -244,6 +248,8 @@ class Trace:
         self._depth += 1
         try:
             out = self._dispatch(func, args, kwargs)
+            if outermost and not torch.is_grad_enabled():  # NOTE [grad mode while tracing]
+                out = pytree.tree_map_only(TracerTensor, self._without_grad, out)
             if func.is_view:  # a later write into it must not be taken for a rebind
                 for t in pytree.tree_leaves(out):
                     if isinstance(t, TracerTensor):
@@ -589,11 +595,18 @@ class _TraceMode(_Mode):
         return func(*args, **(kwargs or {}))
 
 
+# NOTE [grad mode while tracing]
+# A traced function starts with grad mode on, whatever the caller's (a transform's result is
+# computed under torch.no_grad(), and torch.func's grad differentiates inside an outer
+# no_grad too). An ATen op the function calls while grad mode is off (torch.no_grad(),
+# torch.set_grad_enabled(False), torch.inference_mode()) has its results pass through
+# ``no_grad``: reverse-mode derivatives stop there, as torch.func's do, and forward-mode ones
+# (jvp) pass, as torch.func's do.
 @contextlib.contextmanager
 def tracing(trace: Trace):
     _TRACES.append(trace)
     try:
-        with _FunctionCapture(), no_dynamo_import(), _TraceMode():
+        with _FunctionCapture(), no_dynamo_import(), _TraceMode(), torch.enable_grad():
             yield trace
     finally:
         _TRACES.pop()
