@@ -21,7 +21,7 @@ from .graph import Graph, TensorType
 from .passes import memory, simplify
 from .passes.pipeline import Stages
 from .tracer import Static, TracedFunction, trace_function
-from .tracer.trace import is_dense, no_dynamo_import
+from .tracer.trace import is_dense, no_dynamo_import, tracing_active
 
 _cache_log = logging.getLogger("plait.cache")
 
@@ -319,6 +319,8 @@ class Jitted:
         return lowered
 
     def __call__(self, *args, **kwargs):
+        if tracing_active():  # inside another jit or a transform: traced into its graph, as
+            return self.fn(*args, **kwargs)  # JAX inlines a nested jit (its kernels ran on tracers)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             raise TraceError(

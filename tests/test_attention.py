@@ -192,3 +192,16 @@ def test_batched_matmul_of_transposed_operands_copies_nothing():
     assert "transpose" not in _prims(dce(algebra(lowered.traced_graph)))
     assert lowered.kernels[0].reads == ("in0", "in1")  # the matmul, on the inputs as they are
     assert_close(jitted(q, k), fn(q, k))
+
+
+def test_attention_under_no_grad_in_a_jitted_function_still_fuses():
+    """NOTE [grad mode while tracing]: the outermost trace marks nothing no_grad."""
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+
+    def f(q, k, v):
+        with torch.no_grad():
+            return torch.softmax(q @ k.mT * 0.3, -1) @ v
+
+    graph = plait.make_graph(f)(q, k, v)
+    assert "attention" in {graph.node(n).prim for n in graph.order}
+    torch.testing.assert_close(plait.jit(f, backend="cpp")(q, k, v), f(q, k, v))

@@ -673,3 +673,24 @@ def test_compiling_does_not_import_dynamo_or_dtensor():
                          timeout=300, env={**os.environ, "PLAIT_BACKEND": "auto"})
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) > 100  # the layers are found at all
+
+
+@pytest.mark.parametrize("outer", ["grad", "vmap", "jit", "jvp"])
+def test_a_jitted_function_inside_a_trace_is_traced_into_it(outer):
+    """A nested jit is inlined, as in JAX (its compiled kernels once ran on tracers: a
+    segfault)."""
+    inner = plait.jit(lambda x: x.sin() * x, backend="cpp")
+    f = lambda x: (x.sin() * x).sum()  # noqa: E731
+    jitted_f = lambda x: inner(x).sum()  # noqa: E731
+    x = torch.randn(3, 4, dtype=torch.float64)
+    if outer == "grad":
+        torch.testing.assert_close(plait.grad(jitted_f)(x), torch.func.grad(f)(x))
+    elif outer == "vmap":
+        torch.testing.assert_close(plait.vmap(jitted_f)(x), torch.func.vmap(f)(x))
+    elif outer == "jvp":
+        for got, want in zip(plait.jvp(jitted_f, (x,), (x,)), torch.func.jvp(f, (x,), (x,))):
+            torch.testing.assert_close(got, want)
+    else:
+        torch.testing.assert_close(plait.jit(lambda x: jitted_f(x) * 2, backend="cpp")(x),
+                                   f(x) * 2)
+    assert inner.trace_count == 0

@@ -248,7 +248,8 @@ class Trace:
         self._depth += 1
         try:
             out = self._dispatch(func, args, kwargs)
-            if outermost and not torch.is_grad_enabled():  # NOTE [grad mode while tracing]
+            if outermost and not torch.is_grad_enabled() and self is not _TRACES[0]:
+                # NOTE [grad mode while tracing]
                 out = pytree.tree_map_only(TracerTensor, self._without_grad, out)
             if func.is_view:  # a later write into it must not be taken for a rebind
                 for t in pytree.tree_leaves(out):
@@ -601,7 +602,9 @@ class _TraceMode(_Mode):
 # no_grad too). An ATen op the function calls while grad mode is off (torch.no_grad(),
 # torch.set_grad_enabled(False), torch.inference_mode()) has its results pass through
 # ``no_grad``: reverse-mode derivatives stop there, as torch.func's do, and forward-mode ones
-# (jvp) pass, as torch.func's do.
+# (jvp) pass, as torch.func's do. Only a nested trace (a function a transform traces) marks
+# them: nothing differentiates the outermost one, whose graph is compiled as it is (so that,
+# say, attention under torch.no_grad() in a jitted function still fuses).
 @contextlib.contextmanager
 def tracing(trace: Trace):
     _TRACES.append(trace)
