@@ -677,10 +677,6 @@ class CompiledProgram(codegen.CompiledProgram):
         self.cpp_source = "\n\n".join([prelude, *texts]) + "\n"
         names = list(dict.fromkeys(w.name for w in self.writers.values()))  # as ``texts``
         parts = max(1, min(os.cpu_count() or 1, len(texts) // KERNELS_PER_LIBRARY))
-        if parts == 1:
-            library = build(self.cpp_source, names)
-            self._library_of = dict.fromkeys(names, library)
-            return self.cpp_source
         chunks = [(texts[j::parts], names[j::parts]) for j in range(parts)]
         with concurrent.futures.ThreadPoolExecutor(parts) as pool:  # g++ runs outside the GIL
             libraries = list(pool.map(

@@ -179,7 +179,7 @@ class _Schedule:
     ever disappear, so their order stays the program's."""
 
     def __init__(self, program: LoopProgram):
-        self.program = program
+        self.outputs = set(program.outputs)
         self.at = dict(enumerate(program.kernels))  # place -> kernel
         self.writer: dict[str, int] = {}            # buffer -> the place writing it
         self.readers: dict[str, set[int]] = {}      # buffer -> the places reading it
@@ -254,17 +254,11 @@ class _Schedule:
             if not readers:
                 continue
             first = min(readers)
-            c = self.at[first]
-            if not self._mergeable(first) or (id(p), id(c)) in self.failed:
+            if not self._mergeable(first):
                 continue
-            keep = {b for b in p.writes if b in self.program.outputs
+            keep = {b for b in p.writes if b in self.outputs
                     or self.readers.get(b, set()) - {i, first}}
-            new = _merge(p, c, keep)
-            if new is None:
-                self.failed.add((id(p), id(c)))
-                continue
-            self._replace((i, first), first, new)
-            merged = True
+            merged |= self._try(i, first, first, lambda a, b: _merge(a, b, keep))
         return merged
 
     def siblings(self) -> bool:
@@ -273,18 +267,24 @@ class _Schedule:
             _, i, j = heapq.heappop(self.pairs)
             if not (self._mergeable(i) and self._mergeable(j)):
                 continue
-            a, b = self.at[i], self.at[j]
             # everything B reads is written before A (A's own writes included)
-            if any(self.writer.get(r, -1) >= i for r in b.reads) or \
-                    (id(a), id(b)) in self.failed:
+            if any(self.writer.get(r, -1) >= i for r in self.at[j].reads):
                 continue
-            new = _sibling(a, b, set(a.reads) & set(b.reads))
-            if new is None:
-                self.failed.add((id(a), id(b)))
-                continue
-            self._replace((i, j), i, new)
-            merged = True
+            merged |= self._try(i, j, i, lambda a, b: _sibling(a, b, set(a.reads) & set(b.reads)))
         return merged
+
+    def _try(self, i: int, j: int, place: int, merge) -> bool:
+        """``merge(kernel at i, kernel at j)`` put at ``place``, unless that pair was judged
+        unmergeable before; a None result is remembered as that judgement."""
+        key = (id(self.at[i]), id(self.at[j]))
+        if key in self.failed:
+            return False
+        new = merge(self.at[i], self.at[j])
+        if new is None:
+            self.failed.add(key)
+            return False
+        self._replace((i, j), place, new)
+        return True
 
     def kernels(self) -> tuple:
         return tuple(self.at[i] for i in sorted(self.at))

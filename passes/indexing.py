@@ -139,10 +139,8 @@ def _rule(e, bound):
         lo, hi = bound(e.lhs - e.rhs)
         holds = {"<": hi < 0, "<=": hi <= 0, ">": lo > 0, ">=": lo >= 0}[e.rel_op]
         fails = {"<": lo >= 0, "<=": lo > 0, ">": hi <= 0, ">=": hi < 0}[e.rel_op]
-        if holds is sympy.true or holds is True:
-            return sympy.true
-        if fails is sympy.true or fails is True:
-            return sympy.false
+        if holds or fails:  # bounds are numbers or +-oo: each comparison is decided
+            return sympy.true if holds else sympy.false
     return e
 
 
