@@ -1,12 +1,12 @@
 """plait: a JAX-style functional tracing compiler for PyTorch tensors."""
 from . import backends, distributed, errors
-from .api import Jitted, Lowered, control_dependency, jit, make_graph
+from .api import Jitted, JittedModule, Lowered, control_dependency, jit, make_graph
 from .config import config
 from .errors import PlaitError
 from .graph import Graph
 from .transforms import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 __version__ = "0.1.0"
-__all__ = ["Graph", "Jitted", "Lowered", "PlaitError", "backends", "config",
+__all__ = ["Graph", "Jitted", "JittedModule", "Lowered", "PlaitError", "backends", "config",
            "control_dependency", "distributed", "errors", "grad", "grad_and_value", "hessian",
            "jacfwd", "jacrev", "jit", "jvp", "make_graph", "vjp", "vmap"]

@@ -8,6 +8,7 @@ import collections
 import functools
 import logging
 import time
+import types
 from typing import Callable, Sequence
 
 import torch
@@ -18,10 +19,11 @@ from .backends import get_backend, program_cache, resolve_backend
 from .config import config
 from .errors import TraceError
 from .graph import Graph, TensorType
-from .passes import memory, simplify
+from .passes import autodiff, memory, simplify
 from .passes.pipeline import Stages
 from .tracer import Static, TracedFunction, trace_function
-from .tracer.trace import is_dense, no_dynamo_import, tracing_active
+from .tracer.state import tensor_key
+from .tracer.trace import no_dynamo_import, tracing_active
 
 _cache_log = logging.getLogger("plait.cache")
 
@@ -42,24 +44,24 @@ def _tensors_tree(n: int) -> pytree.TreeSpec:
     return pytree.tree_flatten(((None,) * n, {}), is_leaf=lambda x: x is None)[1]
 
 
-def _tensor_key(x: torch.Tensor) -> tuple:
-    """What compiling a tensor argument depends on."""
-    return x.shape, x.dtype, x.device, x.layout, is_dense(x)
-
-
-def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int]):
-    """Split a call into its leaves and a hashable signature (the cache key)."""
+def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int], floats: bool):
+    """Split a call into its leaves and a hashable signature (the cache key). With
+    ``floats``, a Python float leaf is traced: it becomes a 0-d tensor of the default dtype
+    (NOTE [traced floats])."""
     if not kwargs and not static_argnums and all(isinstance(a, torch.Tensor) for a in args):
         # the common call, keyed without flattening (and hashing) a pytree: most of a
         # cached call's host time otherwise
-        return list(args), _tensors_tree(len(args)), tuple(map(_tensor_key, args))
+        return list(args), _tensors_tree(len(args)), tuple(map(tensor_key, args))
     static = _picked(static_argnums, len(args))
     args = tuple(Static(a) if i in static else a for i, a in enumerate(args))
     leaves, tree = pytree.tree_flatten((args, kwargs))
     signature = [tree]
+    device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
     for i, x in enumerate(leaves):
+        if floats and type(x) is float:
+            leaves[i] = x = torch.tensor(x, dtype=torch.get_default_dtype(), device=device)
         if isinstance(x, torch.Tensor):
-            signature.append(_tensor_key(x))
+            signature.append(tensor_key(x))
             continue
         if not isinstance(x, Static):
             leaves[i] = x = Static(x)
@@ -83,8 +85,9 @@ class Lowered:
     which the program cache may give without simplifying or compiling anything."""
 
     def __init__(self, traced: TracedFunction, backend: str, donated: frozenset = frozenset(),
-                 stages: Stages | None = None):
+                 stages: Stages | None = None, simplified: bool = False):
         self.traced = traced
+        self._simplify = not simplified
         self.backend = backend
         self.donated = donated
         self._stages = stages or Stages()
@@ -111,7 +114,8 @@ class Lowered:
             last = now
 
         with config.patch(**self._config), no_dynamo_import():
-            graph = simplify(self.source_graph, on_pass) if config.simplify else self.source_graph
+            graph = simplify(self.source_graph, on_pass) if config.simplify and \
+                self._simplify else self.source_graph
         return graph, tuple(passes)
 
     @property
@@ -219,19 +223,106 @@ class _Compiled:
         # the arguments the compiled code writes, and why (checked for aliasing per call)
         self._written = {i: "is donated (donate_argnums)" for i in donated} | {
             i: "is mutated by the function" for i in self._mutated}
+        self._programs: dict[tuple[int, ...], _Differentiable] = {}
 
     def __call__(self, tensors: list[torch.Tensor]):
         if self._written:
             _check_not_aliased(tensors, self._written)
-        outs = self._run(tensors)
-        for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
-            with torch.no_grad():
-                tensors[i].copy_(outs[k])
-        kept = [t for i, t in enumerate(tensors) if i not in self._donated] \
-            if self._donated else tensors
-        results = _distinct(outs[:len(outs) - len(self._mutated)], kept)
+        wrt = _differentiated(tensors, self.lowered.traced.graph) \
+            if torch.is_grad_enabled() else ()
+        if wrt:
+            program = self._programs.get(wrt)
+            if program is None:
+                program = self._programs[wrt] = _Differentiable(self.lowered, wrt)
+            results = _Node.apply(program, len(tensors), *tensors)
+        else:
+            outs = self._run(tensors)
+            for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
+                with torch.no_grad():
+                    tensors[i].copy_(outs[k])
+            kept = [t for i, t in enumerate(tensors) if i not in self._donated] \
+                if self._donated else tensors
+            results = _distinct(outs[:len(outs) - len(self._mutated)], kept)
         leaves = [results[x] if isinstance(x, int) else x.value for x in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_tree)
+
+
+def _differentiated(tensors: list[torch.Tensor], graph: Graph) -> tuple[int, ...]:
+    """The inputs torch.autograd wants gradients of: those that require grad and that the
+    graph reads."""
+    wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
+    return tuple(i for i in wanted if graph.users(graph.inputs[i])) if wanted else ()
+
+
+# NOTE [jit under torch.autograd]
+# Called with grad mode on and a tensor that requires grad among its inputs (an argument, or
+# captured state such as a module's parameters), a jitted function is recorded by
+# torch.autograd as one node, ``_Node``: its forward runs a compiled program that also returns
+# the residuals its backward needs, its backward a second compiled program, both cut from one
+# differentiated graph (NOTE [forward and backward programs]) and made once per compilation
+# and set of differentiated inputs. Inputs that require grad but that the traced graph never
+# reads get no gradient (None, as in eager). The backward program is not itself recorded:
+# a second derivative needs plait's own transforms.
+class _Differentiable:
+    """The forward and backward programs of one compilation, for the inputs ``wrt``."""
+
+    def __init__(self, lowered: Lowered, wrt: tuple[int, ...]):
+        traced, self.wrt = lowered.traced, wrt
+        graph = traced.graph
+        self.n_outputs = len(graph.outputs)
+        self.n_results = self.n_outputs - len(traced.mutated_inputs)
+        self.mutated = traced.mutated_inputs
+        self.seeded = [k for k in range(self.n_results)
+                       if graph.output_types[k].dtype.is_floating_point]
+        name = lowered._stages.name
+        with config.patch(**lowered._config), no_dynamo_import():
+            joint = autodiff.joint(graph, wrt, self.seeded)
+            if config.simplify:
+                joint = simplify(joint)
+            forward, backward = autodiff.split(joint, len(graph.inputs), self.n_outputs)
+        self._forward = Lowered(_program(forward), lowered.backend,
+                                stages=Stages(f"{name} (forward)"), simplified=True)
+        self._backward = Lowered(_program(backward), lowered.backend,
+                                 stages=Stages(f"{name} (backward)"), simplified=True)
+
+    def forward(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
+        outs = self._forward.runner(tensors)
+        for k, i in enumerate(self.mutated, self.n_results):
+            tensors[i].copy_(outs[k])
+        return _distinct(outs[:self.n_results], tensors), outs[self.n_outputs:]
+
+    def backward(self, residuals, cotangents) -> list:
+        seeds = [cotangents[k].contiguous() for k in self.seeded]
+        return self._backward.runner(list(residuals) + seeds)
+
+
+def _program(graph: Graph) -> TracedFunction:
+    return TracedFunction(graph, pytree.tree_structure(()), (), ())
+
+
+class _Node(torch.autograd.Function):
+    """NOTE [jit under torch.autograd]."""
+
+    @staticmethod
+    def forward(ctx, program: _Differentiable, n_inputs: int, *tensors):
+        results, residuals = program.forward(list(tensors))
+        ctx.program, ctx.n_inputs = program, n_inputs
+        ctx.save_for_backward(*residuals)
+        ctx.mark_non_differentiable(*[r for r in results if not r.dtype.is_floating_point])
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        if torch.is_grad_enabled():
+            raise TraceError(
+                "a second derivative through a plait.jit function (create_graph=True, or "
+                "differentiating its gradient) is not supported by torch.autograd; take "
+                "higher derivatives with plait's transforms, e.g. plait.grad(plait.grad(f)).")
+        program = ctx.program
+        grads = [None] * ctx.n_inputs
+        for i, g in zip(program.wrt, program.backward(ctx.saved_tensors, cotangents)):
+            grads[i] = g
+        return (None, None, *grads)
 
 
 def _distinct(outs: list, inputs: list) -> list:
@@ -264,6 +355,14 @@ def _check_not_aliased(tensors, written: dict[int, str]) -> None:
                 "(e.g. .clone() one of them).")
 
 
+def _argument_name(path) -> str:
+    """A leaf of ``(args, kwargs)`` named as the user knows it: ``argument 1``,
+    ``argument 'lr'``, ``argument 0['w']``."""
+    where, first, *rest = path
+    name = f"argument {first.idx}" if where.idx == 0 else f"argument {first.key!r}"
+    return name + pytree.keystr(tuple(rest))
+
+
 class Jitted:
     """``plait.jit(fn)``: compiles ``fn`` once per input signature and caches the result."""
 
@@ -278,13 +377,18 @@ class Jitted:
                              "donated. Drop them from donate_argnums or static_argnums.")
         self.backend = backend
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._states: dict = {}  # argument signature -> the state its last trace read
+        self._trace_floats = True  # NOTE [traced floats]
+        self._signatures: collections.deque = collections.deque(maxlen=2)
+        self._warned: set[str] = set()
         self.trace_count = 0
         functools.update_wrapper(self, fn)
 
     def _key(self, args, kwargs):
         """The call's leaves, their tree, its tensors, the cache key, and the backend that
         compiles it."""
-        leaves, tree, signature = _flatten(args, kwargs, self.static_argnums)
+        leaves, tree, signature = _flatten(args, kwargs, self.static_argnums,
+                                           self._trace_floats)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend = get_backend(resolve_backend(self.backend or config.backend, tensors))
         key = (signature, backend.cache_key(), config.cache_key())
@@ -292,7 +396,23 @@ class Jitted:
 
     def lower(self, *args, **kwargs) -> Lowered:
         leaves, tree, _, _, backend = self._key(args, kwargs)
-        return self._lower(leaves, tree, backend, self._donated(args))
+        try:
+            return self._lower(leaves, tree, backend, self._donated(args))
+        except Exception:
+            if self._floats_turn_static(args, kwargs):
+                return self.lower(*args, **kwargs)
+            raise
+
+    def _floats_turn_static(self, args, kwargs) -> bool:
+        """A trace with traced floats failed: are there floats to make static and try again?
+        NOTE [traced floats]."""
+        if not self._trace_floats or not any(type(x) is float
+                                             for x in pytree.tree_leaves((args, kwargs))):
+            return False
+        self._trace_floats = False
+        _cache_log.debug("%s: tracing with its float arguments as tensors failed; they are "
+                         "static from now on", debug.function_name(self.fn))
+        return True
 
     def _donated(self, args: tuple) -> frozenset[int]:
         """The graph inputs (tensor leaves, in order) that the donated arguments hold."""
@@ -300,8 +420,9 @@ class Jitted:
         static = _picked(self.static_argnums, len(args))
         positions, start = set(), 0
         for i, a in enumerate(args):
-            n = 0 if i in static else sum(isinstance(x, torch.Tensor)
-                                          for x in pytree.tree_leaves(a))
+            n = 0 if i in static else sum(
+                isinstance(x, torch.Tensor) or self._trace_floats and type(x) is float
+                for x in pytree.tree_leaves(a))
             if i in donate:
                 positions.update(range(start, start + n))
             start += n
@@ -312,7 +433,7 @@ class Jitted:
         self.trace_count += 1
         stages = Stages(debug.function_name(self.fn))
         start = time.perf_counter()
-        traced = trace_function(self.fn, leaves, tree)
+        traced = trace_function(self.fn, leaves, tree, live=True)
         stages.record("traced", traced.graph, time.perf_counter() - start)
         lowered = Lowered(traced, backend, donated, stages)
         debug.on_compile(self.fn, lowered)  # logs; writes the report when debug_dir is set
@@ -322,36 +443,118 @@ class Jitted:
         if tracing_active():  # inside another jit or a transform: traced into its graph, as
             return self.fn(*args, **kwargs)  # JAX inlines a nested jit (its kernels ran on tracers)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            raise TraceError(
-                "an argument requires grad, but a plait.jit function is not recorded by "
-                "torch.autograd, so backward() would not reach it. Differentiate with "
-                "plait.grad / plait.vjp, or call it under torch.no_grad() (or pass detached "
-                "tensors).")
-        compiled = self._cache.get(key)
+        state = self._states.get(key)  # NOTE [live state]
+        read = state.read() if state is not None else None
+        compiled = self._cache.get((key, read[0])) if read is not None else None
         if compiled is None:
             name = debug.function_name(self.fn)
             _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
                              name, [str(TensorType.of(t)) for t in tensors])
-            compiled = self._cache[key] = _Compiled(
-                self._lower(leaves, tree, backend, self._donated(args)))
+            try:
+                lowered = self._lower(leaves, tree, backend, self._donated(args))
+            except Exception:
+                if self._floats_turn_static(args, kwargs):
+                    return self(*args, **kwargs)
+                raise
+            self._note_retrace(args, kwargs, key)
+            state = self._states[key] = lowered.traced.state
+            read = state.read()
+            compiled = self._cache[key, read[0]] = _Compiled(lowered)
             if len(self._cache) > config.cache_size:
                 self._cache.popitem(last=False)
                 _cache_log.debug("%s: evicted the oldest signature", name)
         else:
             if _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
                 _cache_log.debug("hit %s", debug.function_name(self.fn))
-            self._cache.move_to_end(key)
-        return compiled(tensors)
+            self._cache.move_to_end((key, read[0]))
+        return compiled(tensors + read[1])
+
+    def _note_retrace(self, args, kwargs, key) -> None:
+        """Past ``config.retrace_warning`` traces, warn once per argument that keeps changing
+        (the leaves whose key differs from the previous trace's)."""
+        self._signatures.append((pytree.tree_flatten_with_path((args, kwargs))[0], key))
+        if self.trace_count <= config.retrace_warning or len(self._signatures) < 2:
+            return
+        (before, key_before), (now, key_now) = self._signatures
+        if len(before) != len(now):
+            changed = ["the structure of the arguments"]
+        else:
+            changed = [_argument_name(path) for (path, a), (_, b) in zip(before, now)
+                       if type(a) is not type(b) or (not isinstance(a, torch.Tensor) and a != b)
+                       or isinstance(a, torch.Tensor) and tensor_key(a) != tensor_key(b)]
+            changed = changed or (["captured state (a module's attributes or parameters)"]
+                                  if key_before == key_now else ["the configuration"])
+        for what in changed:
+            if what not in self._warned:
+                self._warned.add(what)
+                _cache_log.warning(
+                    "%s has been traced %d times; it retraces because %s keeps changing. "
+                    "Pass a value that changes from call to call as a tensor (a float is "
+                    "traced too, unless the function uses it as a Python number).",
+                    debug.function_name(self.fn),
+                    self.trace_count, what)
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        self._states.clear()
+
+    def __get__(self, obj, objtype=None):
+        """``@jit`` on a method: bound to its object, which is a static argument (its
+        modules' parameters and buffers are read at each call, NOTE [live state])."""
+        return self if obj is None else types.MethodType(self, obj)
+
+
+class JittedModule(torch.nn.Module):
+    """``plait.jit(module)``: the module, compiled, as ``torch.compile(module)`` returns it.
+    Its parameters, buffers, ``state_dict`` and ``train()``/``eval()`` are the original
+    module's (``_orig_mod``), read at each call (NOTE [live state]); ``jitted`` is the
+    ``Jitted`` of the module's call, for ``lower`` and ``trace_count``."""
+
+    def __init__(self, module: torch.nn.Module, jitted: Jitted):
+        super().__init__()
+        self._orig_mod = module
+        self.__dict__["jitted"] = jitted
+
+    def forward(self, *args, **kwargs):
+        return self.jitted(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._orig_mod, name)
+
+    @property
+    def trace_count(self) -> int:
+        return self.jitted.trace_count
+
+    def lower(self, *args, **kwargs) -> Lowered:
+        return self.jitted.lower(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._orig_mod.load_state_dict(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):
+        return self._orig_mod.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self._orig_mod.named_buffers(*args, **kwargs)
 
 
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
         backend: str | None = None, donate_argnums: Sequence[int] | int = ()):
     """Compile ``fn`` for each new input signature (shapes, dtypes, devices, pytree structure,
-    and the values of non-tensor arguments). Usable as ``@jit`` or ``@jit(backend=...)``.
+    and the values of non-tensor arguments other than floats, which are traced). Usable as
+    ``@jit``, ``@jit(backend=...)``, on a method, or on a module (``plait.jit(model)``
+    returns a ``JittedModule``).
+
+    What ``fn`` captures (closure and global tensors, modules' parameters and buffers) is
+    read at each call, and what a compilation depends on (``training``, shapes) is guarded
+    (NOTE [live state]). With grad mode on and an input or parameter that requires grad,
+    the call is recorded by torch.autograd (NOTE [jit under torch.autograd]).
 
     ``donate_argnums``: positional arguments whose tensors the caller hands over: compiled
     code may write results into their memory, so after the call their contents are undefined
@@ -360,7 +563,8 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, backend=backend,
                                  donate_argnums=donate_argnums)
-    return Jitted(fn, static_argnums, backend, donate_argnums)
+    jitted = Jitted(fn, static_argnums, backend, donate_argnums)
+    return JittedModule(fn, jitted) if isinstance(fn, torch.nn.Module) else jitted
 
 
 def make_graph(fn: Callable, static_argnums: Sequence[int] | int = ()):

@@ -69,6 +69,9 @@ class Config:
     provenance: bool = attrs.field(factory=lambda: _env("provenance", True, _to_bool))
     # Compiled signatures kept per jitted function before the oldest is evicted.
     cache_size: int = attrs.field(factory=lambda: _env("cache_size", 64, int))
+    # A jitted function traced more times than this warns (logger plait.cache) naming the
+    # argument whose value keeps changing.
+    retrace_warning: int = attrs.field(factory=lambda: _env("retrace_warning", 8, int))
     # Each compilation writes a report folder here (graphs after every pass, index.html).
     # Not in the cache key: it changes no result, so a cache hit writes nothing.
     debug_dir: str | None = attrs.field(factory=lambda: _env("debug_dir", None, str))

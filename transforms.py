@@ -28,7 +28,7 @@ from .errors import TraceError
 from .passes import autodiff
 from .passes.interpret import inline
 from .tracer import trace_function
-from .tracer.trace import bind, on_tracers, tracing_active
+from .tracer.trace import bind, current_trace, on_tracers, tracing_active
 
 
 # ---------------------------------------------------------------------------------------
@@ -82,19 +82,32 @@ def _staged_for(func: Callable, key: tuple, body: Callable) -> Callable:
 class _Traced:
     """A function traced on some arguments: its graph plus how to call and read it."""
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, writable: bool = False):
         leaves, self.in_tree = pytree.tree_flatten((args, kwargs))
         self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         # A nested trace runs its own functionalize; the enclosing one's layer is set aside
         # meanwhile (the tracers it holds are unwrapped where they are used).
         with temporarily_clear_interpreter_stack():
             self.traced = trace_function(fn, leaves, self.in_tree)
-        if self.traced.mutated_inputs:
+        if self.traced.mutated_inputs and not writable:
             raise TraceError("a function under a plait transform mutates one of its tensor "
                              "arguments; transforms need functions without side effects "
                              "on their inputs (clone the argument first).")
         self.inputs = [leaves[i] for i in self.tensor_pos] + list(self.traced.captured)
         self.graph = self.traced.graph
+
+    def write_back(self, values: Sequence[Any], differentiated: Sequence[int] = ()) -> None:
+        """Write the new values of the arguments the function mutated (the graph's last
+        outputs, in ``values``) into them, as eager would: BatchNorm's running statistics in
+        buffers passed to ``functional_call``. An argument being differentiated may not be
+        mutated (as in torch.func)."""
+        mutated = self.traced.mutated_inputs
+        for i, value in zip(mutated, values[len(values) - len(mutated):]):
+            if i in differentiated:
+                raise TraceError("a function under plait.grad/vjp mutates an argument it is "
+                                 "differentiated with respect to; clone it first, or "
+                                 "differentiate with respect to other arguments.")
+            current_trace().rebind(self.inputs[i], value)
 
     def leaf_index(self, leaf_positions: Sequence[int]) -> list[int]:
         """Graph input indices of the given argument leaves (which must be tensors)."""
@@ -176,13 +189,14 @@ def _split_aux(out, has_aux: bool, what: str):
 # Reverse mode
 # ---------------------------------------------------------------------------------------
 def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
-              seeds_for: Callable):
+              seeds_for: Callable, write_back: bool = True):
     """Trace ``func``, differentiate it and inline the result. ``seeds_for(main, types)``
     gives the cotangents ({graph output index: tracer}) of the non-aux result ``main``, whose
     tensors are given as graph output indices. Returns the result and the cotangents of the
-    chosen arguments' leaves, one list per argument."""
+    chosen arguments' leaves, one list per argument. With ``write_back``, arguments the
+    function mutates (and does not differentiate) get their new values."""
     chosen = _argnum_leaves(args, kwargs, argnums)
-    t = _Traced(func, args, kwargs)
+    t = _Traced(func, args, kwargs, writable=write_back)
     types = t.graph.output_types
     _only_tensors(_split_aux(t.structure(), has_aux, "vjp")[0], "vjp")
     main, _ = _split_aux(t.outputs(list(range(len(types)))), has_aux, "vjp")
@@ -191,6 +205,7 @@ def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
     wrt = [i for pos in chosen for i in t.leaf_index(pos)]
     results = inline(autodiff.vjp(t.graph, wrt), t.inputs + cotangents)
     values, grads = results[:len(types)], iter(results[len(types):])
+    t.write_back(values, wrt)
     return t.outputs(values), [[next(grads) for _ in pos] for pos in chosen]
 
 
@@ -258,7 +273,9 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
                                      f"shape {list(types[k].shape)}, got {ct!r:.60}")
             return dict(zip(slots, cts))
 
-        _, grouped = _vjp_body(func, argnums, has_aux, tuple(primal_args), {}, seeds)
+        # the forward pass (``_forward``) wrote the mutated arguments already
+        _, grouped = _vjp_body(func, argnums, has_aux, tuple(primal_args), {}, seeds,
+                               write_back=False)
         return tuple(pytree.tree_unflatten(g, pytree.tree_structure(p))
                      for g, p in zip(grouped, primal_args))
 
@@ -273,8 +290,10 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
 def _forward(func: Callable, primals: tuple):
     """func(*primals), traced and inlined (or jitted at top level) like a transform's."""
     def run(*p):
-        t = _Traced(func, p, {})
-        return t.outputs(inline(t.graph, t.inputs))
+        t = _Traced(func, p, {}, writable=True)
+        values = inline(t.graph, t.inputs)
+        t.write_back(values)
+        return t.outputs(values)
 
     return _staged_for(func, ("forward",), run)(*primals)
 

@@ -65,6 +65,20 @@ def gpt_loss(p: dict, tokens: torch.Tensor, targets: torch.Tensor, heads: int = 
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class GPT(torch.nn.Module):
+    """The same GPT as a module (its parameters ``gpt_params``'), returning the loss: for a
+    training loop written the ordinary way (``loss.backward()``, an optimizer)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], heads: int):
+        super().__init__()
+        self.heads, self.names = heads, list(params)
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(v.clone())
+                                              for v in params.values())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return gpt_loss(dict(zip(self.names, self.weights)), tokens, targets, self.heads)
+
+
 def gpt_batch(batch: int, seq: int, vocab: int, *, device="cpu", seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(vocab, (batch, seq + 1), generator=g).to(device)
@@ -168,6 +182,63 @@ def main() -> None:
         peak = _peak_bytes(step, device)
         print(f"{name:>14} {first:>12.2f} {seconds * 1e3:>9.2f} "
               f"{'-' if peak is None else f'{peak / 2**20:.0f}':>9} {error:>9.1e}", flush=True)
+    _training_loop(params, tokens, targets, heads, device, measure)
+
+
+def _training_loop(params, tokens, targets, heads: int, device: str, measure) -> None:
+    """The training step written the ordinary way (a module, ``loss.backward()``, AdamW),
+    four ways: eager, ``torch.compile(model)``, ``plait.jit(model)``, and
+    ``plait.jit(plait.grad_and_value(gpt_loss))`` with the same optimizer; with the loss
+    after the timed steps against eager's (each starts from the same weights)."""
+    import time
+
+    import plait
+
+    def ordinary(model, call):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            loss = call(tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step
+
+    def functional(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        grad_step = plait.jit(plait.grad_and_value(gpt_loss), static_argnums=3)
+        names = model.names
+
+        def step():
+            grads, loss = grad_step(dict(zip(names, model.weights)), tokens, targets, heads)
+            for p, g in zip(model.weights, grads.values()):
+                p.grad = g
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step
+
+    models = {name: GPT(params, heads) for name in ("eager", "torch.compile", "plait.jit",
+                                                    "plait grad")}
+    steps = {"eager": ordinary(models["eager"], models["eager"]),
+             "torch.compile": ordinary(models["torch.compile"],
+                                       torch.compile(models["torch.compile"])),
+             "plait.jit": ordinary(models["plait.jit"], plait.jit(models["plait.jit"])),
+             "plait grad": functional(models["plait grad"])}
+    print(f"\nTraining step with AdamW, written the ordinary way ({device})")
+    print(f"{'':>14} {'first call s':>12} {'step ms':>9} {'peak MB':>9} {'loss':>12}")
+    for name, step in steps.items():
+        start = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        seconds = measure(step)
+        peak = _peak_bytes(step, device)
+        loss = step().item()  # after the same number of steps from the same weights
+        print(f"{name:>14} {first:>12.2f} {seconds * 1e3:>9.2f} "
+              f"{'-' if peak is None else f'{peak / 2**20:.0f}':>9} {loss:>12.6f}", flush=True)
 
 
 if __name__ == "__main__":

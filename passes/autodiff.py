@@ -26,7 +26,7 @@ from typing import Sequence
 
 from ..errors import UnsupportedOpError
 from ..graph import Graph, GraphBuilder, TensorType, Value
-from ..tracer.primitives import get_primitive
+from ..tracer.primitives import get_primitive, is_effectful
 from ..tracer.trace import Trace, bind, tracing
 from .interpret import inline, replay
 
@@ -91,22 +91,7 @@ def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
 
 def vjp(graph: Graph, wrt: Sequence[int]) -> Graph:
     """(inputs, output cotangents) -> (outputs, cotangents of inputs ``wrt``)."""
-    trace = Trace()
-    with tracing(trace):
-        primals = [trace.new_input(t) for t in graph.input_types]
-        seeds = [trace.new_input(t) for t in graph.output_types]
-        env = replay(graph, primals)
-        outs = [env[v] for v in graph.outputs]
-        seed_of: dict[Value, object] = {}
-        for v, t, s in zip(graph.outputs, graph.output_types, seeds):
-            if differentiable(t):
-                seed_of[v] = s if v not in seed_of else bind("add", seed_of[v], s)
-        cts = backward(graph, env, seed_of, trace)
-        grads = []
-        for i in wrt:
-            v, t = Value(graph.inputs[i], 0), graph.input_types[i]
-            grads.append(cts.get(v) if v in cts else zeros(t))
-        return trace.builder.build([trace.value_of(x) for x in outs + grads])
+    return joint(graph, wrt, range(len(graph.outputs)))
 
 
 def jvp(graph: Graph, wrt: Sequence[int]) -> Graph:
@@ -158,3 +143,94 @@ def _derived_jvp(node, operands, tangents, types) -> list:
     at_zero = [zeros(t) for t in node.out_types]
     results = inline(transposed, list(operands) + at_zero + at_zero + [tangents[i] for i in wrt])
     return results[n_out + len(wrt):]
+
+
+# NOTE [forward and backward programs]
+# Under torch.autograd a jitted call is one autograd node (api.py) whose forward and backward
+# are two compiled programs, cut out of one joint graph: ``joint`` differentiates the traced
+# graph (inputs, seeds) -> (outputs, gradients), simplification runs on it whole, and
+# ``split`` cuts it. A node fed by a seed (a cotangent) is backward work; the backward program
+# reads the forward values it needs (the residuals) as inputs. Residuals are exactly what
+# the VJP rules read, except that three kinds of forward node are recomputed in the backward
+# program rather than saved: nodes that depend on no input (constants, ``full``, ``iota``),
+# and the layout ops ``_RECOMPUTED`` (a broadcast saved would cost its broadcast size). An
+# effectful node (a random draw, a check) runs once, in the forward program: a dropout mask
+# is saved, never drawn again.
+_RECOMPUTED = frozenset({"broadcast_in_dim", "reshape", "transpose"})
+
+
+def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
+    """(inputs, one seed per output in ``seeded``) -> (outputs, cotangents of inputs ``wrt``);
+    seeds of outputs that are not floating point are ignored (NOTE [autodiff])."""
+    trace = Trace()
+    with tracing(trace):
+        primals = [trace.new_input(t) for t in graph.input_types]
+        seeds = [trace.new_input(graph.output_types[k]) for k in seeded]
+        env = replay(graph, primals)
+        outs = [env[v] for v in graph.outputs]
+        seed_of: dict[Value, object] = {}
+        for k, s in zip(seeded, seeds):
+            v = graph.outputs[k]
+            if differentiable(graph.output_types[k]):
+                seed_of[v] = s if v not in seed_of else bind("add", seed_of[v], s)
+        cts = backward(graph, env, seed_of, trace)
+        grads = [cts.get(Value(graph.inputs[i], 0)) for i in wrt]
+        grads = [g if g is not None else zeros(graph.input_types[i]) for g, i in zip(grads, wrt)]
+        return trace.builder.build([trace.value_of(x) for x in outs + grads])
+
+
+def split(joint_graph: Graph, n_primals: int, n_outputs: int) -> tuple[Graph, Graph]:
+    """The forward program (primals -> outputs, residuals) and the backward one (residuals,
+    seeds -> cotangents) of ``joint``'s graph (NOTE [forward and backward programs])."""
+    g = joint_graph
+    tangent, pinned = set(g.inputs[n_primals:]), set(g.inputs[:n_primals])
+    for n in g.order:
+        operands = {v.node for v in g.operands(n)}
+        if operands & tangent:
+            tangent.add(n)
+        elif operands & pinned or is_effectful(g.node(n)):
+            pinned.add(n)
+    in_backward: set[int] = set()
+    residuals: dict[Value, None] = {}
+    stack = list(g.outputs[n_outputs:])
+    while stack:
+        v = stack.pop()
+        node = g.node(v.node)
+        if v.node in in_backward or v in residuals or v.node in tangent and node.prim == "input":
+            continue
+        if node.prim != "input" and (v.node in tangent or v.node not in pinned
+                                     or node.prim in _RECOMPUTED):
+            in_backward.add(v.node)
+            stack += g.operands(v.node)
+        else:
+            residuals[v] = None
+    forward_outputs = list(g.outputs[:n_outputs]) + list(residuals)
+    in_forward: set[int] = set()
+    stack = [v.node for v in forward_outputs] + [n for n in pinned if is_effectful(g.node(n))]
+    while stack:
+        n = stack.pop()
+        if n not in in_forward:
+            in_forward.add(n)
+            stack += [v.node for v in g.operands(n)] + list(g.control_preds(n))
+    primals = [Value(n, 0) for n in g.inputs[:n_primals]]
+    seeds = [Value(n, 0) for n in g.inputs[n_primals:]]
+    return (_extract(g, in_forward, primals, forward_outputs),
+            _extract(g, in_backward, list(residuals) + seeds, g.outputs[n_outputs:]))
+
+
+def _extract(graph: Graph, nodes: set[int], inputs: Sequence[Value],
+             outputs: Sequence[Value]) -> Graph:
+    """The subgraph of ``nodes`` (in program order), with ``inputs`` made its inputs."""
+    b = GraphBuilder()
+    values = {v: b.add_input(graph.type_of(v)) for v in inputs}
+    made: dict[int, int] = {}
+    for n in graph.order:
+        node = graph.node(n)
+        if n not in nodes or node.prim == "input":
+            continue
+        outs = b.add_node(node.prim, [values[v] for v in graph.operands(n)], node.kwargs,
+                          node.out_types, node.provenance,
+                          after=[made[p] for p in graph.control_preds(n) if p in made])
+        made[n] = b.last_node
+        values.update((Value(n, i), out) for i, out in enumerate(outs))
+    return b.build([values[v] for v in outputs])

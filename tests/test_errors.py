@@ -163,21 +163,6 @@ def test_bad_reshape_raises_plait_error():
 # ---------------------------------------------------------------------------------------
 # Tracing rules, backends, config
 # ---------------------------------------------------------------------------------------
-def test_requires_grad_input_raises():
-    x = torch.randn(3, requires_grad=True)
-    with pytest.raises(TraceError, match="grad"):
-        plait.jit(lambda t: t * 2)(x)
-    with torch.no_grad():
-        torch.testing.assert_close(plait.jit(lambda t: t * 2)(x), x.detach() * 2)
-    torch.testing.assert_close(plait.jit(lambda t: t * 2)(x.detach()), x.detach() * 2)
-
-
-def test_requires_grad_nested_input_raises():
-    x = torch.randn(3, requires_grad=True)
-    with pytest.raises(TraceError):
-        plait.jit(lambda d: d["x"] * 2)({"x": x})
-
-
 def test_unhashable_argument_raises():
     with pytest.raises(TraceError):
         plait.jit(lambda x, s: x * len(s))(torch.randn(3), {1, 2})

@@ -586,18 +586,18 @@ def test_aliased_mutated_inputs():
     assert_close(a, b)
 
 
-def test_captured_tensor_becomes_constant():
-    c = torch.randn(3, 3) + 10  # larger than nothing, kept as a constant through simplify
+def test_captured_tensor_is_an_input_and_one_made_inside_a_constant():
+    c = torch.randn(3, 3) + 10
 
     def f(x):
-        return x @ c
+        return x @ c + torch.tensor([1.0, 2.0, 3.0])
 
     x = torch.randn(2, 3)
     g = plait.make_graph(f)(x)
     consts = [g.node(n) for n in g.nx.nodes if g.node(n).prim == "constant"]
-    assert len(consts) == 1
-    assert_close(consts[0].kwargs["value"].tensor, c)
-    assert len(g.inputs) == 1
+    assert len(consts) == 1  # [1, 2, 3], as made or broadcast by folding
+    assert (consts[0].kwargs["value"].tensor == torch.tensor([1.0, 2.0, 3.0])).all()
+    assert len(g.inputs) == 2  # x, then the captured c
     assert_close(plait.jit(f)(x), f(x))
 
 

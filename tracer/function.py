@@ -1,10 +1,12 @@
 """Trace a whole Python function: pytree arguments in, a graph plus output structure out."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import attrs
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ..errors import ConcretizationError, OpError, PlaitError
@@ -13,6 +15,7 @@ from . import aten as _aten  # noqa: F401  (registers the handlers)
 from . import collectives as _collectives  # noqa: F401
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
+from .state import State, bindings, follow, module_state, reach, tensor_key
 from .trace import Trace, captured_write_error, check_dtype, is_dense, tracing
 
 
@@ -39,6 +42,10 @@ class TracedFunction:
     mutated_inputs: tuple[int, ...]
     # Tracers of enclosing traces the function captured: the graph's last inputs, in order.
     captured: tuple = ()
+    # The captured state the graph reads after the arguments' tensors (NOTE [live state]):
+    # its reader, and the signature traced
+    state: State | None = None
+    state_signature: tuple = ()
 
 
 def _as_plait_error(e: RuntimeError) -> PlaitError | None:
@@ -60,19 +67,34 @@ def _is_size(x) -> bool:
     return isinstance(x, torch.Size)  # a static leaf: torch's pytree would rebuild a tuple
 
 
-def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec) -> TracedFunction:
+def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec,
+                   live: bool = False) -> TracedFunction:
     """Trace ``fn(*args, **kwargs)`` where ``(args, kwargs) = unflatten(leaves, in_tree)``.
 
     Tensor leaves become graph inputs (in order); ``Static`` leaves are passed unwrapped.
+    With ``live``, the state the function captures (its modules' parameters and buffers,
+    then the other captured tensors it reads) becomes further inputs (NOTE [live state]).
     """
     trace = Trace()
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    roots = (fn, *[x.value for x in leaves if isinstance(x, Static)
+                   and isinstance(x.value, torch.nn.Module)]) if live else ()
+    reachable = reach(roots)
+    modules = [follow(roots[r], path) for r, path in reachable.modules]
+    structures, state_tensors = [], []
+    for module in modules:
+        structure, tensors = module_state(module)
+        structures.append(structure)
+        state_tensors.append(tensors)
     with tracing(trace):
         inputs = []
-        for i in tensor_pos:
-            check_dtype(leaves[i], "a function argument")
-            inputs.append(trace.new_input(TensorType.of(leaves[i]), is_dense(leaves[i])))
+        for x in [leaves[i] for i in tensor_pos] + [t for ts in state_tensors for t in ts]:
+            check_dtype(x, "a function argument" if len(inputs) < len(tensor_pos) else
+                        "a module's parameter or buffer")
+            inputs.append(trace.new_input(TensorType.of(x), is_dense(x)))
         originals = [t._value for t in inputs]
+        trace.live = {key: follow(roots[r], path)
+                      for key, (r, path) in reachable.tensors.items()}
 
         def flat_fn(*tracers):
             filled = list(leaves)
@@ -80,7 +102,13 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
                 filled[i] = t
             filled = [x.value if isinstance(x, Static) else x for x in filled]
             args, kwargs = pytree.tree_unflatten(filled, in_tree)
-            result = fn(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                state = iter(tracers[len(tensor_pos):])
+                for module, structure, tensors in zip(modules, structures, state_tensors):
+                    mine = [next(state) for _ in tensors]
+                    stack.enter_context(_reparametrize_module(module, {
+                        name: mine[i] for name, i in bindings(structure).items()}))
+                result = fn(*args, **kwargs)
             raw.append(pytree.tree_flatten(result, is_leaf=_is_size))  # before functionalize
             return result
 
@@ -108,7 +136,15 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]
         outputs += [inputs[i]._value for i in mutated]
     graph = trace.builder.build(outputs)
+    fixed = list(trace.baked.values()) + list(trace.pinned.values())
+    state = State(roots, reachable.modules, tuple(
+        reachable.tensors[key] for key in trace.lifted), tuple(
+        (t, t._version) for t in fixed), tuple((*reachable.tensors[key], t)
+                                               for key, t in trace.pinned.items()))
+    lifted = [trace.live[key] for key in trace.lifted]
+    signature = (tuple(structures), tuple(
+        map(tensor_key, [t for ts in state_tensors for t in ts] + lifted)))
     return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated),
-                          tuple(trace.captured))
+                          tuple(trace.captured), state if live else None, signature)
 
 

@@ -141,6 +141,12 @@ class Trace:
         self._captures: dict[int, tuple[TracerTensor, Value]] = {}
         self._last_effect: int | None = None
         self.captured: list[TracerTensor] = []  # enclosing traces' tracers, in input order
+        # NOTE [live state]: captured tensors the caller may change, lifted to inputs when
+        # first read (id -> tensor); the lifted ones, in input order; the baked ones
+        self.live: dict[int, torch.Tensor] = {}
+        self.lifted: dict[int, TracerTensor] = {}
+        self.baked: dict[int, torch.Tensor] = {}
+        self.pinned: dict[int, torch.Tensor] = {}  # live ones whose value the trace read
 
     @property
     def issued_by_torch(self) -> bool:
@@ -167,7 +173,11 @@ class Trace:
             if x._trace in _TRACES:  # an enclosing trace's value, captured by a closure
                 return self._capture(x)
             raise TraceError("a tracer of a finished trace was used: it escaped its traced "
-                             "function (e.g. stored in a global). Return it instead.")
+                             "function (e.g. stored in a global; return it instead), or a "
+                             "function under a plait transform wrote into a tensor it "
+                             "captured (a module buffer, such as BatchNorm's running "
+                             "statistics; pass such tensors as arguments, e.g. "
+                             "functional_call(model, (params, buffers), x)).")
         if isinstance(x, torch.Tensor):
             return self.constant(x)
         raise TraceError(f"expected a tensor operand, got {type(x).__name__}")
@@ -183,11 +193,41 @@ class Trace:
         return hit[1]
 
     def constant(self, tensor: torch.Tensor) -> Value:
+        """A real tensor the function captured: an input of the outermost trace if it is
+        live state, else a constant whose version is kept (NOTE [live state])."""
         check_dtype(tensor, "a captured tensor")
+        root = _TRACES[0] if _TRACES else self
+        if id(tensor) in root.live:
+            lifted = root.lifted.get(id(tensor))
+            if lifted is None:
+                lifted = root.lifted[id(tensor)] = root.new_input(TensorType.of(tensor),
+                                                                  is_dense(tensor))
+            return self.value_of(lifted)
+        root.baked[id(tensor)] = tensor
         hit = self._constants.get(id(tensor))
         if hit is None or hit[0] is not tensor:
             hit = self._constants[id(tensor)] = (tensor, self._bake(tensor))
         return hit[1]
+
+    def live_value(self, x: Any) -> torch.Tensor | None:
+        """The live tensor that tracer ``x`` stands for, if it is one lifted by the
+        outermost trace (through the captures of nested ones), now pinned: its value
+        specializes the compilation (a tensor of split sizes, say), so its identity and
+        version are guarded (NOTE [live state])."""
+        x, root = unwrap_functional(x), _TRACES[0]
+        if isinstance(x, torch.Tensor) and id(x) in root.live:  # read before it is lifted
+            root.pinned[id(x)] = x
+            return x
+        if not isinstance(x, TracerTensor) or x._trace is not self:
+            return None
+        outer = next((o for o, v in self._captures.values() if v == x._value), None)
+        if outer is not None:
+            return outer._trace.live_value(outer)
+        key = next((k for k, t in root.lifted.items() if t._value == x._value), None)
+        if self is not root or key is None:
+            return None
+        root.pinned[key] = root.live[key]
+        return root.live[key]
 
     def _bake(self, tensor: torch.Tensor) -> Value:
         """A constant node; a broadcast view (stride 0 along a dim: a mask or a scalar that
@@ -280,7 +320,11 @@ class Trace:
 
     def _dispatch(self, func, args, kwargs):
         if func in _DATA_DEPENDENT:
-            raise _concretization(_DATA_DEPENDENT[func])
+            live = self.live_value(args[0])
+            if live is None:
+                raise _concretization(_DATA_DEPENDENT[func])
+            with _disable_current_modes():
+                return func(live, *args[1:], **kwargs)
         name = func.overloadpacket.__name__
         if name in _DYNAMIC_SHAPE:
             raise UnsupportedOpError(
@@ -559,6 +603,31 @@ def _random_factory(func):
 FUNCTION_HANDLERS.update({f: _random_factory(f) for f in _RANDOM_FACTORIES})
 
 
+def _data_escape(method: str):
+    """A method that hands a tensor's data to Python (NumPy, a list, an address): on a traced
+    value, whose data is only known at call time, it would bake the trace-time data into the
+    compilation; refused instead. On live state it pins the tensor (NOTE [live state])."""
+    def handler(x, *args, **kwargs):
+        root = _TRACES[0] if _TRACES else None
+        if root is not None and id(x) in root.live:  # read now, so pinned (NOTE [live state])
+            root.pinned[id(x)] = x
+        if not (isinstance(x, TracerTensor) or torch._is_functional_tensor(x)):
+            return NotImplemented
+        if method == "tolist":  # mostly to make a Python choice
+            raise _concretization(".tolist()")
+        raise ConcretizationError(
+            f".{method}() needs the data of a traced tensor, but under plait.jit a tensor's "
+            f"data is only known when the compiled function runs (what .{method}() returned "
+            "while tracing would be baked in as a constant). Compute with torch operations "
+            "instead, or run this part outside plait.jit.")
+
+    return handler
+
+
+FUNCTION_HANDLERS.update({getattr(torch.Tensor, m): _data_escape(m)
+                          for m in ("numpy", "tolist", "data_ptr", "__array__")})
+
+
 class _FunctionCapture(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = FUNCTION_HANDLERS.get(func)
@@ -590,10 +659,28 @@ class _TraceMode(_Mode):
     used outside its trace, which raises). The decompositions an op runs come back here."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, TracerTensor) for t in types):
+        if any(issubclass(t, TracerTensor) for t in types) or _reads_live(args, kwargs):
             with self:
                 return current_trace(func).dispatch(func, args, kwargs or {})
+        if torch.Tag.nondeterministic_seeded in func.tags:  # a random factory that a
+            return current_trace(func).opaque(func, args, kwargs or {})  # decomposition calls
         return func(*args, **(kwargs or {}))
+
+
+def _reads_live(args, kwargs) -> bool:
+    """Does an op on real tensors only read live state (NOTE [live state])? Then it is
+    traced, not run once and baked."""
+    live = _TRACES[0].live if _TRACES else None
+    return bool(live) and any(isinstance(x, torch.Tensor) and id(x) in live
+                              for x in pytree.tree_leaves((args, kwargs)))
+
+
+def _reads_live(args, kwargs) -> bool:
+    """Does an op on real tensors only read live state (NOTE [live state])? Then it is
+    traced, not run once and baked."""
+    live = _TRACES[0].live if _TRACES else None
+    return bool(live) and any(isinstance(x, torch.Tensor) and id(x) in live
+                              for x in pytree.tree_leaves((args, kwargs)))
 
 
 # NOTE [grad mode while tracing]

@@ -1,0 +1,290 @@
+"""plait.jit in an ordinary PyTorch training loop: live captured state, guards, modules,
+torch.autograd through compiled code, traced floats, and data escapes refused. Every result
+is checked against eager PyTorch running the same loop."""
+import copy
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.testing import assert_close
+
+import plait
+from plait.errors import ConcretizationError, TraceError
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+
+
+def _cnn():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False),
+        torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 9, 4))
+
+
+def _batch(model, step: int):
+    g = torch.Generator().manual_seed(step)
+    if isinstance(model[0], torch.nn.Conv2d):
+        return torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 4, (4,), generator=g)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+# ---------------------------------------------------------------------------------------
+# Live captured state
+# ---------------------------------------------------------------------------------------
+def test_in_place_update_of_a_closure_tensor_is_seen_without_retracing():
+    w = torch.randn(4, 4)
+    f = plait.jit(lambda x: torch.tanh(x @ w))
+    x = torch.randn(2, 4)
+    assert_close(f(x), torch.tanh(x @ w))
+    w.add_(1.0)
+    assert_close(f(x), torch.tanh(x @ w))
+    assert f.trace_count == 1
+
+
+GLOBAL_SCALE = torch.tensor([1.0, 2.0, 3.0])
+
+
+def _scaled(x):
+    return x * GLOBAL_SCALE
+
+
+def test_a_rebound_global_tensor_is_read_at_each_call():
+    global GLOBAL_SCALE
+    f = plait.jit(_scaled)
+    x = torch.randn(3)
+    saved = GLOBAL_SCALE
+    try:
+        assert_close(f(x), x * GLOBAL_SCALE)
+        GLOBAL_SCALE = torch.tensor([-1.0, 5.0, 0.5])
+        assert_close(f(x), x * GLOBAL_SCALE)
+        GLOBAL_SCALE = torch.ones(2, 3)  # a new shape: retraced, not misread
+        assert_close(f(x), x * GLOBAL_SCALE)
+        assert f.trace_count == 2
+    finally:
+        GLOBAL_SCALE = saved
+
+
+def test_module_parameters_updated_in_place_and_reassigned_are_seen():
+    model = _mlp()
+    jitted = plait.jit(model)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        assert_close(jitted(x), model(x))
+        model[0].weight.mul_(2.0)
+        assert_close(jitted(x), model(x))
+        model[2].bias = torch.nn.Parameter(torch.randn(3))
+        assert_close(jitted(x), model(x))
+    assert jitted.trace_count == 1
+
+
+def test_a_tensor_value_the_trace_reads_is_guarded():
+    start = torch.tensor(1)
+    f = plait.jit(lambda x: torch.narrow(x, 0, start, 2))
+    x = torch.randn(5, 3)
+    assert_close(f(x), x[1:3])
+    start.fill_(2)
+    assert_close(f(x), x[2:4])
+    assert f.trace_count == 2
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("numpy", lambda x: torch.from_numpy(x.numpy() * 2)),
+    ("__array__", lambda x: torch.from_numpy(np.asarray(x) * 2)),
+    ("data_ptr", lambda x: x + x.data_ptr()),
+    ("tolist", lambda x: torch.tensor(x.tolist())),
+])
+def test_data_escapes_are_refused(name, fn):
+    with pytest.raises(ConcretizationError, match=name.strip("_").replace("array", "")):
+        plait.jit(fn)(torch.randn(3))
+
+
+# ---------------------------------------------------------------------------------------
+# Modules and methods
+# ---------------------------------------------------------------------------------------
+def test_jitted_module_passes_its_state_through():
+    model = _mlp()
+    jitted = plait.jit(model)
+    assert isinstance(jitted, torch.nn.Module)
+    assert [p is q for p, q in zip(jitted.parameters(), model.parameters())] == [True] * 4
+    assert jitted.state_dict().keys() == model.state_dict().keys()
+    assert dict(jitted.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    jitted.eval()
+    assert not model.training and not model[0].training
+    jitted.train()
+    assert model.training
+    model.note = "kept"
+    assert jitted.note == "kept"  # attributes reach the original module
+
+
+def test_train_eval_switching_with_dropout():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5))
+    jitted = plait.jit(model)
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        model.eval()
+        assert_close(jitted(x), model(x))
+        model.train()
+        a, b = jitted(x), jitted(x)
+        full = F.linear(x, model[0].weight, model[0].bias)
+        for out in (a, b):  # each element dropped, or kept and scaled by 1 / (1 - p)
+            kept = out != 0
+            assert 0.35 < kept.float().mean() < 0.65
+            assert_close(out[kept], 2 * full[kept])
+        assert not torch.equal(a, b)  # a fresh mask per call
+        model.eval()
+        assert_close(jitted(x), model(x))
+    assert jitted.trace_count == 2  # one per mode, each reused
+
+
+def test_jit_on_a_method():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        @plait.jit
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    a, b = Block(), Block()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert_close(a(x), torch.relu(a.fc(x)))
+        assert_close(b(x), torch.relu(b.fc(x)))
+        a.fc.weight.add_(0.5)
+        assert_close(a(x), torch.relu(a.fc(x)))
+
+
+# ---------------------------------------------------------------------------------------
+# torch.autograd through compiled code
+# ---------------------------------------------------------------------------------------
+def test_backward_and_autograd_grad_through_a_jitted_function_of_leaves():
+    def f(x, w):
+        return (torch.sin(x @ w) * x.sum()).square().mean()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 5, requires_grad=True)
+    jitted = plait.jit(f)
+    loss = jitted(x, w)
+    assert loss.grad_fn is not None
+    loss.backward()
+    got = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    f(x, w).backward()
+    assert_close(got, (x.grad, w.grad))
+    assert_close(torch.autograd.grad(jitted(x, w), w), torch.autograd.grad(f(x, w), w))
+
+
+def test_gradient_accumulation_retain_graph_and_partial_requires_grad():
+    x = torch.randn(3, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+    jitted = plait.jit(lambda x, w: torch.tanh(x @ w).sum())
+    loss = jitted(x, w)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    want = torch.autograd.grad(torch.tanh(x @ w).sum(), w)[0]
+    assert_close(w.grad, 2 * want)
+    assert x.grad is None
+
+
+def test_no_grad_call_is_forward_only_and_unused_parameters_get_no_grad():
+    model = _mlp()
+    jitted = plait.jit(lambda x: model[0](x).sum())  # model[2] is never read
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        assert jitted(x).grad_fn is None
+    jitted(x).backward()
+    assert model[0].weight.grad is not None and model[2].weight.grad is None
+
+
+def test_double_backward_is_refused_with_the_way_out():
+    x = torch.randn(3, requires_grad=True)
+    y = plait.jit(lambda x: x.pow(3).sum())(x)
+    with pytest.raises(TraceError, match=r"plait\.grad\(plait\.grad"):
+        torch.autograd.grad(y, x, create_graph=True)
+    assert_close(torch.autograd.grad(y, x)[0], 3 * x.detach() ** 2)
+
+
+@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn_batchnorm"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_training_trajectory_matches_eager(make, optimizer):
+    torch.manual_seed(0)
+    eager = make()
+    model = copy.deepcopy(eager)
+    jitted = plait.jit(model)
+
+    def opt(m):
+        if optimizer == "sgd":
+            return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    opt_eager, opt_jit = opt(eager), opt(model)
+    for step in range(5):
+        x, y = _batch(eager, step)
+        for m, o in ((eager, opt_eager), (jitted, opt_jit)):
+            loss = F.cross_entropy(m(x), y)
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    for (name, a), b in zip(eager.state_dict().items(), model.state_dict().values()):
+        assert_close(b, a, atol=2e-5, rtol=1e-4, msg=name)
+    assert jitted.trace_count == 1
+    eager.eval()
+    jitted.eval()
+    x, _ = _batch(eager, 99)
+    with torch.no_grad():
+        assert_close(jitted(x), eager(x), atol=2e-5, rtol=1e-4)
+
+
+def test_batchnorm_buffers_passed_to_a_transform_are_updated_as_in_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
+                                torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    eager(x).pow(2).mean().backward()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+
+    def loss(p, b, x):
+        return functional_call(model, (p, b), (x,)).pow(2).mean()
+
+    grads = plait.grad(loss)(params, buffers, x)
+    assert_close(grads, {k: p.grad for k, p in eager.named_parameters()})
+    assert_close(buffers, dict(eager.named_buffers()))
+
+
+# ---------------------------------------------------------------------------------------
+# Traced floats and the retrace warning
+# ---------------------------------------------------------------------------------------
+def test_twenty_learning_rates_trace_once():
+    f = plait.jit(lambda w, g, lr: w - lr * g)
+    w, g = torch.randn(8), torch.randn(8)
+    for i in range(20):
+        lr = 0.01 * (i + 1)
+        assert_close(f(w, g, lr), w - lr * g)
+    assert f.trace_count <= 2
+
+
+def test_a_traced_float_keeps_eager_promotion():
+    f = plait.jit(lambda x, s: x * s)
+    for x in (torch.ones(3, dtype=torch.bfloat16), torch.arange(3), torch.ones(3)):
+        assert f(x, 0.5).dtype == (x * 0.5).dtype
+        assert_close(f(x, 0.5), x * 0.5)
+
+
+def test_a_float_used_as_a_python_number_is_static_and_warned_about(caplog):
+    f = plait.jit(lambda x, p: x * 2 if p > 0.5 else x)
+    x = torch.randn(3)
+    with caplog.at_level(logging.WARNING, logger="plait.cache"):
+        for i in range(12):
+            p = i / 11
+            assert_close(f(x, p), x * 2 if p > 0.5 else x)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "argument 1" in warnings[0]
