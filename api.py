@@ -224,11 +224,15 @@ class _Compiled:
         self._written = {i: "is donated (donate_argnums)" for i in donated} | {
             i: "is mutated by the function" for i in self._mutated}
         self._programs: dict[tuple[int, ...], _Differentiable] = {}
+        # the inputs the graph reads: those torch.autograd may want gradients of (an input
+        # that requires grad but is never read gets none, as in eager)
+        graph = traced.graph
+        self._read = frozenset(i for i, n in enumerate(graph.inputs) if graph.users(n))
 
     def __call__(self, tensors: list[torch.Tensor]):
         if self._written:
             _check_not_aliased(tensors, self._written)
-        wrt = _differentiated(tensors, self.lowered.traced.graph) \
+        wrt = tuple(i for i, t in enumerate(tensors) if t.requires_grad and i in self._read) \
             if torch.is_grad_enabled() else ()
         if wrt:
             program = self._programs.get(wrt)
@@ -247,11 +251,6 @@ class _Compiled:
         return pytree.tree_unflatten(leaves, self._out_tree)
 
 
-def _differentiated(tensors: list[torch.Tensor], graph: Graph) -> tuple[int, ...]:
-    """The inputs torch.autograd wants gradients of: those that require grad and that the
-    graph reads."""
-    wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
-    return tuple(i for i in wanted if graph.users(graph.inputs[i])) if wanted else ()
 
 
 # NOTE [jit under torch.autograd]
@@ -347,8 +346,9 @@ def _check_not_aliased(tensors, written: dict[int, str]) -> None:
     function, or donated for results; ``written``: argument -> why) shares memory with
     another, the write would show through both."""
     storages = [t.untyped_storage().data_ptr() for t in tensors]
+    counts = collections.Counter(storages)
     for i, why in written.items():
-        if storages.count(storages[i]) > 1:
+        if counts[storages[i]] > 1:
             raise TraceError(
                 f"tensor argument {i} {why} and shares memory with another argument; "
                 "plait.jit treats arguments as independent values. Pass distinct tensors "
