@@ -1,6 +1,7 @@
 """plait.grad / grad_and_value / vjp against torch.func and torch.autograd."""
 import pytest
 import torch
+from torch.testing import assert_close
 
 import plait
 from plait.errors import TraceError, UnsupportedOpError
@@ -375,3 +376,34 @@ def test_grad_under_an_outer_no_grad_still_differentiates():
     with torch.no_grad():
         torch.testing.assert_close(plait.grad(f)(x), torch.func.grad(f)(x))
         torch.testing.assert_close(plait.jit(plait.grad(f))(x), torch.func.grad(f)(x))
+
+
+# ---------------------------------------------------------------------------------------
+# Captured state is live under the transforms too (NOTE [live state])
+# ---------------------------------------------------------------------------------------
+def test_held_transforms_read_captured_state_at_each_call():
+    w = torch.randn(3)
+
+    def f(x):
+        return (x * w).sin().sum()
+
+    x = torch.randn(3)
+    g, h = plait.grad(f), plait.jacrev(plait.grad(f))
+    g(x), h(x)
+    w.add_(1.0)
+    assert_close(g(x), torch.func.grad(f)(x))
+    assert_close(h(x), torch.func.jacrev(torch.func.grad(f))(x))
+    xs = torch.randn(4, 3)
+    assert_close(plait.vmap(lambda x: x * w)(xs), torch.func.vmap(lambda x: x * w)(xs))
+    t = torch.ones(3)
+    assert_close(plait.jvp(f, (x,), (t,)), torch.func.jvp(f, (x,), (t,)))
+
+
+def test_a_held_vmap_of_jacrev_of_a_module_follows_its_parameters():
+    model = torch.nn.Linear(3, 2)
+    jac = plait.vmap(plait.jacrev(model))
+    xs = torch.randn(4, 3)
+    with torch.no_grad():
+        jac(xs)
+        model.weight.mul_(2.0)
+        assert_close(jac(xs), torch.func.vmap(torch.func.jacrev(model))(xs))
