@@ -312,6 +312,11 @@ class _Node(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cotangents):
+        if tracing_active():
+            raise TraceError(
+                "the backward of a plait.jit call made outside a traced function (or a "
+                "vjp_fn of plait.vjp called on real tensors) was run inside one, or "
+                "differentiated; call plait.vjp inside the traced function instead.")
         if torch.is_grad_enabled():
             raise TraceError(
                 "a second derivative through a plait.jit function (create_graph=True, or "

@@ -57,8 +57,13 @@ _BUILTIN_BODIES: dict = {}  # builtin function -> {key: staged body} (builtins l
 
 
 def _staged_for(func: Callable, key: tuple, body: Callable) -> Callable:
-    """``_staged(body)``, made once per (``func``, ``key``): ``key`` names everything else
-    the body depends on. A Python function keeps its bodies itself, so they go with it (the
+    """``_staged(body)``, made once per (``func``, ``key``) (``_kept_for``)."""
+    return _kept_for(func, key, lambda: _staged(body))
+
+
+def _kept_for(func: Callable, key: tuple, make: Callable) -> Callable:
+    """``make()``, made once per (``func``, ``key``): ``key`` names everything else
+    the result depends on. A Python function keeps its bodies itself, so they go with it (the
     body refers to ``func``: kept anywhere else, they would keep it alive), under the
     attribute ``_plait_staged`` with a weak reference to their owner: ``functools.wraps``
     copies the attribute into a wrapper, which must not take the wrapped function's bodies.
@@ -73,9 +78,9 @@ def _staged_for(func: Callable, key: tuple, body: Callable) -> Callable:
             owner, bodies = weakref.ref(func), {}
             func._plait_staged = owner, bodies
     else:
-        return _staged(body)
+        return make()
     if key not in bodies:
-        bodies[key] = _staged(body)
+        bodies[key] = make()
     return bodies[key]
 
 
@@ -257,20 +262,15 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
     ``has_aux``), where ``vjp_fn(cotangents)`` returns one cotangent per primal. Inside a
     trace the forward pass is traced twice, and simplification (CSE) merges the copies."""
     argnums = tuple(range(len(primals)))
+    if not tracing_active():
+        return _recorded_vjp(func, primals, has_aux, argnums)
     main, aux = _split_aux(_forward(func, primals), has_aux, "vjp")
     _only_tensors(main, "vjp")
 
     def backward(primal_args, cotangents):
         def seeds(main_slots, types):
-            slots, tree = pytree.tree_flatten(main_slots)
-            cts, ct_tree = pytree.tree_flatten(cotangents)
-            if tree != ct_tree:
-                raise TraceError(f"vjp_fn got cotangents of structure {ct_tree}, but the "
-                                 f"function's output has structure {tree}")
-            for k, ct in zip(slots, cts):
-                if not isinstance(ct, torch.Tensor) or tuple(ct.shape) != types[k].shape:
-                    raise TraceError(f"vjp_fn: a cotangent must be a tensor of the output's "
-                                     f"shape {list(types[k].shape)}, got {ct!r:.60}")
+            slots = pytree.tree_leaves(main_slots)
+            cts = _cotangent_leaves(main_slots, cotangents, [types[k].shape for k in slots])
             return dict(zip(slots, cts))
 
         # the forward pass (``_forward``) wrote the mutated arguments already
@@ -285,6 +285,50 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
         return staged(primals, cotangents)
 
     return (main, vjp_fn, aux) if has_aux else (main, vjp_fn)
+
+
+def _cotangent_leaves(outputs, cotangents, shapes) -> list:
+    """``cotangents``' leaves, checked against the structure of the function's ``outputs``
+    and the shapes of its tensors."""
+    tree = pytree.tree_structure(outputs)
+    cts, ct_tree = pytree.tree_flatten(cotangents)
+    if tree != ct_tree:
+        raise TraceError(f"vjp_fn got cotangents of structure {ct_tree}, but the function's "
+                         f"output has structure {tree}")
+    for shape, ct in zip(shapes, cts):
+        if not isinstance(ct, torch.Tensor) or tuple(ct.shape) != tuple(shape):
+            raise TraceError(f"vjp_fn: a cotangent must be a tensor of the output's shape "
+                             f"{list(shape)}, got {ct!r:.60}")
+    return cts
+
+
+def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool, argnums: tuple):
+    """``vjp`` called on real tensors: ``func`` runs once, jitted and recorded by
+    torch.autograd (NOTE [jit under torch.autograd]); ``vjp_fn`` runs the compiled backward
+    on the residuals saved then, so it answers for the values of that call (captured state
+    included), as torch.func's does, however often it is called."""
+    from .api import jit
+
+    _argnum_leaves(primals, {}, argnums)  # floating-point tensors only, as torch.func
+    flat, tree = pytree.tree_flatten(primals)
+    leaves = [x.detach().requires_grad_() for x in flat]
+    with torch.enable_grad():
+        out = _kept_for(func, ("jit",), lambda: jit(func))(*pytree.tree_unflatten(leaves, tree))
+    main, aux = _split_aux(out, has_aux, "vjp")
+    _only_tensors(main, "vjp")
+    outputs = pytree.tree_leaves(main)
+
+    def vjp_fn(cotangents):
+        cts = _cotangent_leaves(main, cotangents, [o.shape for o in outputs])
+        recorded = [(o, c) for o, c in zip(outputs, cts) if o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in recorded], leaves, [c for _, c in recorded],
+                                    retain_graph=True, allow_unused=True) if recorded else ()
+        grads = [g if g is not None else torch.zeros_like(x)
+                 for g, x in zip(list(grads) or [None] * len(leaves), leaves)]
+        return pytree.tree_unflatten(grads, tree)
+
+    detach = functools.partial(pytree.tree_map_only, torch.Tensor, torch.Tensor.detach)
+    return (detach(main), vjp_fn, detach(aux)) if has_aux else (detach(main), vjp_fn)
 
 
 def _forward(func: Callable, primals: tuple):
