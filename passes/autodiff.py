@@ -85,12 +85,13 @@ def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
                 "op outside the differentiated function.")
         node_cts = [c if c is not None or not differentiable(t) else zeros(t)
                     for c, t in zip(node_cts, node.out_types)]
-        in_cts = rule(node_cts, *[env[v] for v in operands],
-                      outs=tuple(env[v] for v in outs), **node.kwargs)
-        for v, t, c in zip(operands, operand_types, in_cts):
-            if c is not None and differentiable(t):
-                c = _fit(c, t, trace)
-                cts[v] = c if v not in cts else bind("add", cts[v], c)
+        with trace.provenance_of(node.provenance):  # the derivative of the user's line
+            in_cts = rule(node_cts, *[env[v] for v in operands],
+                          outs=tuple(env[v] for v in outs), **node.kwargs)
+            for v, t, c in zip(operands, operand_types, in_cts):
+                if c is not None and differentiable(t):
+                    c = _fit(c, t, trace)
+                    cts[v] = c if v not in cts else bind("add", cts[v], c)
     return cts
 
 

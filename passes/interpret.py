@@ -20,7 +20,8 @@ def replay(graph: Graph, inputs: Sequence[Any],
     the default binding of node ``n`` (it returns the node's output tracers).
     """
     env: dict[Value, Any] = {}
-    builder = current_trace().builder
+    trace = current_trace()
+    builder = trace.builder
     made: dict[int, int] = {}  # graph node -> the node replaying it (for control edges)
     for n in graph.order:
         node = graph.node(n)
@@ -28,11 +29,12 @@ def replay(graph: Graph, inputs: Sequence[Any],
             env[Value(n, 0)] = inputs[node.kwargs["index"]]
             continue
         operands = [env[v] for v in graph.operands(n)]
-        if visit is not None:
-            outs = visit(n, operands)
-        else:
-            outs = bind(node.prim, *operands, **node.kwargs)
-            outs = list(outs) if isinstance(outs, tuple) else [outs]
+        with trace.provenance_of(node.provenance):  # the user's op and line, kept
+            if visit is not None:
+                outs = visit(n, operands)
+            else:
+                outs = bind(node.prim, *operands, **node.kwargs)
+                outs = list(outs) if isinstance(outs, tuple) else [outs]
         made[n] = builder.last_node
         for p in graph.control_preds(n):  # keep the graph's ordering constraints
             if p in made and made[p] != made[n]:

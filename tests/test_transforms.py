@@ -425,3 +425,16 @@ def test_vjp_fn_answers_for_the_values_at_vjp_time():
         assert_close(fn(ct), want_fn(ct))
     with pytest.raises(TraceError, match="inside the traced function"):
         plait.vjp(fn, ct)  # used to recurse until the stack overflowed
+
+
+def test_provenance_survives_the_transforms():
+    """Each node of a differentiated graph names the user's op and line it derives from."""
+    def f(x):
+        y = torch.sin(x)
+        return (y * y).sum()
+
+    for transform in (plait.grad, plait.jacrev, lambda f: plait.vmap(plait.grad(f))):
+        graph = plait.make_graph(transform(f))(torch.randn(3))
+        nodes = [graph.node(n) for n in graph.order if graph.node(n).prim != "input"]
+        assert nodes and all(n.provenance.source and n.provenance.source.startswith(
+            "test_transforms.py:") for n in nodes), graph.as_text()

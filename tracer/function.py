@@ -58,8 +58,8 @@ def _as_plait_error(e: RuntimeError) -> PlaitError | None:
             "an operation read the data of a traced tensor directly (.tolist(), or a tensor "
             "of split sizes or indices given to an op that needs Python numbers), but under "
             "plait.jit its value is only known when the compiled function runs. Use "
-            "torch.where (or plait.cond once available) instead of a Python choice, or pass "
-            "such values as a static argument (static_argnums)")
+            "torch.where(condition, a, b) instead of a Python choice, or pass such values as "
+            "a static argument (static_argnums)")
     return None
 
 
@@ -119,8 +119,9 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             raise
         except RuntimeError as e:  # torch's own checks (in C++ composites) land here
             raise _as_plait_error(e) or OpError(
-                f"PyTorch raised while tracing: {e}. Eager PyTorch raises this too for these "
-                "arguments; fix the arguments.") from None
+                f"PyTorch raised while tracing: {e}. If eager PyTorch runs this call with "
+                "these arguments, plait does not support it yet: run that part outside "
+                "plait.jit, and please report it.") from None
         # functionalize unwraps the result's tensors in order, but may rebuild containers
         # (torch.Size becomes a tuple): take the structure and non-tensor leaves from the raw
         # result, and the tensors from functionalize's.

@@ -47,7 +47,8 @@ _PLAIT_DIRS = tuple(os.path.join(_PLAIT_ROOT, d) + os.sep for d in (
     "tracer", "graph", "passes", "backends"))
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SKIP_DIRS = _PLAIT_DIRS + (_TORCH_DIR, os.path.dirname(contextlib.__file__) + os.sep)
-_SKIP_FILES = {os.path.join(_PLAIT_ROOT, f) for f in ("api.py", "__init__.py", "config.py")}
+_SKIP_FILES = {os.path.join(_PLAIT_ROOT, f) for f in ("api.py", "__init__.py", "config.py",
+                                                     "transforms.py")}
 
 
 class TracerTensor(torch.Tensor):
@@ -94,8 +95,8 @@ class TracerTensor(torch.Tensor):
 def _concretization(what: str) -> ConcretizationError:
     return ConcretizationError(
         f"{what} needs the concrete value of a traced tensor, but under plait.jit a tensor's "
-        "value is only known when the compiled function runs. Express the choice with "
-        "torch.where (or plait.cond once available), or pass the value as a static argument "
+        "value is only known when the compiled function runs. Compute both sides and pick "
+        "with torch.where(condition, a, b), or pass the value as a static argument "
         "(static_argnums) so each value compiles its own version.")
 
 
@@ -137,6 +138,7 @@ class Trace:
         self.builder = GraphBuilder()
         self._constants: dict[int, tuple[torch.Tensor, Value]] = {}
         self._provenance = Provenance()
+        self._inherited: Provenance | None = None
         self._depth = 0
         self._captures: dict[int, tuple[TracerTensor, Value]] = {}
         self._last_effect: int | None = None
@@ -280,11 +282,23 @@ class Trace:
         return out
 
     # -- dispatch --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def provenance_of(self, provenance: Provenance):
+        """Nodes made meanwhile come from ``provenance`` (a graph pass replaying or
+        differentiating a node gives its nodes the user's op and line)."""
+        saved, self._inherited = self._inherited, provenance
+        self._provenance = provenance
+        try:
+            yield
+        finally:
+            self._inherited = saved
+            self._provenance = saved or Provenance()
+
     def dispatch(self, func, args: tuple, kwargs: dict):
         outermost = self._depth == 0
         if outermost:
-            self._provenance = Provenance(str(func), _user_source() if config.provenance
-                                          else None)
+            self._provenance = self._inherited or Provenance(
+                str(func), _user_source() if config.provenance else None)
         self._depth += 1
         try:
             out = self._dispatch(func, args, kwargs)
@@ -316,7 +330,7 @@ class Trace:
         finally:
             self._depth -= 1
             if outermost:
-                self._provenance = Provenance()
+                self._provenance = self._inherited or Provenance()
 
     def _dispatch(self, func, args, kwargs):
         if func in _DATA_DEPENDENT:
