@@ -49,7 +49,7 @@ from ..tracer.primitives import ELEMENTWISE, Impl, is_effectful
 
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
-                   "concatenate", "stop_gradient", "no_grad", "after"))
+                   "concatenate", "stop_gradient", "no_grad", "after", "custom_vjp"))
 
 
 @attrs.frozen
@@ -459,6 +459,7 @@ _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
     "stop_gradient": lambda node, args, t: args[0].at,
     "no_grad": lambda node, args, t: args[0].at,
     "after": lambda node, args, t: args[0].at,
+    "custom_vjp": lambda node, args, t: args[-1].at,  # NOTE [custom functions]
     "full": lambda node, args, t: lambda idx: Constant(node.kwargs["value"], t.dtype),
     "iota": lambda node, args, t: lambda idx: IndexValue(
         node.kwargs["start"] + idx[0] * node.kwargs["step"], t.dtype),

@@ -13,6 +13,7 @@ from ..errors import ConcretizationError, OpError, PlaitError
 from ..graph import Graph, TensorType
 from . import aten as _aten  # noqa: F401  (registers the handlers)
 from . import collectives as _collectives  # noqa: F401
+from . import custom as _custom  # noqa: F401
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
 from .state import State, bindings, follow, module_state, reach, tensor_key

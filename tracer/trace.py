@@ -706,14 +706,34 @@ def _reads_live(args, kwargs) -> bool:
 # (jvp) pass, as torch.func's do. Only a nested trace (a function a transform traces) marks
 # them: nothing differentiates the outermost one, whose graph is compiled as it is (so that,
 # say, attention under torch.no_grad() in a jitted function still fuses).
+# Context managers every trace runs under, registered by the modules that need them
+# (tracer/custom.py: torch.autograd.Function).
+TRACING_CONTEXTS: list[Callable] = []
+
+
 @contextlib.contextmanager
 def tracing(trace: Trace):
     _TRACES.append(trace)
     try:
-        with _FunctionCapture(), no_dynamo_import(), _TraceMode(), torch.enable_grad():
+        # without mkldnn, torch's decompositions take their plain paths (an LSTM's layers
+        # as matrix products, not one mkldnn_rnn_layer whose workspace only a run sizes)
+        with _FunctionCapture(), no_dynamo_import(), _TraceMode(), torch.enable_grad(), \
+                _mkldnn_disabled(), contextlib.ExitStack() as contexts:
+            for context in TRACING_CONTEXTS:
+                contexts.enter_context(context())
             yield trace
     finally:
         _TRACES.pop()
+
+
+@contextlib.contextmanager
+def _mkldnn_disabled():
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def bind(prim_name: str, *operands, **params):

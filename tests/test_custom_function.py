@@ -1,0 +1,114 @@
+"""torch.autograd.Function inside plait.jit and the transforms (NOTE [custom functions]): the
+forward is traced, the user's backward is the derivative. Checked against eager autograd and
+torch.func."""
+import pytest
+import torch
+from torch.testing import assert_close
+
+import plait
+from plait.errors import TraceError
+
+
+class RoundStraightThrough(torch.autograd.Function):
+    """Old style (ctx in forward): a derivative that is not the forward's own."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return torch.round(x * scale) / scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.sigmoid(x) * ctx.scale, None
+
+
+class ScaledSin(torch.autograd.Function):
+    """New style (setup_context), a tensor kept as a ctx attribute, generate_vmap_rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w):
+        return torch.sin(x) * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.x, ctx.w = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.cos(ctx.x) * ctx.w, grad * torch.sin(ctx.x)
+
+
+class SplitPair(torch.autograd.Function):
+    """Two outputs, one marked non-differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        index = torch.argmax(x, dim=-1)
+        ctx.mark_non_differentiable(index)
+        return x.square(), index
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        (x,) = ctx.saved_tensors
+        return 3.0 * grad * x
+
+
+def _loss(x, w):
+    y = RoundStraightThrough.apply(x, 4.0) + ScaledSin.apply(x, w)
+    sq, index = SplitPair.apply(y)
+    return (sq * (index.float() + 1).unsqueeze(-1)).sum()
+
+
+def _eager_grads(x, w):
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    return torch.autograd.grad(_loss(*leaves), leaves)
+
+
+def test_jit_runs_the_forward():
+    x, w = torch.randn(3, 5), torch.randn(5)
+    assert_close(plait.jit(_loss)(x, w), _loss(x, w))
+
+
+def test_grad_uses_the_users_backward():
+    x, w = torch.randn(3, 5), torch.randn(5)
+    assert_close(plait.grad(_loss, argnums=(0, 1))(x, w), _eager_grads(x, w))
+
+
+def test_jitted_call_under_autograd_uses_the_users_backward():
+    x, w = torch.randn(3, 5), torch.randn(5)
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    plait.jit(_loss)(*leaves).backward()
+    assert_close((leaves[0].grad, leaves[1].grad), _eager_grads(x, w))
+
+
+def test_new_style_function_under_vmap_jacrev_and_jvp_matches_torch_func():
+    x, w = torch.randn(4, 3), torch.randn(3)
+
+    def f(x):
+        return ScaledSin.apply(x, w)
+
+    assert_close(plait.vmap(f)(x), torch.func.vmap(f)(x))
+    assert_close(plait.jacrev(f)(x[0]), torch.func.jacrev(f)(x[0]))
+    t = torch.randn(4, 3)
+    want = (f(x), torch.autograd.functional.jvp(f, x, t)[1])
+    assert_close(plait.jvp(f, (x,), (t,)), want)
+
+
+def test_a_function_writing_into_its_input_is_refused():
+    class AddOne(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_dirty(x)
+            return x.add_(1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    with pytest.raises(TraceError, match="mark_dirty"):
+        plait.jit(lambda x: AddOne.apply(x * 1))(torch.randn(3))

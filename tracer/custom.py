@@ -1,0 +1,158 @@
+"""torch.autograd.Function while tracing: its forward traced, its backward a custom VJP rule.
+
+NOTE [custom functions]
+While a trace runs, ``Function.apply`` (``traced_apply``) runs the function's ``forward``
+on the tracers (grad mode off, as eager runs it), so its ops land in the graph like any
+other, then passes each tensor result through a ``custom_vjp`` node: the identity of its last
+operand, whose operands are also the function's tensor inputs and every tensor the forward
+saved (``ctx.save_for_backward``, or tensors kept as ``ctx`` attributes). Its VJP rule calls
+the user's ``backward`` on the replayed operands, so the derivative is the user's, and the
+forward's own ops get none. Forward mode derives its rule from that VJP (NOTE [autodiff]);
+``vmap`` runs it once per example. Lowering treats ``custom_vjp`` as the value itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import torch
+from torch.autograd.function import Function
+from torch.utils import _pytree as pytree
+
+from ..errors import TraceError
+from .primitives import define
+from .trace import (TRACING_CONTEXTS, TracerTensor, bind, current_trace, on_tracers,
+                    tracing_active, unwrap_functional)
+
+_ORIGINAL_APPLY = Function.apply.__func__
+_RULES = itertools.count()
+
+
+class _Context:
+    """The ``ctx`` a custom function's forward and backward see while tracing."""
+
+    def __init__(self, needs_input_grad: tuple):
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple = ()
+        self.materialize_grads = True
+        self.non_differentiable: tuple = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def save_for_forward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        self.non_differentiable = tensors
+
+    def set_materialize_grads(self, value: bool):
+        self.materialize_grads = value
+
+    def mark_dirty(self, *tensors):
+        raise TraceError("a torch.autograd.Function that writes into its inputs "
+                         "(ctx.mark_dirty) is not supported under plait; return a new "
+                         "tensor instead.")
+
+
+class CustomRule:
+    """One traced call of a custom function: what its backward needs besides the operands."""
+
+    def __init__(self, cls, ctx: _Context, inputs: list, saved_names: list[str],
+                 out_types: list):
+        self.cls, self.id = cls, next(_RULES)
+        self.attributes = {k: v for k, v in vars(ctx).items() if k not in saved_names
+                           and k != "saved_tensors"}
+        self.input_slots = inputs  # argument position of each tensor operand
+        self.saved_names, self.n_saved = saved_names, len(ctx.saved_tensors)
+        self.out_types = out_types
+
+    def __repr__(self) -> str:
+        return f"{self.cls.__qualname__}.backward"
+
+    def backward(self, ct, output: int, operands: tuple) -> list:
+        """The user's backward on the replayed operands, for the cotangent of one output."""
+        n_in = len(self.input_slots)
+        saved = operands[n_in:n_in + self.n_saved]
+        named = operands[n_in + self.n_saved:len(operands) - 1]
+        ctx = _Context(self.attributes["needs_input_grad"])
+        vars(ctx).update(self.attributes)
+        ctx.saved_tensors = tuple(saved)
+        vars(ctx).update(zip(self.saved_names, named))
+        cts = [ct if k == output else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+               for k, t in enumerate(self.out_types)]
+        with torch.enable_grad():
+            grads = self.cls.backward(ctx, *cts)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        in_grads = [grads[p] if p < len(grads) else None for p in self.input_slots]
+        # as torch.autograd's engine: a gradient broadcast over its input is summed back
+        in_grads = [g.sum_to_size(x.shape) if isinstance(g, torch.Tensor) and g.shape != x.shape
+                    else g for g, x in zip(in_grads, operands)]
+        return in_grads + [None] * (len(operands) - n_in)
+
+
+def traced_apply(cls, *args, **kwargs):
+    """``Function.apply`` (NOTE [custom functions]): traced on tracers, eager otherwise."""
+    flat = pytree.tree_leaves((args, kwargs))
+    if not tracing_active() or not any(
+            isinstance(unwrap_functional(x), TracerTensor) for x in flat
+            if isinstance(x, torch.Tensor)):
+        return _ORIGINAL_APPLY(cls, *args, **kwargs)
+    if kwargs:
+        raise TraceError(f"{cls.__qualname__}.apply with keyword arguments is not supported "
+                         "under plait; pass them positionally.")
+    inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    ctx = _Context(tuple(isinstance(a, torch.Tensor) and a.dtype.is_floating_point
+                         for a in args))
+    with torch.no_grad():
+        if _has_setup_context(cls):
+            out = cls.forward(*args)
+            cls.setup_context(ctx, args, out)
+        else:
+            out = cls.forward(ctx, *args)
+    outs = out if isinstance(out, tuple) else (out,)
+    saved_names = [k for k, v in vars(ctx).items()
+                   if isinstance(v, torch.Tensor) and k != "saved_tensors"]
+    rule = CustomRule(cls, ctx, inputs, saved_names,
+                      [_type_of(o) for o in outs if isinstance(o, torch.Tensor)])
+    operands = [args[i] for i in inputs] + list(ctx.saved_tensors) + [
+        getattr(ctx, k) for k in saved_names]
+    frozen = {id(t) for t in ctx.non_differentiable}
+    results, k = [], 0
+    for o in outs:
+        if isinstance(o, torch.Tensor) and id(o) not in frozen:
+            o = on_tracers(_bind_custom)(operands, o, rule, k)
+        k += isinstance(o, torch.Tensor)
+        results.append(o)
+    return tuple(results) if isinstance(out, tuple) else results[0]
+
+
+def _bind_custom(operands, out, rule, output):
+    return bind("custom_vjp", *operands, out, rule=rule, output=output)
+
+
+def _type_of(t: torch.Tensor):
+    return current_trace().type_of(unwrap_functional(t))
+
+
+def _has_setup_context(cls) -> bool:
+    return getattr(cls.setup_context, "__func__", cls.setup_context) is not \
+        getattr(Function.setup_context, "__func__", Function.setup_context)
+
+
+@contextlib.contextmanager
+def _custom_functions_traced():
+    """While tracing, ``Function.apply`` is ``traced_apply`` (calls outside a trace, or with
+    no traced tensor, run as usual)."""
+    previous = Function.__dict__["apply"]
+    Function.apply = classmethod(traced_apply)
+    try:
+        yield
+    finally:
+        Function.apply = previous
+
+
+TRACING_CONTEXTS.append(_custom_functions_traced)
+
+define("custom_vjp", lambda *types, rule, output: (types[-1],),
+       lambda *operands, rule, output: operands[-1],
+       vjp=lambda cts, *operands, outs, rule, output: rule.backward(cts[0], output, operands))
