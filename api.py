@@ -46,8 +46,10 @@ def _tensors_tree(n: int) -> pytree.TreeSpec:
 
 def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int], floats: bool):
     """Split a call into its leaves and a hashable signature (the cache key). With
-    ``floats``, a Python float leaf is traced: it becomes a 0-d tensor of the default dtype
-    (NOTE [traced floats])."""
+    ``floats``, a Python float leaf is traced: it becomes a 0-d tensor of the default dtype,
+    or float64 where every floating-point tensor argument is float64. A 0-d tensor promotes
+    as eager promotes a Python float (a bf16 tensor stays bf16, an int one becomes the
+    default dtype)."""
     if not kwargs and not static_argnums and all(isinstance(a, torch.Tensor) for a in args):
         # the common call, keyed without flattening (and hashing) a pytree: most of a
         # cached call's host time otherwise
@@ -56,10 +58,14 @@ def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int], floats: b
     args = tuple(Static(a) if i in static else a for i, a in enumerate(args))
     leaves, tree = pytree.tree_flatten((args, kwargs))
     signature = [tree]
-    device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    device = tensors[0].device if tensors else None
+    # float64 where every floating tensor is: a double's digits are not rounded away
+    real = {x.dtype for x in tensors if x.dtype.is_floating_point}
+    dtype = torch.float64 if real == {torch.float64} else torch.get_default_dtype()
     for i, x in enumerate(leaves):
         if floats and type(x) is float:
-            leaves[i] = x = torch.tensor(x, dtype=torch.get_default_dtype(), device=device)
+            leaves[i] = x = torch.tensor(x, dtype=dtype, device=device)
         if isinstance(x, torch.Tensor):
             signature.append(tensor_key(x))
             continue
@@ -383,7 +389,7 @@ class Jitted:
         self.backend = backend
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._states: dict = {}  # argument signature -> the state its last trace read
-        self._trace_floats = True  # NOTE [traced floats]
+        self._trace_floats = True  # until a trace needs one as a number (_floats_turn_static)
         self._signatures: collections.deque = collections.deque(maxlen=2)
         self._warned: set[str] = set()
         self.trace_count = 0
@@ -409,8 +415,9 @@ class Jitted:
             raise
 
     def _floats_turn_static(self, args, kwargs) -> bool:
-        """A trace with traced floats failed: are there floats to make static and try again?
-        NOTE [traced floats]."""
+        """A trace with traced floats failed (the function used one as a Python number:
+        ``if lr > 0``, ``eps=`` of an op): are there floats to make static, for this
+        function from now on, and trace again?"""
         if not self._trace_floats or not any(type(x) is float
                                              for x in pytree.tree_leaves((args, kwargs))):
             return False

@@ -272,11 +272,12 @@ def test_twenty_learning_rates_trace_once():
     assert f.trace_count <= 2
 
 
-def test_a_traced_float_keeps_eager_promotion():
+def test_a_traced_float_keeps_eager_promotion_and_precision():
     f = plait.jit(lambda x, s: x * s)
-    for x in (torch.ones(3, dtype=torch.bfloat16), torch.arange(3), torch.ones(3)):
-        assert f(x, 0.5).dtype == (x * 0.5).dtype
-        assert_close(f(x, 0.5), x * 0.5)
+    for x in (torch.ones(3, dtype=torch.bfloat16), torch.arange(3), torch.ones(3),
+              torch.randn(3, dtype=torch.float64)):
+        assert f(x, 0.1).dtype == (x * 0.1).dtype
+        assert_close(f(x, 0.1), x * 0.1, rtol=0, atol=0)
 
 
 def test_a_float_used_as_a_python_number_is_static_and_warned_about(caplog):
