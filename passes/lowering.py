@@ -49,7 +49,8 @@ from ..tracer.primitives import ELEMENTWISE, Impl, is_effectful
 
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
-                   "concatenate", "stop_gradient", "no_grad", "after", "custom_vjp"))
+                   "concatenate", "stop_gradient", "no_grad", "no_fwd_grad", "after",
+                   "custom_vjp"))
 
 
 @attrs.frozen
@@ -458,6 +459,7 @@ _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
     "slice": _slice, "rev": _rev, "pad": _pad, "concatenate": _concatenate,
     "stop_gradient": lambda node, args, t: args[0].at,
     "no_grad": lambda node, args, t: args[0].at,
+    "no_fwd_grad": lambda node, args, t: args[0].at,
     "after": lambda node, args, t: args[0].at,
     "custom_vjp": lambda node, args, t: args[-1].at,  # NOTE [custom functions]
     "full": lambda node, args, t: lambda idx: Constant(node.kwargs["value"], t.dtype),

@@ -438,3 +438,20 @@ def test_provenance_survives_the_transforms():
         nodes = [graph.node(n) for n in graph.order if graph.node(n).prim != "input"]
         assert nodes and all(n.provenance.source and n.provenance.source.startswith(
             "test_transforms.py:") for n in nodes), graph.as_text()
+
+
+def test_forward_ad_turned_off_inside_jvp_stops_tangents_only():
+    """As torch.func: what is computed with forward-mode AD off carries no tangent in jvp,
+    and reverse mode differentiates through it."""
+    import torch.autograd.forward_ad as fwAD
+
+    def f(x):
+        with fwAD._set_fwd_grad_enabled(False):
+            y = x.sin()
+        return y * x
+
+    x, t = torch.randn(3), torch.randn(3)
+    assert_close(plait.jvp(f, (x,), (t,)), torch.func.jvp(f, (x,), (t,)))
+    loss = lambda x: f(x).sum()  # noqa: E731
+    assert_close(plait.grad(loss)(x), torch.func.grad(loss)(x))
+    assert_close(plait.jacfwd(f)(x), torch.func.jacfwd(f)(x))

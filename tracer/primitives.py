@@ -454,6 +454,10 @@ define("stop_gradient", lambda x: (x,), lambda x: x,
 # plait.grad), which torch.func's reverse mode treats as a constant and its jvp does not.
 define("no_grad", lambda x: (x,), lambda x: x, vjp=lambda cts, x, *, outs: (None,))
 
+# Its twin, through which forward-mode derivatives do not flow and reverse-mode ones do: the
+# result of an op traced with forward-mode AD off (torch.autograd.forward_ad), as torch.func.
+define("no_fwd_grad", lambda x: (x,), lambda x: x, vjp=lambda cts, x, *, outs: (cts[0],))
+
 
 @vjp_rule("convert")
 def _convert_vjp(cts, x, *, outs, dtype):
@@ -1026,7 +1030,7 @@ def _attach_shifted(names, *keys):
 
 
 _attach_shifted([*ELEMENTWISE, "complex", "real", "imag", "conj", "frexp", "stop_gradient",
-                 "no_grad", "after"])
+                 "no_grad", "no_fwd_grad", "after"])
 _attach_shifted(list(REDUCTIONS) + ["argmax", "argmin", "rev"], "dims")
 _attach_shifted(list(SCANS) + ["sort", "topk", "gather", "scatter", "concatenate"], "dim")
 
@@ -1094,6 +1098,7 @@ jvp_rule("convert")(lambda ops, tans, outs, *, dtype: (
                                                                       dtype=dtype),))
 jvp_rule("stop_gradient")(lambda ops, tans, outs: (None,))
 jvp_rule("no_grad")(lambda ops, tans, outs: (tans[0],))
+jvp_rule("no_fwd_grad")(lambda ops, tans, outs: (None,))
 
 
 @jvp_rule("scatter")

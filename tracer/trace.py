@@ -25,6 +25,7 @@ import sys
 from typing import Any, Callable
 
 import torch
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -260,9 +261,14 @@ class Trace:
         tracers = tuple(TracerTensor(self, v) for v in outs)
         return tracers if prim.multiple_results else tracers[0]
 
-    def _without_grad(self, t: "TracerTensor") -> "TracerTensor":
-        dtype = self.type_of(t).dtype
-        return self.bind("no_grad", t) if dtype.is_floating_point or dtype.is_complex else t
+    def _without(self, prim: str) -> Callable[["TracerTensor"], "TracerTensor"]:
+        """A tracer through ``prim`` (``no_grad`` or ``no_fwd_grad``), if it could carry a
+        derivative."""
+        def through(t: "TracerTensor") -> "TracerTensor":
+            dtype = self.type_of(t).dtype
+            return self.bind(prim, t) if dtype.is_floating_point or dtype.is_complex else t
+
+        return through
 
     def _chain_effect(self) -> None:
         """Effects keep their program order: an effectful node (a check, a random draw) gets
@@ -302,9 +308,11 @@ class Trace:
         self._depth += 1
         try:
             out = self._dispatch(func, args, kwargs)
-            if outermost and not torch.is_grad_enabled() and self is not _TRACES[0]:
-                # NOTE [grad mode while tracing]
-                out = pytree.tree_map_only(TracerTensor, self._without_grad, out)
+            if outermost and self is not _TRACES[0]:  # NOTE [grad mode while tracing]
+                if not torch.is_grad_enabled():
+                    out = pytree.tree_map_only(TracerTensor, self._without("no_grad"), out)
+                if not torch._C._is_fwd_grad_enabled():
+                    out = pytree.tree_map_only(TracerTensor, self._without("no_fwd_grad"), out)
             if func.is_view:  # a later write into it must not be taken for a rebind
                 for t in pytree.tree_leaves(out):
                     if isinstance(t, TracerTensor):
@@ -703,7 +711,9 @@ def _reads_live(args, kwargs) -> bool:
 # no_grad too). An ATen op the function calls while grad mode is off (torch.no_grad(),
 # torch.set_grad_enabled(False), torch.inference_mode()) has its results pass through
 # ``no_grad``: reverse-mode derivatives stop there, as torch.func's do, and forward-mode ones
-# (jvp) pass, as torch.func's do. Only a nested trace (a function a transform traces) marks
+# (jvp) pass, as torch.func's do; with forward-mode AD off (torch.autograd.forward_ad's
+# _set_fwd_grad_enabled(False)) they pass through ``no_fwd_grad``, which stops tangents and
+# passes cotangents. Only a nested trace (a function a transform traces) marks
 # them: nothing differentiates the outermost one, whose graph is compiled as it is (so that,
 # say, attention under torch.no_grad() in a jitted function still fuses).
 # Context managers every trace runs under, registered by the modules that need them
@@ -718,7 +728,8 @@ def tracing(trace: Trace):
         # without mkldnn, torch's decompositions take their plain paths (an LSTM's layers
         # as matrix products, not one mkldnn_rnn_layer whose workspace only a run sizes)
         with _FunctionCapture(), no_dynamo_import(), _TraceMode(), torch.enable_grad(), \
-                _mkldnn_disabled(), contextlib.ExitStack() as contexts:
+                _set_fwd_grad_enabled(True), _mkldnn_disabled(), \
+                contextlib.ExitStack() as contexts:
             for context in TRACING_CONTEXTS:
                 contexts.enter_context(context())
             yield trace
