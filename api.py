@@ -12,7 +12,9 @@ import types
 from typing import Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import debug
 from .backends import get_backend, program_cache, resolve_backend
@@ -339,6 +341,8 @@ def _distinct(outs: list, inputs: list) -> list:
     """Outputs that share memory with an earlier output or with an argument (a backend's view,
     or one value returned twice) become copies: the graph's outputs are values, and a later
     in-place write to one must not show through another. An argument returned as is stays."""
+    if any(isinstance(t, FakeTensor) for t in outs):  # no memory to share (_interpreted)
+        return outs
     taken = {t.untyped_storage().data_ptr(): t for t in inputs if t.numel()}
     result, returned = [], set()
     for out in outs:
@@ -454,6 +458,8 @@ class Jitted:
     def __call__(self, *args, **kwargs):
         if tracing_active():  # inside another jit or a transform: traced into its graph, as
             return self.fn(*args, **kwargs)  # JAX inlines a nested jit (its kernels ran on tracers)
+        if torch._C._len_torch_dispatch_stack():
+            return self._interpreted(args, kwargs)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
         state = self._states.get(key)  # NOTE [live state]
         read = state.read() if state is not None else None
@@ -480,6 +486,16 @@ class Jitted:
                 _cache_log.debug("hit %s", debug.function_name(self.fn))
             self._cache.move_to_end((key, read[0]))
         return compiled(tensors + read[1])
+
+    def _interpreted(self, args, kwargs):
+        """A call under a foreign dispatch mode (``make_fx``, ``FakeTensorMode``): traced
+        and simplified with the mode set aside, then run op by op with torch (the eager
+        backend), so the mode sees the graph's computation rather than compiled kernels."""
+        with _disable_current_modes():
+            leaves, tree, tensors, _, _ = self._key(args, kwargs)
+            compiled = _Compiled(self._lower(leaves, tree, "eager"))
+            state = compiled.lowered.traced.state.read()[1]
+        return compiled(tensors + state)
 
     def _note_retrace(self, args, kwargs, key) -> None:
         """Past ``config.retrace_warning`` traces, warn once per argument that keeps changing

@@ -694,3 +694,23 @@ def test_a_jitted_function_inside_a_trace_is_traced_into_it(outer):
         torch.testing.assert_close(plait.jit(lambda x: jitted_f(x) * 2, backend="cpp")(x),
                                    f(x) * 2)
     assert inner.trace_count == 0
+
+
+def test_make_fx_and_fake_tensors_see_the_graphs_torch_ops():
+    """Under a foreign dispatch mode a jitted function runs its graph op by op with torch
+    (its compiled kernels would hide the computation: make_fx recorded only aten.empty)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        return (x.sin() * 2).sum(0)
+
+    x = torch.randn(3, 4)
+    for transformed, reference in ((plait.jit(f), f),
+                                   (plait.vmap(f), torch.func.vmap(f))):
+        traced = make_fx(transformed)(x)
+        assert "aten.sin" in traced.code
+        assert_close(traced(x), reference(x))
+    with FakeTensorMode() as mode:
+        out = plait.jit(f)(mode.from_tensor(x))
+    assert out.shape == (4,) and type(out).__name__ == "FakeTensor"
