@@ -455,3 +455,16 @@ def test_forward_ad_turned_off_inside_jvp_stops_tangents_only():
     loss = lambda x: f(x).sum()  # noqa: E731
     assert_close(plait.grad(loss)(x), torch.func.grad(loss)(x))
     assert_close(plait.jacfwd(f)(x), torch.func.jacfwd(f)(x))
+
+
+def test_forward_ad_dual_tensors_inside_a_transform_are_refused():
+    """Tracers carry no forward-AD tangent: torch.autograd.functional.jacobian in forward
+    mode returned zeros under plait.vmap (torch.func.vmap raises)."""
+    def jac(x):
+        return torch.autograd.functional.jacobian(lambda x: x.sin() * x, x,
+                                                  strategy="forward-mode", vectorize=True)
+
+    with pytest.raises(UnsupportedOpError, match="plait.jacfwd"):
+        plait.vmap(jac)(torch.randn(2, 3))
+    with pytest.raises(UnsupportedOpError, match="forward_ad"):
+        plait.jit(jac)(torch.randn(3))

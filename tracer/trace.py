@@ -650,6 +650,20 @@ FUNCTION_HANDLERS.update({getattr(torch.Tensor, m): _data_escape(m)
                           for m in ("numpy", "tolist", "data_ptr", "__array__")})
 
 
+def _dual(tensor, *args, **kwargs):
+    """Forward-mode AD's dual tensors: tracers carry no tangent, so it would be lost (and
+    torch.autograd.functional.jacobian in forward mode would return zeros): refused."""
+    if not (isinstance(tensor, TracerTensor) or torch._is_functional_tensor(tensor)):
+        return NotImplemented
+    raise UnsupportedOpError(
+        "torch.autograd.forward_ad (dual tensors, and torch.autograd.functional's jacobian "
+        "or jvp in forward mode) inside plait.jit or a plait transform is not supported; "
+        "use plait.jvp or plait.jacfwd.")
+
+
+FUNCTION_HANDLERS[torch._make_dual] = _dual
+
+
 class _FunctionCapture(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = FUNCTION_HANDLERS.get(func)
