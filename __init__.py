@@ -4,9 +4,10 @@ from .api import Jitted, JittedModule, Lowered, control_dependency, jit, make_gr
 from .config import config
 from .errors import PlaitError
 from .graph import Graph
-from .transforms import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from .transforms import (grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, vjp,
+                         vmap)
 
 __version__ = "0.1.0"
 __all__ = ["Graph", "Jitted", "JittedModule", "Lowered", "PlaitError", "backends", "config",
            "control_dependency", "distributed", "errors", "grad", "grad_and_value", "hessian",
-           "jacfwd", "jacrev", "jit", "jvp", "make_graph", "vjp", "vmap"]
+           "jacfwd", "jacrev", "jit", "jvp", "linearize", "make_graph", "vjp", "vmap"]

@@ -318,7 +318,12 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool, argnums: tuple)
     _only_tensors(main, "vjp")
     outputs = pytree.tree_leaves(main)
 
-    def vjp_fn(cotangents):
+    def vjp_fn(cotangents, *, retain_graph: bool = True, create_graph: bool = False):
+        """The cotangents of the primals (``retain_graph`` is always so: call it again)."""
+        if create_graph:
+            raise TraceError("vjp_fn(create_graph=True) is not supported; take higher "
+                             "derivatives by composing plait's transforms, e.g. "
+                             "plait.vjp(lambda x: plait.vjp(f, x)[1](ct), x).")
         cts = _cotangent_leaves(main, cotangents, [o.shape for o in outputs])
         recorded = [(o, c) for o, c in zip(outputs, cts) if o.requires_grad]
         grads = torch.autograd.grad([o for o, _ in recorded], leaves, [c for _, c in recorded],
@@ -345,7 +350,8 @@ def _forward(func: Callable, primals: tuple):
 # ---------------------------------------------------------------------------------------
 # Forward mode and vectorization
 # ---------------------------------------------------------------------------------------
-def jvp(func: Callable, primals: tuple, tangents: tuple, has_aux: bool = False):
+def jvp(func: Callable, primals: tuple, tangents: tuple, *, strict: bool = False,
+        has_aux: bool = False):
     """As ``torch.func.jvp``: ``(output, tangent of the output)`` (and ``aux``)."""
     if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
         raise TraceError("jvp takes primals and tangents as tuples (as torch.func.jvp)")
@@ -356,6 +362,12 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, has_aux: bool = False):
         t = _Traced(func, primal_args, {})
         leaves = pytree.tree_leaves(tangent_args)
         wrt = list(range(len(t.tensor_pos)))
+        if strict:
+            active = autodiff.depends_on(t.graph, wrt)
+            if any(v.node not in active for v in t.graph.outputs):
+                raise TraceError("jvp(f, primals, tangents, strict=True): an output of f is "
+                                 "independent of the inputs, which strict=True forbids (as "
+                                 "in torch.func)")
         for p, tan in zip(pytree.tree_leaves(primal_args), leaves):
             if isinstance(p, torch.Tensor) and tuple(p.shape) != tuple(tan.shape):
                 raise TraceError(f"jvp: a tangent of shape {list(tan.shape)} for a primal of "
@@ -368,7 +380,24 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, has_aux: bool = False):
         tangent_out, _ = _split_aux(t.outputs(results[n:]), has_aux, "jvp")
         return (out, tangent_out, aux) if has_aux else (out, tangent_out)
 
-    return _staged_for(func, ("jvp", has_aux), body)(primals, tangents)
+    return _staged_for(func, ("jvp", has_aux, strict), body)(primals, tangents)
+
+
+def _check_chunk_size(what: str, chunk_size) -> None:
+    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise TraceError(f"{what}: chunk_size must be None or an int greater than 0, got "
+                         f"{chunk_size!r}")
+
+
+def linearize(func: Callable, *primals):
+    """As ``torch.func.linearize``: ``(func(*primals), jvp_fn)``, where ``jvp_fn(*tangents)``
+    is the JVP at ``primals`` (each call runs ``jvp``'s cached compilation)."""
+    out = jvp(func, primals, tuple(torch.zeros_like(p) for p in primals))[0]
+
+    def jvp_fn(*tangents):
+        return jvp(func, primals, tangents)[1]
+
+    return out, jvp_fn
 
 
 def _broadcast_prefix(prefix, tree, what: str) -> list:
@@ -391,10 +420,11 @@ def _leaf_dims(prefix, tree, what: str) -> list:
 def vmap(func: Callable, in_dims=0, out_dims=0, randomness: str = "error",
          chunk_size: int | None = None):
     """As ``torch.func.vmap``: ``func`` mapped over dimension ``in_dims`` of its arguments,
-    results stacked along ``out_dims``. ``chunk_size`` is accepted for compatibility; the
-    whole batch is always computed at once."""
+    results stacked along ``out_dims``. ``chunk_size`` is checked as torch.func checks it;
+    the whole batch is always computed at once (the results are the same)."""
     from .passes import batching
 
+    _check_chunk_size("vmap", chunk_size)
     if randomness not in batching.RANDOMNESS:
         raise TraceError(f"vmap: randomness must be one of {batching.RANDOMNESS}, got "
                          f"{randomness!r}")
@@ -485,7 +515,8 @@ def _per_arg(argnums, values: list):
 def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
            chunk_size: int | None = None):
     """As ``torch.func.jacrev``: for each output leaf, the Jacobian w.r.t. each of
-    ``argnums``, shaped output.shape + argument.shape."""
+    ``argnums``, shaped output.shape + argument.shape (``chunk_size`` as in ``vmap``)."""
+    _check_chunk_size("jacrev", chunk_size)
     @_staged
     def body(*args):
         of_chosen, chosen = _with_args(func, args, argnums)

@@ -53,15 +53,21 @@ def _refuse_complex(node, operand_types) -> None:
                                  "supported yet; differentiate a real-valued function")
 
 
+def depends_on(graph: Graph, inputs: Sequence[int]) -> set[int]:
+    """The nodes whose values depend on the graph inputs ``inputs`` (those nodes included)."""
+    active = {graph.inputs[i] for i in inputs}
+    for n in graph.order:
+        if any(v.node in active for v in graph.operands(n)):
+            active.add(n)
+    return active
+
+
 def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
              trace: Trace, wrt: Sequence[int]) -> dict[Value, object]:
     """Propagate cotangents from ``seeds`` (graph value -> tracer) to the values that depend
     on the inputs ``wrt``; return the accumulated cotangents (graph value -> tracer) of the
     values reached. Nodes that do not depend on them need no rule (a random draw does not)."""
-    active = {graph.inputs[i] for i in wrt}
-    for n in graph.order:
-        if any(v.node in active for v in graph.operands(n)):
-            active.add(n)
+    active = depends_on(graph, wrt)
     cts: dict[Value, object] = dict(seeds)
     for n in reversed(graph.order):
         node = graph.node(n)

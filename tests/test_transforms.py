@@ -468,3 +468,27 @@ def test_forward_ad_dual_tensors_inside_a_transform_are_refused():
         plait.vmap(jac)(torch.randn(2, 3))
     with pytest.raises(UnsupportedOpError, match="forward_ad"):
         plait.jit(jac)(torch.randn(3))
+
+
+def test_torch_func_options_work_or_are_refused_as_torch_func_does():
+    x, t = torch.randn(3), torch.randn(3)
+    f = torch.sin
+    assert_close(plait.jvp(f, (x,), (t,), strict=True), torch.func.jvp(f, (x,), (t,), strict=True))
+    with pytest.raises(RuntimeError):
+        torch.func.jvp(lambda x: torch.ones(2), (x,), (t,), strict=True)
+    with pytest.raises(TraceError, match="independent"):
+        plait.jvp(lambda x: torch.ones(2), (x,), (t,), strict=True)
+    for transform in ("vmap", "jacrev"):
+        with pytest.raises(ValueError):
+            getattr(torch.func, transform)(f, chunk_size=0)(x)
+        with pytest.raises(TraceError, match="chunk_size"):
+            getattr(plait, transform)(f, chunk_size=0)(x)
+    xs = torch.randn(5, 3)
+    assert_close(plait.vmap(f, chunk_size=2)(xs), torch.func.vmap(f, chunk_size=2)(xs))
+    out, fn = plait.vjp(f, x)
+    assert_close(fn(t, retain_graph=True), torch.func.vjp(f, x)[1](t))
+    with pytest.raises(TraceError, match="create_graph"):
+        fn(t, create_graph=True)
+    (want_out, want_fn), (got_out, got_fn) = torch.func.linearize(f, x), plait.linearize(f, x)
+    assert_close(got_out, want_out)
+    assert_close(got_fn(t), want_fn(t))
