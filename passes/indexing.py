@@ -10,7 +10,8 @@ bounds every subexpression by interval arithmetic, bottom up:
 
   Mod(a, n)  -> a            when 0 <= a < n
   floor(a)   -> k            when a lies in [k, k + 1)
-  floor(a/n) with a = n*q + b, 0 <= b < n (q an integer expression)  -> q
+  floor(a/n) with a = g*q + b, 0 <= b < g, g | n (q an integer expression) -> floor(q/(n/g))
+  c*Mod(a, n) + c*n*floor(a/n)  -> c*a
   Min/Max    -> the operands that can win
   a < b, ... -> true/false   when the bounds decide it
 
@@ -125,6 +126,8 @@ def _rule(e, bound):
         if lo.is_finite and hi.is_finite and math.floor(lo) == math.floor(hi):
             return sympy.Integer(math.floor(lo))
         return _floor_of_sum(e.args[0], bound) or e
+    elif isinstance(e, sympy.Add):
+        return _mod_and_floor(e) or e
     elif isinstance(e, (sympy.Min, sympy.Max)):
         low, high = {a: bound(a)[0] for a in e.args}, {a: bound(a)[1] for a in e.args}
         if isinstance(e, sympy.Min):  # an operand that some other one never exceeds loses
@@ -145,15 +148,38 @@ def _rule(e, bound):
 
 
 def _floor_of_sum(arg, bound):
-    """floor(q + b/n) -> q where q is an integer expression and 0 <= b/n < 1."""
+    """floor((g*q + b) / (g*m)) -> floor(q/m) where q is an integer expression and
+    0 <= b < g (so b shifts g*q by less than one step of g); m = 1 gives q."""
     num, den = arg.as_numer_denom()
     if not (den.is_Integer and den > 1 and isinstance(num, sympy.Add)):
         return None
-    whole = [t for t in num.args if t.as_coeff_Mul()[0] % den == 0]
-    if not whole:
+    coefficients = [t.as_coeff_Mul()[0] for t in num.args]
+    if not all(c.is_Integer for c in coefficients):
         return None
-    rest = sympy.Add(*[t for t in num.args if t.as_coeff_Mul()[0] % den != 0])
-    lo, hi = bound(rest)
-    if lo >= 0 and hi < den:
-        return sympy.expand(sympy.Add(*whole) / den)
+    for g in sorted({math.gcd(int(den), int(c)) for c in coefficients}, reverse=True):
+        if g == 1:
+            break
+        whole = [t for t, c in zip(num.args, coefficients) if c % g == 0]
+        rest = sympy.Add(*[t for t, c in zip(num.args, coefficients) if c % g != 0])
+        lo, hi = bound(rest)
+        if whole and lo >= 0 and hi < g:
+            q = sympy.expand(sympy.Add(*whole) / g)
+            return q if g == den else sympy.floor(q / (den // g))
+    return None
+
+
+def _mod_and_floor(e):
+    """c*Mod(a, n) + c*n*floor(a/n) -> c*a: a position split into a row and a column
+    and joined again (a reshape of a reshape)."""
+    terms = list(e.args)
+    for i, t in enumerate(terms):
+        c, mod = t.as_coeff_Mul()
+        if not isinstance(mod, sympy.Mod):
+            continue
+        a, n = mod.args
+        partner = c * n * sympy.floor(a / n)
+        if partner in terms:
+            terms.remove(partner)
+            terms[terms.index(t)] = c * a
+            return sympy.Add(*terms)
     return None

@@ -96,3 +96,32 @@ def test_loads_are_in_bounds_for_padding_and_concatenation():
                     x0, x1 = loop_vars("x", 2)
                     grid = [{x0: i, x1: j} for i in range(4) for j in range(10)]
                     assert all(0 <= int(node.index.subs(p)) < size for p in grid)
+
+
+def test_index_simplification_keeps_every_value_and_undoes_split_positions():
+    """NOTE [index simplification]: each rewrite holds at every point of the loops (checked
+    by evaluating all of them), and a position split into row and column and joined again
+    (a column reduction's loads) becomes affine."""
+    import itertools
+
+    import sympy
+
+    from plait.passes.indexing import simplify
+
+    x, r = sympy.symbols("x0 r0", integer=True, nonnegative=True)
+    cases = [
+        (x + 12 * sympy.Mod(r, 4) + 48 * sympy.floor((x + 12 * r) / 48), {x: 12, r: 16}),
+        (sympy.floor((x + 4 * r) / 8), {x: 4, r: 10}),
+        (sympy.floor((x + 4 * r) / 8), {x: 5, r: 10}),  # x may carry: stays as it is
+        (sympy.floor((x - 4 * r + 40) / 8), {x: 4, r: 10}),
+        (3 * sympy.Mod(x + r, 5) + 15 * sympy.floor((x + r) / 5), {x: 7, r: 9}),
+        (sympy.floor((6 * x + 2 * r + 1) / 12), {x: 5, r: 3}),
+    ]
+    for expr, ranges in cases:
+        got = simplify(expr, ranges)
+        for point in itertools.product(*(range(n) for n in ranges.values())):
+            at = dict(zip(ranges, point))
+            assert got.subs(at) == expr.subs(at), (expr, got, at)
+    assert simplify(cases[0][0], cases[0][1]) == x + 12 * r
+    assert simplify(cases[1][0], cases[1][1]) == sympy.floor(r / 2)
+    assert simplify(cases[4][0], cases[4][1]) == 3 * x + 3 * r
