@@ -477,6 +477,11 @@ class Jitted:
             self._note_retrace(args, kwargs, key)
             state = self._states[key] = lowered.traced.state
             read = state.read()
+            if read is None:
+                raise TraceError(
+                    f"{name}: the state it captures could not be read back right after it "
+                    "was traced (a path to a captured tensor or module that changes as it "
+                    "is followed). Pass such tensors as arguments.")
             compiled = self._cache[key, read[0]] = _Compiled(lowered)
             if len(self._cache) > config.cache_size:
                 self._cache.popitem(last=False)
