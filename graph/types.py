@@ -84,7 +84,7 @@ class Provenance:
 
 
 class Constant:
-    """A tensor baked into a graph (a captured closure tensor or a folded result).
+    """A tensor baked into a graph (one made while tracing, or a folded result).
 
     Equality and hashing go by content, so equal constants hash equally across processes.
     """

@@ -103,8 +103,9 @@ def _concretization(what: str) -> ConcretizationError:
 
 def captured_write_error() -> TraceError:
     return TraceError("the traced function writes into a tensor it did not receive as an "
-                      "argument (a closure or module buffer); plait treats captured tensors "
-                      "as constants. Pass the tensor as an argument instead.")
+                      "argument (a closure or global tensor: plait reads those at each call "
+                      "but writes back only arguments and modules' parameters and buffers). "
+                      "Pass the tensor as an argument instead.")
 
 
 def tracing_active() -> bool:
