@@ -13,7 +13,7 @@ forward's own ops get none. Forward mode derives its rule from that VJP (NOTE [a
 from __future__ import annotations
 
 import contextlib
-import itertools
+
 import torch
 from torch.autograd.function import Function
 from torch.utils import _pytree as pytree
@@ -24,7 +24,6 @@ from .trace import (TRACING_CONTEXTS, TracerTensor, bind, current_trace, on_trac
                     tracing_active, unwrap_functional)
 
 _ORIGINAL_APPLY = Function.apply.__func__
-_RULES = itertools.count()
 
 
 class _Context:
@@ -39,7 +38,7 @@ class _Context:
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
 
-    def save_for_forward(self, *tensors):
+    def save_for_forward(self, *tensors):  # for a jvp staticmethod, which plait does not use
         pass
 
     def mark_non_differentiable(self, *tensors):
@@ -59,7 +58,7 @@ class CustomRule:
 
     def __init__(self, cls, ctx: _Context, inputs: list, saved_names: list[str],
                  out_types: list):
-        self.cls, self.id = cls, next(_RULES)
+        self.cls = cls
         self.attributes = {k: v for k, v in vars(ctx).items() if k not in saved_names
                            and k != "saved_tensors"}
         self.input_slots = inputs  # argument position of each tensor operand

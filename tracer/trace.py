@@ -705,15 +705,7 @@ class _TraceMode(_Mode):
 
 
 def _reads_live(args, kwargs) -> bool:
-    """Does an op on real tensors only read live state (NOTE [live state])? Then it is
-    traced, not run once and baked."""
-    live = _TRACES[0].live if _TRACES else None
-    return bool(live) and any(isinstance(x, torch.Tensor) and id(x) in live
-                              for x in pytree.tree_leaves((args, kwargs)))
-
-
-def _reads_live(args, kwargs) -> bool:
-    """Does an op on real tensors only read live state (NOTE [live state])? Then it is
+    """Does an op on real tensors read live state (NOTE [live state])? Then it is
     traced, not run once and baked."""
     live = _TRACES[0].live if _TRACES else None
     return bool(live) and any(isinstance(x, torch.Tensor) and id(x) in live
