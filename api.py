@@ -248,13 +248,9 @@ class _Compiled:
                 program = self._programs[wrt] = _Differentiable(self.lowered, wrt)
             results = _Node.apply(program, len(tensors), *tensors)
         else:
-            outs = self._run(tensors)
-            for k, i in enumerate(self._mutated, len(outs) - len(self._mutated)):
-                with torch.no_grad():
-                    tensors[i].copy_(outs[k])
             kept = [t for i, t in enumerate(tensors) if i not in self._donated] \
                 if self._donated else tensors
-            results = _distinct(outs[:len(outs) - len(self._mutated)], kept)
+            results = _written_back(self._run(tensors), tensors, self._mutated, kept)
         leaves = [results[x] if isinstance(x, int) else x.value for x in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_tree)
 
@@ -294,9 +290,8 @@ class _Differentiable:
 
     def forward(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
         outs = self._forward.runner(tensors)
-        for k, i in enumerate(self.mutated, self.n_results):
-            tensors[i].copy_(outs[k])
-        return _distinct(outs[:self.n_results], tensors), outs[self.n_outputs:]
+        results = _written_back(outs[:self.n_outputs], tensors, self.mutated, tensors)
+        return results, outs[self.n_outputs:]
 
     def backward(self, residuals, cotangents) -> list:
         seeds = [cotangents[k].contiguous() for k in self.seeded]
@@ -335,6 +330,17 @@ class _Node(torch.autograd.Function):
         for i, g in zip(program.wrt, program.backward(ctx.saved_tensors, cotangents)):
             grads[i] = g
         return (None, None, *grads)
+
+
+def _written_back(outs: list, tensors: list, mutated: tuple, kept: list) -> list:
+    """A program's results: its last outputs, the new values of the ``mutated`` inputs, are
+    written into them (as eager's in-place ops would), and the results made distinct from
+    each other and from the ``kept`` inputs (``_distinct``)."""
+    n_results = len(outs) - len(mutated)
+    with torch.no_grad():
+        for k, i in enumerate(mutated, n_results):
+            tensors[i].copy_(outs[k])
+    return _distinct(outs[:n_results], kept)
 
 
 def _distinct(outs: list, inputs: list) -> list:
@@ -505,16 +511,17 @@ class Jitted:
     def _note_retrace(self, args, kwargs, key) -> None:
         """Past ``config.retrace_warning`` traces, warn once per argument that keeps changing
         (the leaves whose key differs from the previous trace's)."""
-        self._signatures.append((pytree.tree_flatten_with_path((args, kwargs))[0], key))
+        # each leaf by what compiling depends on, not the leaf: no call's tensors kept alive
+        leaves = [(path, tensor_key(x) if isinstance(x, torch.Tensor) else (type(x), x))
+                  for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]]
+        self._signatures.append((leaves, key))
         if self.trace_count <= config.retrace_warning or len(self._signatures) < 2:
             return
         (before, key_before), (now, key_now) = self._signatures
         if len(before) != len(now):
             changed = ["the structure of the arguments"]
         else:
-            changed = [_argument_name(path) for (path, a), (_, b) in zip(before, now)
-                       if type(a) is not type(b) or (not isinstance(a, torch.Tensor) and a != b)
-                       or isinstance(a, torch.Tensor) and tensor_key(a) != tensor_key(b)]
+            changed = [_argument_name(path) for (path, a), (_, b) in zip(before, now) if a != b]
             changed = changed or (["captured state (a module's attributes or parameters)"]
                                   if key_before == key_now else ["the configuration"])
         for what in changed:
