@@ -34,6 +34,7 @@ out.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 import attrs
@@ -398,7 +399,29 @@ def _broadcast(node, args, t):
 
 def _reshape(node, args, t):
     (x,) = args
-    return lambda idx: x.at(unflat(flat(idx, t.shape), x.type.shape))
+    groups = _reshape_groups(t.shape, x.type.shape)
+    return lambda idx: x.at(tuple(
+        i for (out, shape) in groups
+        for i in unflat(flat(idx[out.start:out.stop], t.shape[out]), shape)))
+
+
+def _reshape_groups(out_shape, in_shape) -> list[tuple[slice, tuple]]:
+    """The reshape as independent groups (a slice of the out dims, the in dims' sizes) of
+    equal size, cut wherever the two shapes' prefix products meet: splitting or merging one
+    dim then needs no division or remainder of a sum of indices (sympy's simplification of
+    those dominated lowering time)."""
+    if 0 in out_shape:
+        return [(slice(0, len(out_shape)), tuple(in_shape))]
+    firsts = []
+    for shape in (out_shape, in_shape):
+        first: dict[int, int] = {}
+        for k in range(len(shape) + 1):
+            first.setdefault(math.prod(shape[:k]), k)
+        firsts.append(first)
+    cuts = sorted((firsts[0][v], firsts[1][v]) for v in firsts[0].keys() & firsts[1].keys())
+    cuts.append((len(out_shape), len(in_shape)))
+    return [(slice(i0, i1), tuple(in_shape[j0:j1]))
+            for (i0, j0), (i1, j1) in zip(cuts, cuts[1:]) if (i0, j0) != (i1, j1)]
 
 
 def _transpose(node, args, t):
