@@ -101,7 +101,7 @@ from ..graph.loops import (
     loop_vars,
     walk,
 )
-from . import codegen
+from . import codegen, compile_workers
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, cache_folder, column_wise,
                       kernel_error, levels, reduces, with_error_codes, write_atomically)
 
@@ -1003,6 +1003,27 @@ def load_module(source: str):
     return module
 
 
+def _specialization(kernel, args: list, options: dict) -> str | None:
+    """Triton's serialized specialization of ``kernel`` launched on ``args`` with ``options``
+    (what a worker compiles it from, NOTE [compile workers]), taken from its cache hook, which
+    skips the compile; None where the kernel is compiled already or Triton gives none."""
+    import triton
+
+    seen = []
+
+    def skip_compile(*, compile, **_):
+        seen.append(compile.get("specialization_data"))
+        return True
+
+    hooks = triton.knobs.runtime
+    saved, hooks.jit_cache_hook = hooks.jit_cache_hook, skip_compile
+    try:
+        kernel.warmup(*args, grid=(1,), **options)
+    finally:
+        hooks.jit_cache_hook = saved
+    return seen[0] if seen else None
+
+
 # ---------------------------------------------------------------------------------------
 # Autotuning
 # ---------------------------------------------------------------------------------------
@@ -1141,27 +1162,48 @@ class CompiledProgram(codegen.CompiledProgram):
         return w.launch_options() | self._tuning[key]
 
     def _compile_kernels(self, device: torch.device) -> None:
-        """Compile every kernel for ``device`` at once, in threads, instead of one by one at
-        first launch: the parts of Triton's compile that leave the GIL (ptxas runs as a
-        subprocess) overlap; 10-20% less cold compile for programs of several kernels on an
-        H200 (a process pool would overlap more). Each kernel is also loaded and its launcher
-        built (Triton compiles a C launcher per kernel signature at the first launch: 0.3 s
-        each, a 4-block GPT step's first call spent 4 s on them one by one). Stand-in
-        arguments are fresh allocations, aligned as the buffers are, so the launches find
-        these compiled variants."""
-        def warm_up(w):
-            args = [torch.empty(1, dtype=self._types[b].dtype, device=device)
-                    for b in w.buffers] + [self._error_flag(device)] * w.checks_error
-            options = w.launch_options()
-            compiled = getattr(self._module, w.name).warmup(*args, grid=w.grid(options),
-                                                            **options)
+        """Compile every kernel for ``device`` at once instead of one by one at first launch:
+        each first in a worker process (NOTE [compile workers]), then here in threads, where
+        Triton's disk cache then holds it. Each kernel is also loaded and its launcher built
+        (Triton compiles a C launcher per kernel signature at the first launch: 0.3 s each, a
+        4-block GPT step's first call spent 4 s on them one by one). Stand-in arguments are
+        fresh allocations, aligned as the buffers are, so the launches find these compiled
+        variants."""
+        writers = list({w.name: w for w in self.writers.values() if w.numel}.values())
+        if len(writers) < 2 or interpreting():
+            return
+        stand_ins = {w.name: [torch.empty(1, dtype=self._types[b].dtype, device=device)
+                              for b in w.buffers] + [self._error_flag(device)] * w.checks_error
+                     for w in writers}
+        workers = compile_workers.pool(config.compile_workers)
+        jobs = {}
+        if workers is not None:
+            import triton
+
             with torch.cuda.device(device):
+                target = triton.runtime.driver.active.get_current_target()
+                for w in writers:
+                    if data := _specialization(getattr(self._module, w.name), stand_ins[w.name],
+                                               w.launch_options()):
+                        jobs[w.name] = {
+                            "path": self._module.__file__, "module": self._module.__name__,
+                            "kernel": w.name, "specialization": data, "target": {
+                                "backend": target.backend, "arch": target.arch,
+                                "warp_size": target.warp_size}}
+
+        def warm_up(w, in_worker):
+            if in_worker is not None:
+                in_worker.result()  # then found in Triton's disk cache
+            options = w.launch_options()
+            with torch.cuda.device(device):
+                compiled = getattr(self._module, w.name).warmup(
+                    *stand_ins[w.name], grid=w.grid(options), **options)
                 getattr(compiled, "_init_handles", lambda: None)()
 
-        writers = list({w.name: w for w in self.writers.values() if w.numel}.values())
-        if len(writers) > 1 and not interpreting():
-            with concurrent.futures.ThreadPoolExecutor(min(len(writers), 8)) as pool:
-                list(pool.map(warm_up, writers))
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as remote:
+            in_workers = {name: remote.submit(workers.compile, job) for name, job in jobs.items()}
+            with concurrent.futures.ThreadPoolExecutor(min(len(writers), 8)) as local:
+                list(local.map(lambda w: warm_up(w, in_workers.get(w.name)), writers))
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         device = self._device(inputs)
@@ -1178,5 +1220,7 @@ def compile_graph(graph, stages=None):
     """The ``triton`` backend's factory (NOTE [pipeline]): lowered for this code generator
     (its ops: ``supported_ops()``), fused, through the memory passes; its kernels compile for
     a device at the first call there."""
+    if not interpreting() and torch.cuda.is_available():
+        compile_workers.pool(config.compile_workers)  # they start while lowering runs
     return codegen.compile_graph(compile_program, graph, stages, supported_ops=supported_ops(),
                                  supported_dtypes=TRITON_DTYPES)

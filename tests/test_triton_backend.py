@@ -503,3 +503,40 @@ def test_autotuning_reads_past_a_damaged_file(tmp_path, monkeypatch):
         path.write_text("{truncated")
         torch.testing.assert_close(jit(x), x.cos() + 1)
         assert json.loads(path.read_text())  # rewritten whole
+
+
+_DOUBLE = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def double(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+'''
+
+
+def test_compile_workers_fill_tritons_cache_and_survive_failures(tmp_path, monkeypatch):
+    """NOTE [compile workers]: a worker compiles a kernel for a GPU target (no GPU needed:
+    Triton compiles ahead for sm_90) into Triton's disk cache; a job that fails or a worker
+    that died answers False, and the pool goes on."""
+    from plait.backends import compile_workers
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # workers compile for a GPU
+    (tmp_path / "kernels.py").write_text(_DOUBLE)
+    job = {"path": str(tmp_path / "kernels.py"), "module": "kernels", "kernel": "double",
+           "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
+           "specialization": json.dumps({
+               "signature": {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+               "constant_keys": [[2]], "constant_vals": [128],
+               "attrs_keys": [[0]], "attrs_vals": [[["tt.divisibility", 16]]],
+               "options": {"num_warps": 4}})}
+    pool = compile_workers.Pool(1)
+    assert not pool.compile(dict(job, kernel="missing"))
+    assert pool.compile(job)
+    assert [p.name for p in (tmp_path / "triton").rglob("double.cubin")]
+    (worker,) = pool._idle.queue
+    worker.kill()
+    worker.wait()
+    assert not pool.compile(job) and not pool.compile(job)  # no worker left, no hang
