@@ -276,7 +276,7 @@ class _Differentiable:
         self.n_results = self.n_outputs - len(traced.mutated_inputs)
         self.mutated = traced.mutated_inputs
         self.seeded = [k for k in range(self.n_results)
-                       if graph.output_types[k].dtype.is_floating_point]
+                       if autodiff.differentiable(graph.output_types[k])]
         name = lowered._stages.name
         with config.patch(**lowered._config), no_dynamo_import():
             joint = autodiff.joint(graph, wrt, self.seeded)
@@ -310,7 +310,8 @@ class _Node(torch.autograd.Function):
         results, residuals = program.forward(list(tensors))
         ctx.program, ctx.n_inputs = program, n_inputs
         ctx.save_for_backward(*residuals)
-        ctx.mark_non_differentiable(*[r for r in results if not r.dtype.is_floating_point])
+        ctx.mark_non_differentiable(*[r for r in results
+                                      if not (r.dtype.is_floating_point or r.dtype.is_complex)])
         return tuple(results)
 
     @staticmethod

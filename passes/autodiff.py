@@ -11,14 +11,20 @@ applies each primitive's ``vjp`` rule::
 Rules are written with torch calls on tracers (traced like user code) or ``bind``; they see
 the forward values they need, and only those stay alive, so the saved residuals are exactly
 what the rules read. A ``None`` cotangent means zero. Integer and boolean values carry no
-cotangent (as in torch.func); complex values are refused for now.
+cotangent (as in torch.func). A complex value's cotangent is dL/dRe + i dL/dIm, as in
+PyTorch: each VJP is the transpose of the derivative with C seen as R^2 (NOTE [complex
+derivatives] in tracer/primitives.py), and a real operand's share of a complex cotangent is
+its real part. Primitives whose rules do not hold on complex values (``COMPLEX_RULES`` lists
+those that do) raise UnsupportedOpError there.
 
 ``jvp(graph, wrt)`` is one forward pass: each node's tangents come from its primitive's
 ``jvp`` rule (``rule(operands, tangents, outs, **params)``). Elementwise primitives share
 their derivative tables with the VJP rules; linear ones map tangents through themselves. A
 primitive without a ``jvp`` rule has one derived from its ``vjp`` rule: the VJP is linear in
 its cotangent, so differentiating it once more with respect to the cotangent (at zero), with
-the tangent as cotangent, gives J @ t (simplification then removes the dead half).
+the tangent as cotangent, gives J @ t (simplification then removes the dead half). With
+complex values too: the VJP is the real transpose of J (not its complex transpose), whose
+transpose is J again.
 """
 from __future__ import annotations
 
@@ -26,13 +32,13 @@ from typing import Sequence
 
 from ..errors import UnsupportedOpError
 from ..graph import Graph, GraphBuilder, TensorType, Value
-from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
+from ..tracer.primitives import COMPLEX_RULES, ELEMENTWISE, get_primitive, is_effectful
 from ..tracer.trace import Trace, bind, tracing
 from .interpret import inline, replay
 
 
 def differentiable(t: TensorType) -> bool:
-    return t.dtype.is_floating_point
+    return t.dtype.is_floating_point or t.dtype.is_complex
 
 
 def zeros(t: TensorType):
@@ -40,17 +46,29 @@ def zeros(t: TensorType):
 
 
 def _fit(ct, t: TensorType, trace: Trace):
-    """A rule's cotangent, checked against its operand's type (and cast to its dtype)."""
+    """A rule's cotangent, checked against its operand's type (and cast to its dtype): a
+    complex one of a real operand is its real part (a real value's path into C is
+    R-linear, and the real part is its transpose)."""
     ct_t = trace.type_of(ct)
     if ct_t.shape != t.shape:
         raise AssertionError(f"VJP rule returned a cotangent of {ct_t} for an operand of {t}")
-    return ct if ct_t.dtype == t.dtype else bind("convert", ct, dtype=t.dtype)
+    if ct_t.dtype.is_complex and not t.dtype.is_complex:
+        ct = bind("real", ct)
+    return ct if trace.type_of(ct).dtype == t.dtype else bind("convert", ct, dtype=t.dtype)
 
 
-def _refuse_complex(node, operand_types) -> None:
-    if any(t.dtype.is_complex for t in (*operand_types, *node.out_types)):
-        raise UnsupportedOpError(f"differentiating {node.prim} on complex values is not "
-                                 "supported yet; differentiate a real-valued function")
+def _name(node) -> str:
+    return f"{node.prim} ({node.kwargs['op']})" if node.prim == "opaque" else node.prim
+
+
+def _check_complex(node, operand_types) -> None:
+    if node.prim not in COMPLEX_RULES and any(
+            t.dtype.is_complex for t in (*operand_types, *node.out_types)):
+        raise UnsupportedOpError(
+            f"the primitive {_name(node)} has no derivative rule for complex values (traced "
+            f"from {node.provenance.aten or 'the function'}); compute it on the real and "
+            "imaginary parts (torch.view_as_real) or keep it outside the differentiated "
+            "function")
 
 
 def depends_on(graph: Graph, inputs: Sequence[int]) -> set[int]:
@@ -79,16 +97,15 @@ def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
         operand_types = [graph.type_of(v) for v in operands]
         if all(c is None for c in node_cts):
             continue
-        _refuse_complex(node, operand_types)
         if not any(map(differentiable, operand_types)):
             continue
         rule = get_primitive(node.prim).vjp
         if rule is None:
-            what = f"{node.prim} ({node.kwargs['op']})" if node.prim == "opaque" else node.prim
             raise UnsupportedOpError(
-                f"the primitive {what} has no derivative rule, so plait cannot differentiate "
-                f"through it (traced from {node.provenance.aten or 'the function'}). Keep this "
-                "op outside the differentiated function.")
+                f"the primitive {_name(node)} has no derivative rule, so plait cannot "
+                f"differentiate through it (traced from {node.provenance.aten or 'the function'})."
+                " Keep this op outside the differentiated function.")
+        _check_complex(node, operand_types)
         node_cts = [c if c is not None or not differentiable(t) else zeros(t)
                     for c, t in zip(node_cts, node.out_types)]
         with trace.provenance_of(node.provenance):  # the derivative of the user's line
@@ -124,7 +141,7 @@ def jvp(graph: Graph, wrt: Sequence[int]) -> Graph:
                         for v, t in zip(graph.operands(n), types)]
             if all(t is None for t in tangents):
                 return outs
-            _refuse_complex(node, types)
+            _check_complex(node, types)
             rule = get_primitive(node.prim).jvp
             out_tangents = rule(operands, tangents, tuple(outs), **node.kwargs) if rule else None
             if out_tangents is None:

@@ -205,8 +205,8 @@ def _gathered(b: GraphBuilder, v: Value, index: Value, dim: int, provenance) -> 
 
 def algebra(graph: Graph) -> Graph:
     """Algebraic identities that leave fewer nodes and fewer copies for the compiler: x*1,
-    x/1, x-0; reshapes and transposes that do nothing or compose; a reshape of the leading
-    dims moves before a transpose of the others; a dot_general absorbs
+    x/1, x-0, conj(conj(x)); reshapes and transposes that do nothing or compose; a reshape
+    of the leading dims moves before a transpose of the others; a dot_general absorbs
     transposed operands into its dimension numbers, and a transpose of a single-use
     dot_general that swaps its free dims swaps its operands instead. Every rule is exact in
     floating point (x+0 is not: -0.0 + 0.0 is +0.0).
@@ -235,6 +235,8 @@ def algebra(graph: Graph) -> Graph:
         if operands and _does_nothing(node.prim, kw, b.type_of(operands[0]), node.out_types[0]):
             return [operands[0]]
         inner = b.node(operands[0].node) if operands else None
+        if node.prim == "conj" and inner.prim == "conj":  # complex VJPs conjugate twice
+            return [b.operands(operands[0].node)[0]]
         if node.prim == "reshape" and inner.prim == "reshape":
             (source,) = b.operands(operands[0].node)
             return [source] if same(source) else b.add_node("reshape", (source,), kw,

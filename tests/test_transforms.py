@@ -86,8 +86,8 @@ def test_errors():
         plait.grad(lambda a, n: a.sum() * n, argnums=1)(x, torch.tensor(2))
     with pytest.raises(TraceError, match="pair"):
         plait.grad(lambda a: a.sum(), has_aux=True)(x)
-    with pytest.raises(UnsupportedOpError, match="complex"):
-        plait.grad(lambda a: torch.fft.fft(a).abs().sum())(x)
+    with pytest.raises(UnsupportedOpError, match="logcumsumexp has no derivative rule for co"):
+        plait.grad(lambda a: torch.logcumsumexp(torch.fft.fft(a), 0).abs().sum())(x)
     _, fn = plait.vjp(torch.sin, x)
     with pytest.raises(TraceError, match="shape"):
         fn(torch.randn(4))

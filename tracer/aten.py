@@ -337,7 +337,9 @@ def _angle(x):
 
 def _fft(kind: str):
     def handler(x, dim, normalization, option):
-        return bind(f"fft_{kind}", x, dim=tuple(dim), normalization=normalization,
+        ndim = max(type_of(x).ndim, 1)  # dims made non-negative: vmap shifts them
+        return bind(f"fft_{kind}", x, dim=tuple(d % ndim for d in dim),
+                    normalization=normalization,
                     **{{"r2c": "onesided", "c2r": "last_dim_size", "c2c": "forward"}[kind]:
                        option})
 
@@ -819,10 +821,15 @@ def _mv(a, b):
     return bind("dot_general", a, b, contracting=((1,), (0,)), batch=((), ()))
 
 
-@handles(aten.dot.default, aten.vdot.default)
+@handles(aten.dot.default)
 def _dot(a, b):
     _matmul_dtypes("dot", a, b)
     return bind("dot_general", a, b, contracting=((0,), (0,)), batch=((), ()))
+
+
+@handles(aten.vdot.default)
+def _vdot(a, b):  # the first operand conjugated
+    return _dot(bind("conj", a) if type_of(a).dtype.is_complex else a, b)
 
 
 def _arg_reduction(name):

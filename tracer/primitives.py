@@ -254,11 +254,25 @@ define("polygamma", _polygamma_infer, lambda x, *, n: torch.polygamma(n, x))
 # Derivatives of the elementwise primitives, as PyTorch's autograd formulas give them:
 # unary ones as d(x, y) with y = f(x) (None: zero almost everywhere), binary ones as the
 # cotangents of both operands.
+#
+# NOTE [complex derivatives]
+# A complex value's cotangent is dL/dRe + i dL/dIm (PyTorch's convention): a VJP is the
+# transpose of the derivative with C seen as R^2. For a holomorphic f that is the cotangent
+# times conj(f'(z)), so the VJP rules conjugate the derivative of a complex operand (a binary
+# rule, linear in its cotangent, runs on conj(ct) and is conjugated back), and the JVP rules
+# multiply by f'(z) as they are. A real function of a complex operand (abs) has a d whose
+# tangent is Re(d t) and cotangent ct conj(d). A complex cotangent of a real value is its
+# real part (autodiff's ``_fit``: the transpose of the reals' inclusion in C). Maps with real
+# coefficients (layout, sums, gathers) keep their rules: their transpose is their adjoint; a
+# matrix product's cotangent takes the other operand conjugated (ct_A = ct B^H), a DFT's is
+# the inverse transform. Only the primitives in COMPLEX_RULES have rules that hold on complex
+# values; autodiff refuses the others there.
 _LN2, _LN10 = math.log(2.0), math.log(10.0)
 _UNARY_DERIVATIVES = {
-    "abs": lambda x, y: torch.sign(x),
+    "abs": lambda x, y: _conj(x) / _nonzero(y) if x.dtype.is_complex else torch.sign(x),
     "acos": lambda x, y: -torch.rsqrt(1 - x * x),
-    "acosh": lambda x, y: torch.rsqrt(x * x - 1),
+    "acosh": lambda x, y: torch.rsqrt(x + 1) * torch.rsqrt(x - 1) if x.dtype.is_complex
+    else torch.rsqrt(x * x - 1),  # the two roots differ off the real line
     "asin": lambda x, y: torch.rsqrt(1 - x * x),
     "asinh": lambda x, y: torch.rsqrt(x * x + 1),
     "atan": lambda x, y: 1 / (1 + x * x),
@@ -305,10 +319,15 @@ def _nonzero(x):
     return torch.where(x == 0, 1.0, x)
 
 
+def _conj(x):
+    """x's complex conjugate (a real tensor, or a number, is its own)."""
+    return _bind("conj", x) if isinstance(x, torch.Tensor) and x.dtype.is_complex else x
+
+
 def _unary_vjp(d):
     def rule(cts, x, *, outs):
         derivative = d(x, outs[0])
-        return (None if derivative is None else cts[0] * derivative,)
+        return (None if derivative is None else cts[0] * _conj(derivative),)
 
     return rule
 
@@ -331,8 +350,9 @@ def _polygamma_vjp(cts, x, *, outs, n):
 
 
 def _pow_vjp(ct, a, b, y):
+    real_exponent = (torch.imag(b) == 0) & (torch.real(b) >= 0) if b.dtype.is_complex else b >= 0
     base = torch.where(b == 0, 0.0, ct * b * torch.pow(a, b - 1))
-    exponent = torch.where((a == 0) & (b >= 0), 0.0, ct * y * torch.log(a))
+    exponent = torch.where((a == 0) & real_exponent, 0.0, ct * y * torch.log(a))
     return base, exponent
 
 
@@ -363,7 +383,12 @@ def _split(ct, tie, lose):
 
 
 def _binary_vjp(d):
-    return lambda cts, a, b, *, outs: d(cts[0], a, b, outs[0])
+    def rule(cts, a, b, *, outs):
+        if not a.dtype.is_complex:
+            return d(cts[0], a, b, outs[0])
+        return tuple(map(_conj, d(_conj(cts[0]), a, b, outs[0])))  # ct * conj(derivative)
+
+    return rule
 
 
 def _binary_jvp(d):
@@ -403,6 +428,10 @@ define("complex", _complex_infer, torch.complex)
 define("real", _part_infer("real"), lambda x: torch.real(x).clone())
 define("imag", _part_infer("imag"), lambda x: torch.imag(x).clone())
 define("conj", _elementwise_infer("conj", None), torch.conj_physical)
+vjp_rule("complex")(lambda cts, re, im, *, outs: (_bind("real", cts[0]), _bind("imag", cts[0])))
+vjp_rule("real")(lambda cts, x, *, outs: (cts[0],))  # the engine makes it ct + 0i
+vjp_rule("imag")(lambda cts, x, *, outs: (_bind("complex", torch.zeros_like(cts[0]), cts[0]),))
+vjp_rule("conj")(lambda cts, x, *, outs: (_conj(cts[0]),))
 
 
 def _frexp_infer(x):
@@ -461,7 +490,8 @@ define("no_fwd_grad", lambda x: (x,), lambda x: x, vjp=lambda cts, x, *, outs: (
 
 @vjp_rule("convert")
 def _convert_vjp(cts, x, *, outs, dtype):
-    return (cts[0] if dtype.is_floating_point else None,)  # the engine casts it back
+    # the engine casts it back (to its real part where x is real)
+    return (cts[0] if dtype.is_floating_point or dtype.is_complex else None,)
 
 
 # ---------------------------------------------------------------------------------------
@@ -681,7 +711,7 @@ def _prod_vjp(cts, x, *, outs, dims):
                                      -1), [-1])
     others = (before * after).reshape([x.shape[d] for d in rest + list(dims)])
     others = others.permute([(rest + list(dims)).index(d) for d in range(x.ndim)])
-    return (_unreduce(cts[0], x, dims) * others,)
+    return (_unreduce(cts[0], x, dims) * _conj(others),)
 
 
 def _scan_infer(name: str, with_indices: bool):
@@ -757,7 +787,7 @@ def _cumprod_vjp(cts, x, *, outs, dim):
                          moved.unsqueeze(-2).expand(*moved.shape[:-1], n, n))
     partial = torch.cumprod(square, -1)  # [..., i, k] = prod_{j <= k, j != i} x_j
     ct = cts[0].movedim(dim, -1).unsqueeze(-2)
-    return ((torch.where(mask, partial, 0.0) * ct).sum(-1).movedim(-1, dim),)
+    return ((_conj(torch.where(mask, partial, 0.0)) * ct).sum(-1).movedim(-1, dim),)
 
 
 @vjp_rule("cummax", "cummin")
@@ -807,6 +837,7 @@ def _dot_general_vjp(cts, lhs, rhs, *, outs, contracting, batch):
     nb = len(lb)
     out_lf = tuple(range(nb, nb + len(lf)))
     out_rf = tuple(range(nb + len(lf), nb + len(lf) + len(rf)))
+    lhs, rhs = _conj(lhs), _conj(rhs)  # complex: the adjoint, ct_lhs = ct @ rhs^H
     return (_dot_cotangent(cts[0], rhs, out_rf, rf, rb, lb, lf, lc, rc),
             _dot_cotangent(cts[0], lhs, out_lf, lf, lb, rb, rf, rc, lc))
 
@@ -861,6 +892,9 @@ define("scatter", _scatter_infer, _scatter_impl)
 @vjp_rule("scatter")
 def _scatter_vjp(cts, x, index, src, *, outs, dim, reduce, include_self):
     ct = cts[0]
+    if x.dtype.is_complex and reduce not in (None, "sum"):
+        raise UnsupportedOpError(f"scatter with reduce={reduce!r} has no derivative rule on "
+                                 "complex values; scatter the real and imaginary parts apart")
     if reduce is None:  # overwritten positions owe nothing to x
         return ct.scatter(dim, index, 0.0), None, torch.gather(ct, dim, index)
     if reduce == "sum":
@@ -963,6 +997,44 @@ for _kind in ("r2c", "c2r", "c2c"):
            _fft_impl(getattr(torch.ops.aten, f"_fft_{_kind}").default))
 
 
+# A DFT's adjoint is the DFT the other way, scaled alike (the normalization is a real factor).
+vjp_rule("fft_c2c")(lambda cts, x, *, outs, dim, normalization, forward: (
+    _bind("fft_c2c", cts[0], dim=dim, normalization=normalization, forward=not forward),))
+
+
+@vjp_rule("fft_r2c")
+def _fft_r2c_vjp(cts, x, *, outs, dim, normalization, onesided):
+    """The inverse transform of the cotangent, zero in the bins a onesided result drops (the
+    engine keeps its real part: x is real)."""
+    ct, last = cts[0], dim[-1]
+    if onesided:
+        high = tuple(x.shape[d] - n if d == last else 0 for d, n in enumerate(ct.shape))
+        ct = _bind("pad", ct, low=(0,) * x.ndim, high=high, value=0.0)
+    return (_bind("fft_c2c", ct, dim=dim, normalization=normalization, forward=False),)
+
+
+@vjp_rule("fft_c2r")
+def _fft_c2r_vjp(cts, x, *, outs, dim, normalization, last_dim_size):
+    """The forward transform of the cotangent, onesided. A bin the Hermitian extension mirrors
+    (all but the first, and the middle one of an even length) feeds two outputs: doubled."""
+    ct, last = _bind("fft_r2c", cts[0], dim=dim, normalization=normalization,
+                     onesided=True), dim[-1]
+    mirrored = last_dim_size - x.shape[last]
+    if mirrored <= 0:
+        return (ct,)
+    return (torch.cat([ct.narrow(last, 0, 1), 2 * ct.narrow(last, 1, mirrored),
+                       ct.narrow(last, 1 + mirrored, x.shape[last] - 1 - mirrored)], last),)
+
+
+# The primitives whose derivative rules hold on complex values (NOTE [complex derivatives]).
+COMPLEX_RULES = frozenset((
+    "abs acos acosh asin asinh atan atanh cos cosh exp exp2 expm1 log log10 log1p log2 neg "
+    "reciprocal rsqrt sin sinh sqrt tan tanh add sub mul div pow where convert complex real "
+    "imag conj fft_r2c fft_c2r fft_c2c after stop_gradient no_grad no_fwd_grad "
+    "broadcast_in_dim reshape transpose slice pad concatenate rev sum prod cumsum cumprod "
+    "dot_general gather scatter").split())
+
+
 def is_effectful(node) -> bool:
     """Must this node run exactly as traced (never removed, merged, folded or moved)?
 
@@ -1032,7 +1104,8 @@ def _attach_shifted(names, *keys):
 _attach_shifted([*ELEMENTWISE, "complex", "real", "imag", "conj", "frexp", "stop_gradient",
                  "no_grad", "no_fwd_grad", "after"])
 _attach_shifted(list(REDUCTIONS) + ["argmax", "argmin", "rev"], "dims")
-_attach_shifted(list(SCANS) + ["sort", "topk", "gather", "scatter", "concatenate"], "dim")
+_attach_shifted(list(SCANS) + ["sort", "topk", "gather", "scatter", "concatenate", "fft_r2c",
+                               "fft_c2r", "fft_c2c"], "dim")
 
 
 @batch_rule("broadcast_in_dim")
@@ -1093,9 +1166,8 @@ for _name in ("after", "reshape", "transpose", "broadcast_in_dim", "slice", "con
 PRIMITIVES["pad"].jvp = _linear_jvp("pad", value=0.0)
 PRIMITIVES["where"].jvp = _linear_jvp("where", (1, 2))
 PRIMITIVES["gather"].jvp = _linear_jvp("gather", (0,))
-jvp_rule("convert")(lambda ops, tans, outs, *, dtype: (
-    None if tans[0] is None or not dtype.is_floating_point else _bind("convert", tans[0],
-                                                                      dtype=dtype),))
+jvp_rule("convert")(lambda ops, tans, outs, *, dtype: (  # the engine casts it
+    tans[0] if dtype.is_floating_point or dtype.is_complex else None,))
 jvp_rule("stop_gradient")(lambda ops, tans, outs: (None,))
 jvp_rule("no_grad")(lambda ops, tans, outs: (tans[0],))
 jvp_rule("no_fwd_grad")(lambda ops, tans, outs: (None,))
