@@ -174,9 +174,10 @@ def _argnum_leaves(args: tuple, kwargs: dict, argnums: int | tuple[int, ...]):
     for pos in chosen:
         for p in pos:
             x = flat[p]
-            if not (isinstance(x, torch.Tensor) and x.dtype.is_floating_point):
+            if not (isinstance(x, torch.Tensor) and (x.dtype.is_floating_point
+                                                     or x.dtype.is_complex)):
                 raise TraceError(f"argnums={argnums}: differentiated arguments must be "
-                                 f"floating-point tensors (or pytrees of them), got "
+                                 f"floating-point or complex tensors (or pytrees of them), got "
                                  f"{type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}")
     return chosen
 
@@ -479,6 +480,9 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
                 placed.append(r)
             else:
                 r = r if out_flags[k] else r.unsqueeze(0).expand(size, *r.shape)
+                if not -r.ndim <= d < r.ndim:  # else movedim's IndexError, not a PlaitError
+                    raise TraceError(f"vmap: out_dims {d} is out of range for an output of "
+                                     f"shape {list(r.shape[1:])} (and its batch dim)")
                 placed.append(r.movedim(0, d))
         return pytree.tree_unflatten(placed, pytree.tree_structure(out))
 
@@ -561,8 +565,8 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
         result = pytree.tree_unflatten([_per_arg(argnums, list(j)) for j in jacobians],
                                        out_tree)
         if has_aux:
-            return result, jvp(of_chosen, chosen, tuple(map(torch.zeros_like, chosen)),
-                               has_aux=True)[2]
+            zeros = pytree.tree_map(torch.zeros_like, chosen)  # chosen may hold pytrees
+            return result, jvp(of_chosen, chosen, zeros, has_aux=True)[2]
         return result
 
     return body
