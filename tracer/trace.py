@@ -22,6 +22,7 @@ import contextlib
 import functools
 import os
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -61,7 +62,10 @@ class TracerTensor(torch.Tensor):
 
     _trace: "Trace"
     _value: Value
-    _is_view: bool  # made by an op whose schema returns an alias: never rebound by a write
+    # The tracers that share its storage in eager (itself, a base and the base's views), for
+    # a tracer an op whose schema returns an alias made or read: a write into it is a rebind
+    # only when no other of them is alive to see it.
+    _aliases: weakref.WeakValueDictionary | None  # id -> tracer (a WeakSet compares them)
     # Known to be laid out contiguously from offset 0 in eager too. Tracers always present a
     # contiguous layout, but eager's ops keep their operands' strides, so only dense tracers
     # may be read through raw strides (as_strided).
@@ -73,7 +77,7 @@ class TracerTensor(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype,
                                                    device=torch.device(t.device),
                                                    requires_grad=False)
-        self._trace, self._value, self._is_view, self._dense = trace, value, False, False
+        self._trace, self._value, self._aliases, self._dense = trace, value, None, False
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -314,10 +318,13 @@ class Trace:
                     out = pytree.tree_map_only(TracerTensor, self._without("no_grad"), out)
                 if not torch._C._is_fwd_grad_enabled():
                     out = pytree.tree_map_only(TracerTensor, self._without("no_fwd_grad"), out)
-            if func.is_view:  # a later write into it must not be taken for a rebind
+            if func.is_view and isinstance(base := args[0], TracerTensor):
+                if base._aliases is None:
+                    base._aliases = weakref.WeakValueDictionary({id(base): base})
                 for t in pytree.tree_leaves(out):
                     if isinstance(t, TracerTensor):
-                        t._is_view = True
+                        t._aliases = base._aliases
+                        base._aliases[id(t)] = t
             return out
         except ShapeError as e:
             if outermost and not str(e).startswith(str(func)):
@@ -393,7 +400,7 @@ class Trace:
             raise _NeedsFallback("a decomposition writes into a tensor it made eagerly")
         if not isinstance(dst, TracerTensor):
             raise captured_write_error()
-        if dst._is_view:
+        if dst._aliases is not None and len(dst._aliases) > 1:
             raise _NeedsFallback("write through a view inside a decomposition")
         dst._value = self.value_of(src)
         return dst
