@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import debug
@@ -237,11 +238,13 @@ class _Compiled:
         graph = traced.graph
         self._read = frozenset(i for i, n in enumerate(graph.inputs) if graph.users(n))
 
-    def __call__(self, tensors: list[torch.Tensor]):
-        if self._written:
+    def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False):
+        """``interpreted``: the program runs torch's ops (the eager backend) under a mode or
+        transform that records them, torch.autograd's own recording included."""
+        if self._written and not interpreted:
             _check_not_aliased(tensors, self._written)
         wrt = tuple(i for i, t in enumerate(tensors) if t.requires_grad and i in self._read) \
-            if torch.is_grad_enabled() else ()
+            if torch.is_grad_enabled() and not interpreted else ()
         if wrt:
             program = self._programs.get(wrt)
             if program is None:
@@ -344,11 +347,16 @@ def _written_back(outs: list, tensors: list, mutated: tuple, kept: list) -> list
     return _distinct(outs[:n_results], kept)
 
 
+def _has_storage(t: torch.Tensor) -> bool:
+    return not (isinstance(t, FakeTensor) or torch._is_functional_tensor(t)
+                or torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
 def _distinct(outs: list, inputs: list) -> list:
     """Outputs that share memory with an earlier output or with an argument (a backend's view,
     or one value returned twice) become copies: the graph's outputs are values, and a later
     in-place write to one must not show through another. An argument returned as is stays."""
-    if any(isinstance(t, FakeTensor) for t in outs):  # no memory to share (_interpreted)
+    if not all(map(_has_storage, outs)):  # a fake or wrapped tensor (_interpreted)
         return outs
     taken = {t.untyped_storage().data_ptr(): t for t in inputs if t.numel()}
     result, returned = [], set()
@@ -465,7 +473,8 @@ class Jitted:
     def __call__(self, *args, **kwargs):
         if tracing_active():  # inside another jit or a transform: traced into its graph, as
             return self.fn(*args, **kwargs)  # JAX inlines a nested jit (its kernels ran on tracers)
-        if torch._C._len_torch_dispatch_stack():
+        if torch._C._len_torch_dispatch_stack() or \
+                torch._C._functorch.peek_interpreter_stack() is not None:
             return self._interpreted(args, kwargs)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
         state = self._states.get(key)  # NOTE [live state]
@@ -500,14 +509,16 @@ class Jitted:
         return compiled(tensors + read[1])
 
     def _interpreted(self, args, kwargs):
-        """A call under a foreign dispatch mode (``make_fx``, ``FakeTensorMode``): traced
-        and simplified with the mode set aside, then run op by op with torch (the eager
-        backend), so the mode sees the graph's computation rather than compiled kernels."""
-        with _disable_current_modes():
+        """A call under a foreign dispatch mode (``make_fx``, ``FakeTensorMode``) or a
+        torch.func transform (whose wrapped tensors have no storage for kernels to read):
+        traced and simplified with them set aside, then run op by op with torch (the eager
+        backend), so the mode or transform sees the graph's computation rather than compiled
+        kernels."""
+        with _disable_current_modes(), temporarily_clear_interpreter_stack():
             leaves, tree, tensors, _, _ = self._key(args, kwargs)
             compiled = _Compiled(self._lower(leaves, tree, "eager"))
             state = compiled.lowered.traced.state.read()[1]
-        return compiled(tensors + state)
+        return compiled(tensors + state, interpreted=True)
 
     def _note_retrace(self, args, kwargs, key) -> None:
         """Past ``config.retrace_warning`` traces, warn once per argument that keeps changing

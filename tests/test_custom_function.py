@@ -112,3 +112,39 @@ def test_a_function_writing_into_its_input_is_refused():
 
     with pytest.raises(TraceError, match="mark_dirty"):
         plait.jit(lambda x: AddOne.apply(x * 1))(torch.randn(3))
+
+
+class Cube(torch.autograd.Function):
+    """With a jvp staticmethod and torch's generated vmap rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x ** 3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x ** 2 * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return 3 * x ** 2 * t
+
+
+def test_apply_passed_to_a_transform_as_the_function():
+    """``Cube.apply`` taken before any trace began is torch's own apply: plait traces it as
+    its own (NOTE [custom functions]), as torch.func accepts it."""
+    x, t = torch.randn(4, 3), torch.randn(4, 3)
+    assert_close(plait.vmap(Cube.apply)(x), torch.func.vmap(Cube.apply)(x))
+    assert_close(plait.jvp(Cube.apply, (x,), (t,)), torch.func.jvp(Cube.apply, (x,), (t,)))
+    assert_close(plait.jit(Cube.apply, backend="cpp")(x), Cube.apply(x))
+    assert_close(plait.grad(lambda a: Cube.apply(a).sum())(x),
+                 torch.func.grad(lambda a: Cube.apply(a).sum())(x))

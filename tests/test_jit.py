@@ -714,3 +714,35 @@ def test_make_fx_and_fake_tensors_see_the_graphs_torch_ops():
     with FakeTensorMode() as mode:
         out = plait.jit(f)(mode.from_tensor(x))
     assert out.shape == (4,) and type(out).__name__ == "FakeTensor"
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp", "functionalize", "jacrev"])
+def test_torch_func_transforms_of_a_jitted_function(transform):
+    """Under a torch.func transform the arguments are wrapped tensors with no storage a
+    kernel could read: the jitted function runs its graph op by op with torch, which the
+    transform records."""
+    x = torch.randn(4, 3)
+    f = lambda a: (a.sin() * a).sum(-1)  # noqa: E731
+    jitted = plait.jit(f, backend="cpp")
+    apply = {"vmap": lambda g: torch.func.vmap(g)(x),
+             "grad": lambda g: torch.func.grad(lambda a: g(a).sum())(x),
+             "jvp": lambda g: torch.func.jvp(g, (x,), (torch.ones_like(x),)),
+             "functionalize": lambda g: torch.func.functionalize(g)(x),
+             "jacrev": lambda g: torch.func.jacrev(g)(x)}[transform]
+    assert_close(apply(jitted), apply(f))
+
+
+def test_functionalize_and_plait_compose():
+    def mutating(a):
+        b = a.clone()
+        b.add_(1)
+        b.view(-1).mul_(2)
+        return b
+
+    x = torch.randn(4, 3)
+    loss = lambda a: mutating(a).pow(2).sum()  # noqa: E731
+    assert_close(plait.jit(torch.func.functionalize(mutating), backend="cpp")(x), mutating(x))
+    assert_close(plait.grad(torch.func.functionalize(loss))(x), torch.func.grad(loss)(x))
+    assert_close(torch.func.functionalize(plait.grad(loss))(x), torch.func.grad(loss)(x))
+    with pytest.raises(plait.errors.TraceError, match="cannot nest functionalize"):
+        plait.grad(lambda a: torch.func.functionalize(loss)(a))(x)

@@ -13,6 +13,7 @@ forward's own ops get none. Forward mode derives its rule from that VJP (NOTE [a
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.autograd.function import Function
@@ -123,6 +124,14 @@ def traced_apply(cls, *args, **kwargs):
         k += isinstance(o, torch.Tensor)
         results.append(o)
     return tuple(results) if isinstance(out, tuple) else results[0]
+
+
+def traceable_apply(fn):
+    """``fn`` itself, or, where it is a custom function's ``apply`` taken before tracing began
+    (``plait.vmap(MyFunction.apply)``, torch's own), the traced apply bound to its class."""
+    if getattr(fn, "__func__", None) is _ORIGINAL_APPLY:
+        return functools.partial(traced_apply, fn.__self__)
+    return fn
 
 
 def _bind_custom(operands, out, rule, output):

@@ -9,11 +9,11 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from ..errors import ConcretizationError, OpError, PlaitError
+from ..errors import ConcretizationError, OpError, PlaitError, TraceError
 from ..graph import Graph, TensorType
 from . import aten as _aten  # noqa: F401  (registers the handlers)
 from . import collectives as _collectives  # noqa: F401
-from . import custom as _custom  # noqa: F401
+from .custom import traceable_apply
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
 from .state import State, bindings, follow, module_state, reach, tensor_key
@@ -54,6 +54,11 @@ def _as_plait_error(e: RuntimeError) -> PlaitError | None:
     message = str(e)
     if "mutating a non-functional tensor" in message:  # functionalize's check, in C++
         return captured_write_error()
+    if "isFunctionalTensor(base_)" in message:  # a functionalize inside another
+        return TraceError(
+            "torch.func.functionalize(f) called inside a function plait traces: plait's "
+            "traces are functionalized already, and torch cannot nest functionalize. Call f "
+            "itself there (torch.func.functionalize(f) passed to plait directly is fine).")
     if "not allocated" in message or "unallocated storage" in message:
         return ConcretizationError(
             "an operation read the data of a traced tensor directly (.tolist(), or a tensor "
@@ -62,6 +67,19 @@ def _as_plait_error(e: RuntimeError) -> PlaitError | None:
             "torch.where(condition, a, b) instead of a Python choice, or pass such values as "
             "a static argument (static_argnums)")
     return None
+
+
+_FUNCTIONALIZED = torch.func.functionalize(lambda: None).__code__
+
+
+def _traceable(fn: Callable) -> Callable:
+    """The function to trace for ``fn``: a ``torch.func.functionalize`` wrapper traces as the
+    function it wraps (a trace is functionalized already, and torch cannot nest
+    functionalize: it has the same mutations of its inputs either way), and a custom
+    function's ``apply`` as plait's (NOTE [custom functions])."""
+    while getattr(fn, "__code__", None) is _FUNCTIONALIZED:
+        fn = fn.__wrapped__
+    return traceable_apply(fn)
 
 
 def _is_size(x) -> bool:
@@ -76,7 +94,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     With ``live``, the state the function captures (its modules' parameters and buffers,
     then the other captured tensors it reads) becomes further inputs (NOTE [live state]).
     """
-    trace = Trace()
+    trace, fn = Trace(), _traceable(fn)
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     roots = (fn, *[x.value for x in leaves if isinstance(x, Static)
                    and isinstance(x.value, torch.nn.Module)]) if live else ()
