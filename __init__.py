@@ -4,10 +4,11 @@ from .api import Jitted, JittedModule, Lowered, control_dependency, jit, make_gr
 from .config import config
 from .errors import PlaitError
 from .graph import Graph
+from .rules import custom_jvp, custom_vjp
 from .transforms import (grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, vjp,
                          vmap)
 
 __version__ = "0.1.0"
 __all__ = ["Graph", "Jitted", "JittedModule", "Lowered", "PlaitError", "backends", "config",
-           "control_dependency", "distributed", "errors", "grad", "grad_and_value", "hessian",
+           "control_dependency", "custom_jvp", "custom_vjp", "distributed", "errors", "grad", "grad_and_value", "hessian",
            "jacfwd", "jacrev", "jit", "jvp", "linearize", "make_graph", "vjp", "vmap"]

@@ -148,3 +148,80 @@ def test_apply_passed_to_a_transform_as_the_function():
     assert_close(plait.jit(Cube.apply, backend="cpp")(x), Cube.apply(x))
     assert_close(plait.grad(lambda a: Cube.apply(a).sum())(x),
                  torch.func.grad(lambda a: Cube.apply(a).sum())(x))
+
+
+@plait.custom_vjp
+def clipped(x, bound):
+    """The identity, whose cotangent is clipped to [-bound, bound]."""
+    return x * 1
+
+
+clipped.defvjp(lambda x, bound: (x * 1, bound), lambda bound, g: (g.clamp(-bound, bound), None))
+
+
+@plait.custom_vjp
+def scaled_pair(x, y):
+    """Pytree output and residuals: ({"sum": x + y, "prod": x * y}, residuals (x, y, 2.0))."""
+    return {"sum": x + y, "prod": x * y}
+
+
+scaled_pair.defvjp(lambda x, y: ({"sum": x + y, "prod": x * y}, (x, y, 2.0)),
+                   lambda res, g: ((g["sum"] + g["prod"] * res[1]) * res[2],
+                                   (g["sum"] + g["prod"] * res[0]) * res[2]))
+
+
+def test_custom_vjp_clips_cotangents_everywhere():
+    """NOTE [custom derivative rules]: the user's bwd under plait's grad, jit, vmap and under
+    eager torch.autograd alike."""
+    x = torch.linspace(-3, 3, 7)
+    loss = lambda a: (clipped(a, 0.5) * 10).sum()  # noqa: E731
+    want = torch.full_like(x, 0.5)
+    assert_close(plait.grad(loss)(x), want)
+    assert_close(plait.jit(plait.grad(loss), backend="cpp")(x), want)
+    assert_close(plait.vmap(plait.grad(loss))(x.reshape(7, 1)), want.reshape(7, 1))
+    leaf = x.clone().requires_grad_()
+    loss(leaf).backward()
+    assert_close(leaf.grad, want)
+    assert_close(plait.jit(loss, backend="cpp")(x), loss(x))
+
+
+def test_custom_vjp_with_pytree_outputs_and_residuals():
+    x, y = torch.randn(3), torch.randn(3)
+    loss = lambda a, b: (lambda o: o["sum"].sum() + o["prod"].sum())(scaled_pair(a, b))  # noqa
+    gx, gy = plait.grad(loss, argnums=(0, 1))(x, y)
+    assert_close(gx, 2 * (1 + y))
+    assert_close(gy, 2 * (1 + x))
+
+
+def test_custom_rule_needs_its_definition():
+    bare = plait.custom_vjp(lambda x: x)
+    with pytest.raises(TraceError, match="defvjp"):
+        bare(torch.randn(2))
+
+
+@plait.custom_jvp
+def softplus2(x):
+    """softplus, whose derivative rule says twice its derivative (so tests see the rule)."""
+    return torch.nn.functional.softplus(x)
+
+
+softplus2.defjvp(lambda primals, tangents: (softplus2(primals[0]),
+                                            2 * torch.sigmoid(primals[0]) * tangents[0]))
+
+
+def test_custom_jvp_rule_in_both_modes():
+    """Forward mode calls the rule; reverse mode transposes it (as JAX's custom_jvp)."""
+    x, t = torch.randn(5), torch.randn(5)
+    want = 2 * torch.sigmoid(x)
+    loss = lambda a: softplus2(a).sum()  # noqa: E731
+    assert_close(plait.grad(loss)(x), want)
+    assert_close(plait.jit(plait.grad(loss), backend="cpp")(x), want)
+    assert_close(plait.jvp(softplus2, (x,), (t,))[1], want * t)
+    assert_close(plait.jacrev(softplus2)(x), torch.diag(want))
+    leaf = x.clone().requires_grad_()
+    loss(leaf).backward()
+    assert_close(leaf.grad, want)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(softplus2(fwAD.make_dual(x, t))).tangent
+    assert_close(tangent, want * t)
