@@ -324,3 +324,22 @@ def test_recurrent_layers_grad_and_jit_match_torch_func(cls):
         for k in want:
             torch.testing.assert_close(got[k], want[k], msg=k)
     torch.testing.assert_close(plait.jit(m, backend="cpp")(x)[0], m(x)[0])
+
+
+def test_cross_entropy_gradient_reads_the_logits_as_eager_formulas_do():
+    """The target's cotangent is a select (iota == target), not a scatter into a zero buffer
+    of the logits' size, and log_softmax's max is a constant to derivatives (no counting of
+    its ties): the backward fuses into the pass over the logits."""
+    x, t = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    loss = lambda a: F.cross_entropy(a, t)  # noqa: E731
+    assert_close(plait.grad(loss)(x), torch.func.grad(loss)(x))
+    graph = plait.make_graph(plait.grad(loss))(x)
+    prims = [graph.node(n).prim for n in graph.order]
+    assert "scatter" not in prims
+    for n in graph.order:
+        if graph.node(n).prim == "amax":
+            users = set(graph.users(n))
+            while any(graph.node(u).prim == "broadcast_in_dim" for u in users):
+                users = {v for u in users for v in (graph.users(u) if graph.node(u).prim
+                                                    == "broadcast_in_dim" else [u])}
+            assert {graph.node(u).prim for u in users} == {"stop_gradient"}

@@ -1436,6 +1436,32 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return torch.where(torch.reshape(zero, out.shape), 0.0, out)
 
 
+def _softmax_rule(log: bool):
+    """torch's decomposition of (log_)softmax (computed in float32 for half types), with the
+    max subtracted for stability a constant to derivatives: the result does not depend on
+    it (eager's derivative formulas never read it), and differentiating through it counts
+    the ties of each row's max, two more passes over every row."""
+    def rule(x, dim, half_to_float):
+        t = type_of(x)
+        if t.ndim == 0 or t.shape[dim % t.ndim] == 0:
+            return NotImplemented  # torch's decomposition pads an empty row
+        half = t.dtype in (torch.float16, torch.bfloat16)
+        x = x.to(torch.float32) if half else x
+        shifted = x - bind("stop_gradient", torch.amax(x, dim, keepdim=True))
+        if log:
+            out = shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True))
+        else:
+            unnormalized = torch.exp(shifted)
+            out = unnormalized / torch.sum(unnormalized, dim, keepdim=True)
+        return out if half_to_float else out.to(t.dtype)
+
+    return rule
+
+
+HANDLERS[aten._softmax.default] = _softmax_rule(log=False)
+HANDLERS[aten._log_softmax.default] = _softmax_rule(log=True)
+
+
 @handles(aten._safe_softmax.default)
 def _safe_softmax(x, dim, dtype=None):
     """softmax, but rows that are all -inf give 0 instead of NaN. Those rows are replaced

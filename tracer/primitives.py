@@ -869,8 +869,18 @@ def _gather_infer(x, index, *, dim):
 
 define("gather", _gather_infer, lambda x, index, *, dim: torch.gather(x, dim, index))
 
-vjp_rule("gather")(lambda cts, x, index, *, outs, dim: (
-    torch.zeros_like(x).scatter_add(dim, index, cts[0]), None))
+@vjp_rule("gather")
+def _gather_vjp(cts, x, index, *, outs, dim):
+    """The cotangents scattered back and added. Where the index picks one position per row
+    of ``dim`` (nll_loss's target), a select instead: elementwise, so it fuses into what
+    consumes it, where a scatter writes a buffer of x's size (a logits-sized one)."""
+    if index.shape[dim] == 1 and all(index.shape[d] == x.shape[d]
+                                     for d in range(x.ndim) if d != dim):
+        positions = _bind("iota", length=x.shape[dim], start=0, step=1, dtype=index.dtype,
+                          device=str(x.device))
+        picked = positions.reshape([-1 if d == dim else 1 for d in range(x.ndim)]) == index
+        return torch.where(picked, cts[0], torch.zeros((), dtype=x.dtype, device=x.device)), None
+    return torch.zeros_like(x).scatter_add(dim, index, cts[0]), None
 
 
 def _scatter_infer(x, index, src, *, dim, reduce, include_self):
