@@ -124,9 +124,12 @@ def levels(*exprs) -> list[list]:
             for level in range(max(depth.values(), default=-1) + 1)]
 
 
-def column_wise(kernel: Kernel) -> bool:
+def column_wise(kernel: Kernel, mixed: bool = False) -> bool:
     """Does the kernel reduce along a strided axis of data contiguous along its outer loop
-    (a column sum)? Then a program should take neighbouring outputs together."""
+    (a column sum)? Then a program should take neighbouring outputs together. With
+    ``mixed``, one such load is enough, whatever the others (a tile of neighbouring rows
+    still reads contiguous chunks along them); without, every load must step by 0 or 1
+    along the outer loop."""
     if not kernel.sizes or not kernel.reduction_sizes:
         return False
     body = [s.value for s in kernel.stores]
@@ -134,16 +137,34 @@ def column_wise(kernel: Kernel) -> bool:
         return False
     x = loop_vars("x", len(kernel.sizes))[-1]
     r = loop_vars("r", len(kernel.reduction_sizes))[-1]
-    strides = []
-    for e in walk(*body):
-        if isinstance(e, Load) and not e.indirect:  # an indirect one has no known stride
-            index = sympy.expand(e.index)
-            if not index.is_polynomial(x, r) or sympy.degree(index, x) > 1 \
-                    or sympy.degree(index, r) > 1:
-                return False
-            strides.append((index.coeff(x, 1), index.coeff(r, 1)))
-    return bool(strides) and all(sx in (0, 1) for sx, _ in strides) \
-        and any(sr not in (0, 1) for _, sr in strides)
+    strides = [_strides(e.index, x, r, kernel.sizes[-1], kernel.reduction_sizes[-1], mixed)
+               for e in walk(*body) if isinstance(e, Load) and not e.indirect]
+    if not strides or None in strides:
+        return False
+    columns = [sx == 1 and sr not in (0, 1) for sx, sr in strides]
+    return any(columns) if mixed else \
+        all(sx in (0, 1) for sx, _ in strides) and any(columns)
+
+
+def _strides(index, x, r, nx: int, nr: int, sampled: bool) -> tuple[int, int] | None:
+    """``index``'s steps along loop variables ``x`` and ``r``: its coefficients where it is
+    affine in them; else, with ``sampled``, the most common of its differences at points
+    across both ranges (the other loop variables at 0), leaving out those where it does not
+    move along ``x`` (a part of a concatenation is clamped outside its own columns); else
+    None (an unknown stride)."""
+    expanded = sympy.expand(index)
+    if expanded.is_polynomial(x, r) and sympy.degree(expanded, x) <= 1 \
+            and sympy.degree(expanded, r) <= 1:
+        return expanded.coeff(x, 1), expanded.coeff(r, 1)
+    if not sampled:
+        return None
+    others = {v: 0 for v in index.free_symbols - {x, r}}
+    at = lambda i, j: int(index.subs({**others, x: i, r: j}))  # noqa: E731
+    points = [(i * max(nx - 2, 0) // 7, j * max(nr - 2, 0) // 3)
+              for i in range(8) for j in range(4)]
+    steps = [(at(i + 1, j) - at(i, j), at(i, j + 1) - at(i, j)) for i, j in points]
+    moving = [s for s in steps if s[0] != 0] or steps
+    return max(set(moving), key=moving.count)
 
 
 def reduces(*exprs) -> list:

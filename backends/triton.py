@@ -651,7 +651,7 @@ class _KernelWriter:
                 rblock = _pow2(self.rnumel)
                 rows = max(1, TILE_MAX // rblock)
             else:
-                rows = COLUMNS_XBLOCK if column_wise(k) else LOOPED_XBLOCK
+                rows = COLUMNS_XBLOCK if column_wise(k, mixed=True) else LOOPED_XBLOCK
                 rblock = min(TILE_MAX // rows, _pow2(self.rnumel)) if self._few_rows() \
                     else LOOPED_RBLOCK
             self.blocks = {"XBLOCK": min(_pow2(self.numel), rows), "RBLOCK": rblock}

@@ -362,6 +362,10 @@ def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     rows = jitted(lambda x: x.sum(1), x).source
     assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in columns
     assert f"XBLOCK={triton_backend.LOOPED_XBLOCK}," in rows
+    # gradients of a split's parts, concatenated and summed over rows (a bias gradient):
+    # indices with clamps, contiguous along the columns of each part
+    concat = jitted(lambda a, b: torch.cat([a, b * 2], 1).sum(0), x, x).source
+    assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in concat
 
 
 def test_few_long_rows_take_the_biggest_chunks_and_more_warps(monkeypatch):
