@@ -24,8 +24,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STAGE_KINDS = {"trace": ("traced",), "simplify": ("dce", "fold_constants", "fuse_attention",
-                                                  "algebra", "cse"),
+STAGE_KINDS = {"trace": ("traced",),
+               "simplify": ("erase_markers", "dce", "fold_constants", "fuse_attention", "algebra",
+                            "cse"),
                "lower": ("lower",), "fuse": ("fuse",), "index": ("index",),
                "memory": ("reuse", "reorder", "overlap", "plan"),
                "codegen": ("codegen", "wrapper"), "native": ("native",), "device": ("device",)}

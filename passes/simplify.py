@@ -18,6 +18,19 @@ from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
 from .attention import fuse_attention
 
 
+MARKERS = ("stop_gradient", "no_grad", "no_fwd_grad")
+
+
+def erase_markers(graph: Graph) -> Graph:
+    """The identities that only stop derivatives go: every derivative is taken before a
+    graph is simplified (a transform differentiates its traced graph, jit's autograd path the
+    one it traced), and patterns then see through them (attention under torch.no_grad())."""
+    if not any(graph.node(n).prim in MARKERS for n in graph.order):
+        return graph
+    return rewrite(graph, lambda b, n, operands, preds: list(operands) if graph.node(n).prim
+                   in MARKERS and not preds else None)
+
+
 def dce(graph: Graph) -> Graph:
     """Drop nodes that no output, effect or control successor needs."""
     roots = {v.node for v in graph.outputs}
@@ -269,17 +282,17 @@ def algebra(graph: Graph) -> Graph:
 
 
 PASSES: dict[str, Callable[[Graph], Graph]] = {
-    "dce": dce, "cse": cse, "fold_constants": fold_constants, "algebra": algebra,
-    "fuse_attention": fuse_attention,
+    "erase_markers": erase_markers, "dce": dce, "cse": cse, "fold_constants": fold_constants,
+    "algebra": algebra, "fuse_attention": fuse_attention,
 }
 
 
-PIPELINE = ("dce", "fold_constants", "fuse_attention", "algebra", "cse", "dce")
+PIPELINE = ("erase_markers", "dce", "fold_constants", "fuse_attention", "algebra", "cse", "dce")
 
 
 def simplify(graph: Graph, on_pass: Callable[[str, Graph], None] | None = None) -> Graph:
-    """The default pipeline: DCE first (less to look at), then fold, fuse attention, algebraic
-    identities, CSE, and DCE again (the rewrites leave the nodes they bypass dead).
+    """The default pipeline: derivative markers erased and DCE first (less to look at), then
+    fold, fuse attention, algebraic identities, CSE, and DCE again (the rewrites leave the nodes they bypass dead).
 
     ``on_pass(name, graph)`` sees the graph after each pass (the debug report draws them)."""
     for name in PIPELINE:

@@ -7,7 +7,8 @@ from torch.testing import assert_close
 
 import plait
 from plait.graph import Graph
-from plait.passes import PASSES, algebra, cse, dce, fold_constants, fuse_attention, simplify
+from plait.passes import (PASSES, algebra, cse, dce, erase_markers, fold_constants, fuse_attention,
+                          simplify)
 
 
 def prim_count(graph: Graph, prim: str) -> int:
@@ -25,8 +26,9 @@ def _run(graph: Graph, *inputs):
 
 
 def test_registry():
-    assert PASSES == {"dce": dce, "cse": cse, "fold_constants": fold_constants,
-                      "algebra": algebra, "fuse_attention": fuse_attention}
+    assert PASSES == {"erase_markers": erase_markers, "dce": dce, "cse": cse,
+                      "fold_constants": fold_constants, "algebra": algebra,
+                      "fuse_attention": fuse_attention}
 
 
 # ---------------------------------------------------------------------------------------

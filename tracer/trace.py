@@ -313,7 +313,7 @@ class Trace:
         self._depth += 1
         try:
             out = self._dispatch(func, args, kwargs)
-            if outermost and self is not _TRACES[0]:  # NOTE [grad mode while tracing]
+            if outermost:  # NOTE [grad mode while tracing]
                 if not torch.is_grad_enabled():
                     out = pytree.tree_map_only(TracerTensor, self._without("no_grad"), out)
                 if not torch._C._is_fwd_grad_enabled():
@@ -727,9 +727,9 @@ def _reads_live(args, kwargs) -> bool:
 # ``no_grad``: reverse-mode derivatives stop there, as torch.func's do, and forward-mode ones
 # (jvp) pass, as torch.func's do; with forward-mode AD off (torch.autograd.forward_ad's
 # _set_fwd_grad_enabled(False)) they pass through ``no_fwd_grad``, which stops tangents and
-# passes cotangents. Only a nested trace (a function a transform traces) marks
-# them: nothing differentiates the outermost one, whose graph is compiled as it is (so that,
-# say, attention under torch.no_grad() in a jitted function still fuses).
+# passes cotangents. The outermost trace marks them too: jit's path under torch.autograd
+# differentiates its graph. Simplification erases the markers (every derivative is taken
+# by then), so attention under torch.no_grad() in a jitted function still fuses.
 # Context managers every trace runs under, registered by the modules that need them
 # (tracer/custom.py: torch.autograd.Function).
 TRACING_CONTEXTS: list[Callable] = []
