@@ -132,7 +132,7 @@ def _argnums(argnums, n_args: int) -> tuple[int, ...]:
     """``argnums`` (an int or a tuple of ints, as torch.func takes) as argument positions,
     each checked to name one of the ``n_args`` arguments, once."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
-    if not isinstance(nums, (tuple, list)) or not all(
+    if not isinstance(nums, tuple) or not all(
             isinstance(n, int) and not isinstance(n, bool) for n in nums):
         raise TraceError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
     if not nums:
@@ -358,6 +358,7 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, *, strict: bool = False
         raise TraceError("jvp takes primals and tangents as tuples (as torch.func.jvp)")
     if pytree.tree_structure(primals) != pytree.tree_structure(tangents):
         raise TraceError("jvp: tangents must have the structure of primals")
+    _only_tensor_primals(primals, "jvp")
 
     def body(primal_args, tangent_args):
         t = _Traced(func, primal_args, {})
@@ -384,6 +385,12 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, *, strict: bool = False
     return _staged_for(func, ("jvp", has_aux, strict), body)(primals, tangents)
 
 
+def _only_tensor_primals(primals: tuple, what: str) -> None:
+    if not all(isinstance(p, torch.Tensor) for p in pytree.tree_leaves(primals)):
+        raise TraceError(f"{what}: primals must be tensors (or pytrees of them), as in "
+                         "torch.func")
+
+
 def _check_chunk_size(what: str, chunk_size) -> None:
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise TraceError(f"{what}: chunk_size must be None or an int greater than 0, got "
@@ -393,6 +400,7 @@ def _check_chunk_size(what: str, chunk_size) -> None:
 def linearize(func: Callable, *primals):
     """As ``torch.func.linearize``: ``(func(*primals), jvp_fn)``, where ``jvp_fn(*tangents)``
     is the JVP at ``primals`` (each call runs ``jvp``'s cached compilation)."""
+    _only_tensor_primals(primals, "linearize")
     out = jvp(func, primals, tuple(torch.zeros_like(p) for p in primals))[0]
 
     def jvp_fn(*tangents):
@@ -465,9 +473,12 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
         moved = [x.movedim(d, 0) if d is not None else x for x, d in zip(leaves, dims)]
         example = [x[0] if d is not None else x for x, d in zip(moved, dims)]
         t = _Traced(func, pytree.tree_unflatten(example, tree), kwargs)
-        flags = [dims[i] is not None for i in t.tensor_pos] + [False] * len(t.traced.captured)
+        kw_leaves = pytree.tree_leaves(kwargs)  # keyword arguments are not mapped (torch.func)
+        mapped = [d is not None for d in dims] + [False] * len(kw_leaves)
+        flags = [mapped[i] for i in t.tensor_pos] + [False] * len(t.traced.captured)
         graph, out_flags = batching.vmap(t.graph, flags, size, randomness)
-        results = inline(graph, [moved[i] for i in t.tensor_pos] + list(t.traced.captured))
+        results = inline(graph, [(moved + kw_leaves)[i] for i in t.tensor_pos]
+                         + list(t.traced.captured))
         _only_tensors(t.structure(), "vmap")
         out = t.outputs(list(range(len(results))))
         placed = []

@@ -211,9 +211,7 @@ def test_grad__has_aux_refuses_non_pair():
 # page: torch.func.grad -- "argnums can be single integer or tuple of integers" (refusals)
 @pytest.mark.parametrize("argnums", [
     (), 2, -3, (0, 0), 0.5,
-    pytest.param([0, 1], marks=xfail(strict=True, reason=(
-        "plait accepts a list for argnums (transforms._argnums takes tuple or list) and returns "
-        "a tuple of gradients; torch.func refuses: 'argnums must be int or Tuple[int, ...]'")))],
+    [0, 1]],
     ids=["empty", "out_of_range", "negative_out_of_range", "duplicate", "float", "list"])
 def test_grad__argnums_refusals(argnums):
     f = lambda a, b: (a * b).sum()  # noqa: E731
@@ -526,9 +524,6 @@ def test_jvp__refuses_primals_not_tuple():
 
 
 # page: torch.func.jvp -- "primals (Tensors) ... must all be Tensors" (refusal)
-@xfail(strict=True, reason="plait.jvp accepts a Python float primal and tangent (returns "
-       "(tensor([2., 2.]), tensor([1., 1.])) for f = ones(2) * x): transforms.jvp checks no "
-       "leaf type; torch.func raises 'Expected primals to only contain Tensors'")
 def test_jvp__refuses_non_tensor_primal():
     f = lambda x: torch.ones(2) * x  # noqa: E731
     _refuses(lambda: plait.jvp(f, (2.0,), (1.0,)), lambda: tf.jvp(f, (2.0,), (1.0,)))
@@ -618,9 +613,6 @@ def test_linearize__jvp_fn_refuses_bad_tangents(case):
 
 
 # page: torch.func.linearize -- "primals (Tensors): ... must all be Tensors" (refusal)
-@xfail(strict=True, reason="plait.linearize on a Python float primal raises a bare TypeError "
-       "from torch.zeros_like (transforms.linearize builds zero tangents before any check), not "
-       "a PlaitError; torch.func refuses it too (AttributeError)")
 def test_linearize__refuses_non_tensor_primal():
     f = lambda x: torch.ones(2) * x  # noqa: E731
     _refuses(lambda: plait.linearize(f, 2.0), lambda: tf.linearize(f, 2.0))
@@ -764,9 +756,6 @@ def test_vmap__example_kwargs_default():
 
 # page: torch.func.vmap -- example "the returned function will not batch the kwargs":
 # batched_pow(x, scale=x) has shape [2, 2, 5]
-@xfail(strict=True, reason="plait.vmap crashes (IndexError: list index out of range) when a "
-       "keyword argument is a tensor: transforms._vmapped computes `dims`/`moved` from the "
-       "positional leaves only, while _Traced's tensor_pos also counts the kwargs' tensors")
 def test_vmap__example_tensor_kwarg_not_batched():
     x = torch.randn([2, 5])
 
