@@ -10,5 +10,6 @@ from .transforms import (grad, grad_and_value, hessian, jacfwd, jacrev, jvp, lin
 
 __version__ = "0.1.0"
 __all__ = ["Graph", "Jitted", "JittedModule", "Lowered", "PlaitError", "backends", "config",
-           "control_dependency", "custom_jvp", "custom_vjp", "distributed", "errors", "grad", "grad_and_value", "hessian",
-           "jacfwd", "jacrev", "jit", "jvp", "linearize", "make_graph", "vjp", "vmap"]
+           "control_dependency", "custom_jvp", "custom_vjp", "distributed", "errors", "grad",
+           "grad_and_value", "hessian", "jacfwd", "jacrev", "jit", "jvp", "linearize",
+           "make_graph", "vjp", "vmap"]

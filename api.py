@@ -12,9 +12,9 @@ import types
 from typing import Callable, Sequence
 
 import torch
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import debug

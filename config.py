@@ -101,7 +101,7 @@ class Config:
     # Worker processes that compile Triton kernels for a GPU in parallel (NOTE [compile
     # workers], backends/compile_workers.py); 0 compiles in threads of this process only.
     compile_workers: int = attrs.field(factory=lambda: _env(
-        "compile_workers", min(32, os.cpu_count() or 1), int))
+        "compile_workers", min(16, os.cpu_count() or 1), int))
 
     # The memory passes of the compiling backends (passes/memory.py): kernels write into a
     # buffer they read where that is safe; kernels run in the order of least estimated peak;

@@ -94,7 +94,7 @@ class custom_jvp(_Rule):
 
     _define = "defjvp"
 
-    def defjvp(self, jvp: Callable) -> None:
+    def defjvp(self, jvp: Callable) -> Callable:
         rule = self
 
         def transpose(primals: tuple, cts: list) -> tuple:
@@ -107,11 +107,15 @@ class custom_jvp(_Rule):
             with torch.enable_grad():
                 tangents = [torch.zeros_like(p).requires_grad_() for p in primals]
                 out = pytree.tree_leaves(jvp(primals, tuple(tangents))[1])
-                return torch.autograd.grad(out, tangents, list(cts), allow_unused=True)
+                return torch.autograd.grad(out, tangents, list(cts), allow_unused=True,
+                                           create_graph=torch.is_grad_enabled())
 
         class Function(torch.autograd.Function):
             @staticmethod
             def forward(ctx, out_spec, *args):
+                if not all(isinstance(a, torch.Tensor) for a in args):
+                    raise TraceError(f"{rule.__name__}: a custom_jvp function takes tensors; "
+                                     "close over other values (functools.partial)")
                 ctx.save_for_backward(*args)
                 ctx.save_for_forward(*args)
                 ctx.out_spec = out_spec
@@ -130,3 +134,4 @@ class custom_jvp(_Rule):
 
         Function.__qualname__ = f"custom_jvp({self.__name__})"
         self._function = Function
+        return jvp  # as JAX's: ``@f.defjvp`` keeps the rule's name

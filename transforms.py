@@ -401,7 +401,7 @@ def linearize(func: Callable, *primals):
     """As ``torch.func.linearize``: ``(func(*primals), jvp_fn)``, where ``jvp_fn(*tangents)``
     is the JVP at ``primals`` (each call runs ``jvp``'s cached compilation)."""
     _only_tensor_primals(primals, "linearize")
-    out = jvp(func, primals, tuple(torch.zeros_like(p) for p in primals))[0]
+    out = jvp(func, primals, pytree.tree_map(torch.zeros_like, primals))[0]
 
     def jvp_fn(*tangents):
         return jvp(func, primals, tangents)[1]
@@ -507,6 +507,11 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
 def _with_args(func: Callable, args: tuple, argnums) -> tuple[Callable, tuple]:
     """``func`` as a function of the ``argnums`` arguments only, and their values."""
     nums = _argnums(argnums, len(args))
+    if any(isinstance(x, torch.Tensor) and x.dtype.is_complex
+           for n in nums for x in pytree.tree_leaves(args[n])):
+        raise TraceError("jacrev/jacfwd/hessian of a complex argument is not supported (as in "
+                         "torch.func: reverse and forward mode disagree there by a conjugate); "
+                         "pass its real and imaginary parts (torch.view_as_real)")
 
     def of_chosen(*chosen):
         full = list(args)

@@ -141,9 +141,9 @@ def column_wise(kernel: Kernel, mixed: bool = False) -> bool:
                for e in walk(*body) if isinstance(e, Load) and not e.indirect]
     if not strides or None in strides:
         return False
-    columns = [sx == 1 and sr not in (0, 1) for sx, sr in strides]
-    return any(columns) if mixed else \
-        all(sx in (0, 1) for sx, _ in strides) and any(columns)
+    if mixed:
+        return any(sx == 1 and sr not in (0, 1) for sx, sr in strides)
+    return all(sx in (0, 1) for sx, _ in strides) and any(sr not in (0, 1) for _, sr in strides)
 
 
 def _strides(index, x, r, nx: int, nr: int, sampled: bool) -> tuple[int, int] | None:

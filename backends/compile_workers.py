@@ -5,9 +5,12 @@ Triton's compile of one kernel holds the GIL for most of its time (its frontend 
 Python that drives the MLIR passes), so compiling a program's kernels in threads overlaps
 little more than ptxas. A pool of worker processes compiles them in parallel instead. A
 worker is a plain Python running this file as a script: it imports triton, never torch or
-plait, so it starts in a fraction of a second and holds no GPU context; the pool starts at
-the first program of several kernels compiled for a GPU and stays for the process (a worker
-exits when its parent does: it reads jobs from a pipe, and the pipe closes).
+plait, so it starts in a fraction of a second and holds no GPU context; the pool starts when
+the first program is compiled for a GPU, so its start overlaps lowering, and stays for the
+process (a worker exits when its parent does: it reads jobs from a pipe, and the pipe
+closes). Programs of fewer than ``WORKERS_FROM`` kernels compile in the parent only: a
+worker's first job costs more than a few kernels do. Idle workers are taken last-in first
+out, so a few jobs go to the workers that have compiled before.
 
 A job is what Triton itself needs to compile a kernel without a device: the generated module
 (in the disk cache, ``load_module``), the kernel's name, the target, and the specialization
@@ -23,9 +26,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import subprocess
 import sys
+import threading
 
 _log = logging.getLogger("plait.kernels")
 
@@ -36,7 +41,7 @@ class Pool:
     worker that died leaves ``None`` in its place."""
 
     def __init__(self, size: int):
-        self._idle: queue.Queue = queue.Queue()
+        self._idle: queue.LifoQueue = queue.LifoQueue()
         for _ in range(size):
             self._idle.put(subprocess.Popen(
                 [sys.executable, "-u", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -59,21 +64,24 @@ class Pool:
 
 
 _pool: Pool | None = None
+_lock = threading.Lock()
 
 
-def pool(size: int) -> Pool | None:
-    """The process's pool, started at the first call with ``size`` > 0."""
+def pool(size: int) -> Pool:
+    """The process's pool, started at the first call (with ``size`` workers)."""
     global _pool
-    if _pool is None and size > 0:
-        _pool = Pool(size)
-    return _pool
+    with _lock:
+        if _pool is None:
+            _pool = Pool(size)
+        return _pool
 
 
 def _serve() -> None:
     """The worker's loop: one JSON job per line in, one JSON reply per line out."""
     import importlib.util
-    import os
 
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever Triton prints goes where stderr goes, never into the replies
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -89,8 +97,6 @@ def _serve() -> None:
             return tl.constexpr(untuple(value["constexpr"]))
         return untuple(value)
 
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # whatever Triton prints goes where stderr goes, never into the replies
     modules: dict[str, object] = {}
     for line in sys.stdin:
         job = json.loads(line)
@@ -116,5 +122,6 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.pop(0)  # this file's folder: its triton.py is not the triton package
+    here = os.path.dirname(os.path.abspath(__file__))  # its triton.py is not triton
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     _serve()

@@ -80,6 +80,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -153,6 +154,8 @@ TILE_MAX = 4096         # XBLOCK * RBLOCK of a reduction tile
 FEW_ROWS = 128          # fewer long rows than this: FEW_ROWS_WARPS warps reduce each
 FEW_ROWS_WARPS = 32
 POINTWISE_XBLOCK = 1024
+WORKERS_FROM = 8        # kernels to compile at least for worker processes to pay (NOTE
+                        # [compile workers]): a worker's first job costs 0.4-0.7 s
 TILE_EDGE = 64          # a 2-D tile is TILE_EDGE x TILE_EDGE points (TILE_EDGE**2 if one side
                         # is short)
 
@@ -1009,10 +1012,12 @@ def _specialization(kernel, args: list, options: dict) -> str | None:
     skips the compile; None where the kernel is compiled already or Triton gives none."""
     import triton
 
-    seen = []
+    seen, me = [], threading.get_ident()
 
-    def skip_compile(*, compile, **_):
-        seen.append(compile.get("specialization_data"))
+    def skip_compile(**kwargs):  # the hook is the process's: other threads' compiles go on
+        if threading.get_ident() != me:
+            return saved(**kwargs) if saved else None
+        seen.append(kwargs["compile"].get("specialization_data"))
         return True
 
     hooks = triton.knobs.runtime
@@ -1175,7 +1180,8 @@ class CompiledProgram(codegen.CompiledProgram):
         stand_ins = {w.name: [torch.empty(1, dtype=self._types[b].dtype, device=device)
                               for b in w.buffers] + [self._error_flag(device)] * w.checks_error
                      for w in writers}
-        workers = compile_workers.pool(config.compile_workers)
+        workers = compile_workers.pool(config.compile_workers) \
+            if config.compile_workers and len(writers) >= WORKERS_FROM else None
         jobs = {}
         if workers is not None:
             import triton
@@ -1200,7 +1206,8 @@ class CompiledProgram(codegen.CompiledProgram):
                     *stand_ins[w.name], grid=w.grid(options), **options)
                 getattr(compiled, "_init_handles", lambda: None)()
 
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as remote:
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs),
+                                                              config.compile_workers))) as remote:
             in_workers = {name: remote.submit(workers.compile, job) for name, job in jobs.items()}
             with concurrent.futures.ThreadPoolExecutor(min(len(writers), 8)) as local:
                 list(local.map(lambda w: warm_up(w, in_workers.get(w.name)), writers))
@@ -1220,7 +1227,7 @@ def compile_graph(graph, stages=None):
     """The ``triton`` backend's factory (NOTE [pipeline]): lowered for this code generator
     (its ops: ``supported_ops()``), fused, through the memory passes; its kernels compile for
     a device at the first call there."""
-    if not interpreting() and torch.cuda.is_available():
+    if config.compile_workers and not interpreting() and torch.cuda.is_available():
         compile_workers.pool(config.compile_workers)  # they start while lowering runs
     return codegen.compile_graph(compile_program, graph, stages, supported_ops=supported_ops(),
                                  supported_dtypes=TRITON_DTYPES)

@@ -292,7 +292,8 @@ PIPELINE = ("erase_markers", "dce", "fold_constants", "fuse_attention", "algebra
 
 def simplify(graph: Graph, on_pass: Callable[[str, Graph], None] | None = None) -> Graph:
     """The default pipeline: derivative markers erased and DCE first (less to look at), then
-    fold, fuse attention, algebraic identities, CSE, and DCE again (the rewrites leave the nodes they bypass dead).
+    fold, fuse attention, algebraic identities, CSE, and DCE again (the rewrites leave the
+    nodes they bypass dead).
 
     ``on_pass(name, graph)`` sees the graph after each pass (the debug report draws them)."""
     for name in PIPELINE:

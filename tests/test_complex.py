@@ -188,3 +188,11 @@ def test_grad_and_vjp_of_complex_arguments_match_torch_func():
     (got,) = plait.vjp(lambda a: a.exp() * 2, z)[1](ct)
     (want,) = torch.func.vjp(lambda a: a.exp() * 2, z)[1](ct)
     torch.testing.assert_close(got, want)
+
+
+def test_jacobians_of_complex_arguments_are_refused():
+    """torch.func refuses them too: reverse mode gives conj(f'(z)), forward mode f'(z)."""
+    z = torch.randn(3, dtype=torch.complex64)
+    for jacobian in (plait.jacrev, plait.jacfwd):
+        with pytest.raises(plait.errors.TraceError, match="complex argument"):
+            jacobian(lambda a: a * a)(z)

@@ -225,3 +225,11 @@ def test_custom_jvp_rule_in_both_modes():
     with fwAD.dual_level():
         tangent = fwAD.unpack_dual(softplus2(fwAD.make_dual(x, t))).tangent
     assert_close(tangent, want * t)
+
+
+def test_custom_jvp_second_derivative_in_eager_autograd():
+    x = torch.randn(4, requires_grad=True)
+    (g,) = torch.autograd.grad(softplus2(x).sum(), x, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), x)
+    s = torch.sigmoid(x)
+    assert_close(h, 2 * s * (1 - s))

@@ -513,3 +513,12 @@ def test_jacfwd_has_aux_of_a_pytree_argument():
 
     p = {"w": torch.randn(3), "b": torch.randn(3)}
     assert_close(plait.jacfwd(f, has_aux=True)(p), torch.func.jacfwd(f, has_aux=True)(p))
+
+
+def test_linearize_of_pytree_primals():
+    f = lambda p: p[0] * p[1].sin()  # noqa: E731
+    primals, tangents = (torch.randn(3), torch.randn(3)), (torch.randn(3), torch.randn(3))
+    out, jvp_fn = plait.linearize(f, primals)
+    want_out, want_fn = torch.func.linearize(f, primals)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(jvp_fn(tangents), want_fn(tangents))

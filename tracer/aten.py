@@ -1444,7 +1444,7 @@ def _softmax_rule(log: bool):
     def rule(x, dim, half_to_float):
         t = type_of(x)
         if t.ndim == 0 or t.shape[dim % t.ndim] == 0:
-            return NotImplemented  # torch's decomposition pads an empty row
+            return NotImplemented  # an empty row: torch's decomposition handles it
         half = t.dtype in (torch.float16, torch.bfloat16)
         x = x.to(torch.float32) if half else x
         shifted = x - bind("stop_gradient", torch.amax(x, dim, keepdim=True))
@@ -1458,8 +1458,8 @@ def _softmax_rule(log: bool):
     return rule
 
 
-HANDLERS[aten._softmax.default] = _softmax_rule(log=False)
-HANDLERS[aten._log_softmax.default] = _softmax_rule(log=True)
+handles(aten._softmax.default)(_softmax_rule(log=False))
+handles(aten._log_softmax.default)(_softmax_rule(log=True))
 
 
 @handles(aten._safe_softmax.default)

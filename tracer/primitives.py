@@ -1042,7 +1042,7 @@ COMPLEX_RULES = frozenset((
     "reciprocal rsqrt sin sinh sqrt tan tanh add sub mul div pow where convert complex real "
     "imag conj fft_r2c fft_c2r fft_c2c after stop_gradient no_grad no_fwd_grad "
     "broadcast_in_dim reshape transpose slice pad concatenate rev sum prod cumsum cumprod "
-    "dot_general gather scatter").split())
+    "dot_general gather scatter custom_vjp").split())
 
 
 def is_effectful(node) -> bool:

@@ -62,9 +62,8 @@ class TracerTensor(torch.Tensor):
 
     _trace: "Trace"
     _value: Value
-    # The tracers that share its storage in eager (itself, a base and the base's views), for
-    # a tracer an op whose schema returns an alias made or read: a write into it is a rebind
-    # only when no other of them is alive to see it.
+    # Set on a view's base and shared by every view made from it: the tracers that share one
+    # storage in eager. A write into a view is a rebind only when no other of them is alive.
     _aliases: weakref.WeakValueDictionary | None  # id -> tracer (a WeakSet compares them)
     # Known to be laid out contiguously from offset 0 in eager too. Tracers always present a
     # contiguous layout, but eager's ops keep their operands' strides, so only dense tracers
