@@ -122,6 +122,7 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-    here = os.path.dirname(os.path.abspath(__file__))  # its triton.py is not triton
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    # this file's folder (Python puts it first, symlinks resolved): its triton.py is not triton
+    here = os.path.realpath(os.path.dirname(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != here]
     _serve()

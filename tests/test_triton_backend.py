@@ -536,6 +536,10 @@ def test_compile_workers_fill_tritons_cache_and_survive_failures(tmp_path, monke
                "constant_keys": [[2]], "constant_vals": [128],
                "attrs_keys": [[0]], "attrs_vals": [[["tt.divisibility", 16]]],
                "options": {"num_warps": 4}})}
+    # run through a symlink, as a package often is: its folder still leaves sys.path
+    link = tmp_path / "linked"
+    link.symlink_to(pathlib.Path(compile_workers.__file__).parent)
+    monkeypatch.setattr(compile_workers, "__file__", str(link / "compile_workers.py"))
     pool = compile_workers.Pool(1)
     assert not pool.compile(dict(job, kernel="missing"))
     assert pool.compile(job)
