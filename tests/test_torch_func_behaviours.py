@@ -1134,27 +1134,20 @@ def test_jacrev__example_jacrev_of_jacrev_hessian():
     assert_close(got, torch.diag(-x.sin()))
 
 
-# page: torch.func.jacrev -- example "argnums=1"
-def test_jacrev__example_argnums_int():
+# pages: torch.func.jacrev and torch.func.jacfwd -- examples "argnums=1" and "argnums=(0, 1)
+# returns a tuple", and "returns one or more Tensors": a Jacobian per output
+@pytest.mark.parametrize("name", ["jacrev", "jacfwd"])
+def test_jacobians__examples_argnums_and_outputs(name):
+    ours, theirs = getattr(plait, name), getattr(tf, name)
     f = lambda x, y: x + y ** 2  # noqa: E731
     x, y = torch.randn(5), torch.randn(5)
-    assert_close(plait.jacrev(f, argnums=1)(x, y), torch.diag(2 * y))
-
-
-# page: torch.func.jacrev -- example "argnums=(0, 1) returns a tuple"
-def test_jacrev__example_argnums_tuple():
-    f = lambda x, y: x + y ** 2  # noqa: E731
-    x, y = torch.randn(5), torch.randn(5)
-    got = plait.jacrev(f, argnums=(0, 1))(x, y)
+    assert_close(ours(f, argnums=1)(x, y), torch.diag(2 * y))
+    got = ours(f, argnums=(0, 1))(x, y)
     assert isinstance(got, tuple) and len(got) == 2
-    assert_close(got, tf.jacrev(f, argnums=(0, 1))(x, y))
-
-
-# page: torch.func.jacrev -- "returns one or more Tensors": a Jacobian per output (tuple, dict)
-def test_jacrev__multiple_outputs():
-    f = lambda x, y: {"a": x * y, "b": (x.sin().sum(), y.exp())}  # noqa: E731
+    assert_close(got, theirs(f, argnums=(0, 1))(x, y))
+    g = lambda x, y: {"a": x * y, "b": (x.sin().sum(), y.exp())}  # noqa: E731
     x, y = torch.randn(3), torch.randn(3)
-    assert_close(plait.jacrev(f, argnums=(0, 1))(x, y), tf.jacrev(f, argnums=(0, 1))(x, y))
+    assert_close(ours(g, argnums=(0, 1))(x, y), theirs(g, argnums=(0, 1))(x, y))
 
 
 # page: torch.func.jacrev -- matrix-shaped input and output: output.shape + input.shape
@@ -1266,29 +1259,6 @@ def test_jacfwd__example_jacfwd_of_jacrev_hessian():
     got = plait.jacfwd(plait.jacrev(f))(x)
     assert_close(got, tf.jacfwd(tf.jacrev(f))(x))
     assert_close(got, torch.diag(-x.sin()))
-
-
-# page: torch.func.jacfwd -- example "argnums=1"
-def test_jacfwd__example_argnums_int():
-    f = lambda x, y: x + y ** 2  # noqa: E731
-    x, y = torch.randn(5), torch.randn(5)
-    assert_close(plait.jacfwd(f, argnums=1)(x, y), torch.diag(2 * y))
-
-
-# page: torch.func.jacfwd -- example "argnums=(0, 1) returns a tuple"
-def test_jacfwd__example_argnums_tuple():
-    f = lambda x, y: x + y ** 2  # noqa: E731
-    x, y = torch.randn(5), torch.randn(5)
-    got = plait.jacfwd(f, argnums=(0, 1))(x, y)
-    assert isinstance(got, tuple) and len(got) == 2
-    assert_close(got, tf.jacfwd(f, argnums=(0, 1))(x, y))
-
-
-# page: torch.func.jacfwd -- "returns one or more Tensors": a Jacobian per output
-def test_jacfwd__multiple_outputs():
-    f = lambda x, y: {"a": x * y, "b": (x.sin().sum(), y.exp())}  # noqa: E731
-    x, y = torch.randn(3), torch.randn(3)
-    assert_close(plait.jacfwd(f, argnums=(0, 1))(x, y), tf.jacfwd(f, argnums=(0, 1))(x, y))
 
 
 # page: torch.func.jacfwd -- matrix-shaped input and output: output.shape + input.shape
