@@ -1,6 +1,7 @@
 """Every behaviour torch.func's documentation states, checked against plait's transforms.
 
-One test per documented behaviour (argument form, refusal or docstring example) of the pages
+A test per documented behaviour (argument form, refusal or docstring example; a few related
+ones share one) of the pages
 torch.func.grad, grad_and_value, vjp, jvp, linearize, vmap, jacrev, jacfwd, hessian,
 functional_call, stack_module_state, functionalize, and the guides "torch.func API
 Reference" (func.api), "UX Limitations" (func.ux_limitations) and "Patching Batch Norm"
