@@ -1098,34 +1098,6 @@ def test_batch_norm__replace_all_batch_norm_modules_then_vmap():
 # =======================================================================================
 # torch.func.jacrev
 # =======================================================================================
-# page: torch.func.jacrev -- example "pointwise unary op gives a diagonal Jacobian"
-def test_jacrev__example_sin_diagonal():
-    x = torch.randn(5)
-    assert_close(plait.jacrev(torch.sin)(x), tf.jacrev(torch.sin)(x))
-    assert_close(plait.jacrev(torch.sin)(x), torch.diag(torch.cos(x)))
-
-
-# page: torch.func.jacrev -- example "has_aux returns (jacobian, aux)"
-def test_jacrev__example_has_aux():
-    x = torch.randn(5)
-
-    def g(x):
-        result = x.sin()
-        return result, result
-
-    jac, f_x = plait.jacrev(g, has_aux=True)(x)
-    assert_close((jac, f_x), tf.jacrev(g, has_aux=True)(x))
-    assert_close(f_x, x.sin())
-
-
-# page: torch.func.jacrev -- example "composed with vmap: batched Jacobians (64, 5, 5)"
-def test_jacrev__example_vmap_of_jacrev():
-    x = torch.randn(4, 5)
-    got = plait.vmap(plait.jacrev(torch.sin))(x)
-    assert got.shape == (4, 5, 5)
-    assert_close(got, tf.vmap(tf.jacrev(torch.sin))(x))
-
-
 # page: torch.func.jacrev -- example "jacrev(jacrev(f)) gives the Hessian"
 def test_jacrev__example_jacrev_of_jacrev_hessian():
     f = lambda x: x.sin().sum()  # noqa: E731
@@ -1133,6 +1105,43 @@ def test_jacrev__example_jacrev_of_jacrev_hessian():
     got = plait.jacrev(plait.jacrev(f))(x)
     assert_close(got, tf.jacrev(tf.jacrev(f))(x))
     assert_close(got, torch.diag(-x.sin()))
+
+
+# pages: torch.func.jacrev and torch.func.jacfwd -- examples "pointwise unary op gives a
+# diagonal Jacobian", "has_aux returns (jacobian, aux)", "composed with vmap: batched
+# Jacobians"; matrix-shaped input and output (output.shape + input.shape); a pytree argument
+@pytest.mark.parametrize("name", ["jacrev", "jacfwd"])
+def test_jacobians__examples_and_shapes(name):
+    ours, theirs = getattr(plait, name), getattr(tf, name)
+    x = torch.randn(5)
+    assert_close(ours(torch.sin)(x), theirs(torch.sin)(x))
+    assert_close(ours(torch.sin)(x), torch.diag(torch.cos(x)))
+    with_aux = lambda a: (a.sin(), a.sin())  # noqa: E731
+    jac, f_x = ours(with_aux, has_aux=True)(x)
+    assert_close((jac, f_x), theirs(with_aux, has_aux=True)(x))
+    assert_close(f_x, x.sin())
+    batch = torch.randn(4, 5)
+    got = plait.vmap(ours(torch.sin))(batch)
+    assert got.shape == (4, 5, 5)
+    assert_close(got, tf.vmap(theirs(torch.sin))(batch))
+    gram = lambda m: m @ m.T  # noqa: E731
+    m = torch.randn(2, 3)
+    got = ours(gram)(m)
+    assert got.shape == (2, 2, 2, 3)
+    assert_close(got, theirs(gram)(m))
+    f = lambda q: q["w"] @ q["x"]  # noqa: E731
+    q = {"w": torch.randn(2, 3), "x": torch.randn(3)}
+    assert_close(ours(f)(q), theirs(f)(q))
+
+
+# pages: torch.func.jacrev and torch.func.jacfwd -- argnums refusals (shared with grad)
+@pytest.mark.parametrize("name", ["jacrev", "jacfwd"])
+@pytest.mark.parametrize("argnums", [(), 3, (1, 1)], ids=["empty", "out_of_range", "duplicate"])
+def test_jacobians__argnums_refusals(name, argnums):
+    f = lambda x, y: x * y  # noqa: E731
+    x, y = torch.randn(3), torch.randn(3)
+    _refuses(lambda: getattr(plait, name)(f, argnums)(x, y),
+             lambda: getattr(tf, name)(f, argnums)(x, y))
 
 
 # pages: torch.func.jacrev and torch.func.jacfwd -- examples "argnums=1" and "argnums=(0, 1)
@@ -1149,22 +1158,6 @@ def test_jacobians__examples_argnums_and_outputs(name):
     g = lambda x, y: {"a": x * y, "b": (x.sin().sum(), y.exp())}  # noqa: E731
     x, y = torch.randn(3), torch.randn(3)
     assert_close(ours(g, argnums=(0, 1))(x, y), theirs(g, argnums=(0, 1))(x, y))
-
-
-# page: torch.func.jacrev -- matrix-shaped input and output: output.shape + input.shape
-def test_jacrev__shapes_out_then_in():
-    f = lambda x: x @ x.T  # noqa: E731
-    x = torch.randn(2, 3)
-    got = plait.jacrev(f)(x)
-    assert got.shape == (2, 2, 2, 3)
-    assert_close(got, tf.jacrev(f)(x))
-
-
-# page: torch.func.jacrev -- pytree argument (dict of tensors)
-def test_jacrev__pytree_argument():
-    f = lambda p: p["w"] @ p["x"]  # noqa: E731
-    p = {"w": torch.randn(2, 3), "x": torch.randn(3)}
-    assert_close(plait.jacrev(f)(p), tf.jacrev(f)(p))
 
 
 # page: torch.func.jacrev -- "chunk_size ... If 1, row-by-row; else chunk_size rows at a time"
@@ -1203,14 +1196,6 @@ def test_jacrev__outer_no_grad_ignored():
     assert_close(got, want)
 
 
-# page: torch.func.jacrev -- argnums refusals (shared with grad)
-@pytest.mark.parametrize("argnums", [(), 3, (1, 1)], ids=["empty", "out_of_range", "duplicate"])
-def test_jacrev__argnums_refusals(argnums):
-    f = lambda x, y: x * y  # noqa: E731
-    x, y = torch.randn(3), torch.randn(3)
-    _refuses(lambda: plait.jacrev(f, argnums)(x, y), lambda: tf.jacrev(f, argnums)(x, y))
-
-
 # page: func.api ("Utilities for working with torch.nn.Modules") -- jacrev of a function
 # calling a module: shape (3, 3)
 def test_jacrev__example_of_module_call():
@@ -1225,34 +1210,6 @@ def test_jacrev__example_of_module_call():
 # =======================================================================================
 # torch.func.jacfwd
 # =======================================================================================
-# page: torch.func.jacfwd -- example "pointwise unary op gives a diagonal Jacobian"
-def test_jacfwd__example_sin_diagonal():
-    x = torch.randn(5)
-    assert_close(plait.jacfwd(torch.sin)(x), tf.jacfwd(torch.sin)(x))
-    assert_close(plait.jacfwd(torch.sin)(x), torch.diag(torch.cos(x)))
-
-
-# page: torch.func.jacfwd -- example "composed with vmap: batched Jacobians"
-def test_jacfwd__example_vmap_of_jacfwd():
-    x = torch.randn(4, 5)
-    got = plait.vmap(plait.jacfwd(torch.sin))(x)
-    assert got.shape == (4, 5, 5)
-    assert_close(got, tf.vmap(tf.jacfwd(torch.sin))(x))
-
-
-# page: torch.func.jacfwd -- example "has_aux returns (jacobian, aux)"
-def test_jacfwd__example_has_aux():
-    x = torch.randn(5)
-
-    def g(x):
-        result = x.sin()
-        return result, result
-
-    jac, f_x = plait.jacfwd(g, has_aux=True)(x)
-    assert_close((jac, f_x), tf.jacfwd(g, has_aux=True)(x))
-    assert_close(f_x, x.sin())
-
-
 # page: torch.func.jacfwd -- example "jacfwd(jacrev(f)) gives the Hessian"
 def test_jacfwd__example_jacfwd_of_jacrev_hessian():
     f = lambda x: x.sin().sum()  # noqa: E731
@@ -1260,20 +1217,6 @@ def test_jacfwd__example_jacfwd_of_jacrev_hessian():
     got = plait.jacfwd(plait.jacrev(f))(x)
     assert_close(got, tf.jacfwd(tf.jacrev(f))(x))
     assert_close(got, torch.diag(-x.sin()))
-
-
-# page: torch.func.jacfwd -- matrix-shaped input and output: output.shape + input.shape
-def test_jacfwd__shapes_out_then_in():
-    f = lambda x: x @ x.T  # noqa: E731
-    x = torch.randn(2, 3)
-    assert_close(plait.jacfwd(f)(x), tf.jacfwd(f)(x))
-
-
-# page: torch.func.jacfwd -- pytree argument (dict of tensors)
-def test_jacfwd__pytree_argument():
-    f = lambda p: p["w"] @ p["x"]  # noqa: E731
-    p = {"w": torch.randn(2, 3), "x": torch.randn(3)}
-    assert_close(plait.jacfwd(f)(p), tf.jacfwd(f)(p))
 
 
 # page: torch.func.jacfwd -- "randomness ... Default: 'error'": a random op raises
@@ -1311,14 +1254,6 @@ def test_jacfwd__refuses_unknown_randomness():
     x = torch.randn(3)
     _refuses(lambda: plait.jacfwd(torch.sin, randomness="bogus")(x),
              lambda: tf.jacfwd(torch.sin, randomness="bogus")(x))
-
-
-# page: torch.func.jacfwd -- argnums refusals
-@pytest.mark.parametrize("argnums", [(), 3, (1, 1)], ids=["empty", "out_of_range", "duplicate"])
-def test_jacfwd__argnums_refusals(argnums):
-    f = lambda x, y: x * y  # noqa: E731
-    x, y = torch.randn(3), torch.randn(3)
-    _refuses(lambda: plait.jacfwd(f, argnums)(x, y), lambda: tf.jacfwd(f, argnums)(x, y))
 
 
 # page: torch.func.jacrev / torch.func.jacfwd -- "has_aux: func returns a (output, aux) tuple"
