@@ -23,7 +23,7 @@ from .config import config
 from .errors import TraceError
 from .graph import Graph, TensorType
 from .passes import autodiff, memory, simplify
-from .passes.pipeline import Stages
+from .passes.pipeline import Stages, collector_paused
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.state import tensor_key
 from .tracer.trace import no_dynamo_import, tracing_active
@@ -122,7 +122,7 @@ class Lowered:
             self._stages.record(name, graph, now - last)
             last = now
 
-        with config.patch(**self._config), no_dynamo_import():
+        with config.patch(**self._config), no_dynamo_import(), collector_paused():
             graph = simplify(self.source_graph, on_pass) if config.simplify and \
                 self._simplify else self.source_graph
         return graph, tuple(passes)
@@ -149,7 +149,7 @@ class Lowered:
         """The backend's callable for this graph (compiled on first use)."""
         backend = get_backend(self.backend)
         graph = self.graph
-        with config.patch(**self._config), no_dynamo_import():
+        with config.patch(**self._config), no_dynamo_import(), collector_paused():
             if backend.staged:
                 return backend.factory(graph, stages=self._stages)
             return self._stages.run("compile", backend.factory, graph, keep=False)
@@ -281,7 +281,7 @@ class _Differentiable:
         self.seeded = [k for k in range(self.n_results)
                        if autodiff.differentiable(graph.output_types[k])]
         name = lowered._stages.name
-        with config.patch(**lowered._config), no_dynamo_import():
+        with config.patch(**lowered._config), no_dynamo_import(), collector_paused():
             joint = autodiff.joint(graph, wrt, self.seeded)
             if config.simplify:
                 joint = simplify(joint)
@@ -464,7 +464,8 @@ class Jitted:
         self.trace_count += 1
         stages = Stages(debug.function_name(self.fn))
         start = time.perf_counter()
-        traced = trace_function(self.fn, leaves, tree, live=True)
+        with collector_paused():
+            traced = trace_function(self.fn, leaves, tree, live=True)
         stages.record("traced", traced.graph, time.perf_counter() - start)
         lowered = Lowered(traced, backend, donated, stages)
         debug.on_compile(self.fn, lowered)  # logs; writes the report when debug_dir is set

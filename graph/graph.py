@@ -33,12 +33,14 @@ DATA, CONTROL = "data", "control"
 class Graph:
     """An immutable dataflow graph of primitives with ordered inputs and outputs."""
 
-    __slots__ = ("_g", "_inputs", "_outputs", "__dict__")
+    __slots__ = ("_g", "_inputs", "_outputs", "_known", "__dict__")
 
-    def __init__(self, g: nx.MultiDiGraph, inputs: Sequence[int], outputs: Sequence[Value]):
+    def __init__(self, g: nx.MultiDiGraph, inputs: Sequence[int], outputs: Sequence[Value],
+                 wiring: tuple[dict, dict] | None = None):
         self._g = nx.freeze(g)
         self._inputs = tuple(inputs)
         self._outputs = tuple(outputs)
+        self._known = wiring  # (operands, control preds) per node, as the builder recorded
 
     # -- structure -------------------------------------------------------------------------
     @property
@@ -69,28 +71,48 @@ class Graph:
         return tuple(self.type_of(v) for v in self._outputs)
 
     @functools.cached_property
-    def _operands(self) -> dict[int, tuple[Value, ...]]:
-        slots: dict[int, dict[int, Value]] = {n: {} for n in self._g.nodes}
-        for u, v, data in self._g.edges(data=True):
-            if data["kind"] == DATA:
-                slots[v][data["operand"]] = Value(u, data["index"])
-        return {n: tuple(s[i] for i in range(len(s))) for n, s in slots.items()}
+    def _wiring(self) -> tuple[dict, dict, dict]:
+        """Operands, control predecessors and data users of every node: the builder's record,
+        or one sweep over the edges (networkx's per-node edge views cost more than the passes
+        that ask)."""
+        if self._known is not None:
+            operands, preds = self._known
+        else:
+            slots: dict[int, dict[int, Value]] = {n: {} for n in self._g.nodes}
+            preds = {n: set() for n in self._g.nodes}
+            for u, v, data in self._g.edges(data=True):
+                if data["kind"] == DATA:
+                    slots[v][data["operand"]] = Value(u, data["index"])
+                else:
+                    preds[v].add(u)
+            operands = {n: tuple(s[i] for i in range(len(s))) for n, s in slots.items()}
+        users: dict[int, set[int]] = {n: set() for n in operands}
+        for n, values in operands.items():
+            for v in values:
+                users[v.node].add(n)
+        return (operands, {n: tuple(sorted(p)) for n, p in preds.items()},
+                {n: tuple(sorted(u)) for n, u in users.items()})
 
     def operands(self, n: int) -> tuple[Value, ...]:
-        return self._operands[n]
+        return self._wiring[0][n]
 
     def control_preds(self, n: int) -> tuple[int, ...]:
-        return tuple(sorted({u for u, _, k in self._g.in_edges(n, data="kind") if k == CONTROL}))
+        return self._wiring[1][n]
 
     def control_edges(self) -> list[tuple[int, int]]:
         return sorted({(u, v) for u, v, k in self._g.edges(data="kind") if k == CONTROL})
 
     def users(self, n: int) -> tuple[int, ...]:
-        return tuple(sorted({v for _, v, k in self._g.out_edges(n, data="kind") if k == DATA}))
+        return self._wiring[2][n]
 
     @functools.cached_property
     def order(self) -> tuple[int, ...]:
-        """A deterministic topological order (ties broken by creation order)."""
+        """A deterministic topological order (ties broken by creation order): the ids in
+        ascending order where every edge runs from a smaller id to a larger (a builder adds a
+        node after its operands, so nearly always), else networkx's lexicographical sort."""
+        ids = tuple(sorted(self._g.nodes))
+        if all(u < v for u, v in self._g.edges()):
+            return ids
         return tuple(nx.lexicographical_topological_sort(self._g))
 
     def __len__(self) -> int:
@@ -177,9 +199,11 @@ class GraphBuilder:
     """Mutable construction side of a Graph; ``build`` freezes it."""
 
     def __init__(self):
-        self._g = nx.MultiDiGraph()
+        self._g = nx.MultiDiGraph()  # handed to the Graph that ``build`` makes; copied on write
         self._next_id = 0
         self.inputs: list[int] = []
+        self._operands: dict[int, tuple[Value, ...]] = {}
+        self._preds: dict[int, set[int]] = {}
 
     @property
     def last_node(self) -> int:
@@ -191,7 +215,8 @@ class GraphBuilder:
                  after: Iterable[int] = ()) -> list[Value]:
         n = self._next_id
         self._next_id += 1
-        self._g.add_node(n, node=Node(prim, Node.make_params(params), tuple(out_types), provenance))
+        self._writable().add_node(n, node=Node(prim, Node.make_params(params), tuple(out_types), provenance))
+        self._operands[n], self._preds[n] = tuple(operands), set()
         for i, v in enumerate(operands):
             self._g.add_edge(v.node, n, kind=DATA, operand=i, index=v.index)
         for u in after:
@@ -208,9 +233,9 @@ class GraphBuilder:
 
     def add_control_edge(self, before: int, after: int) -> None:
         """``before`` runs before ``after`` (once: an edge already there is not repeated)."""
-        edges = self._g.get_edge_data(before, after, default={}).values()
-        if not any(d["kind"] == CONTROL for d in edges):
-            self._g.add_edge(before, after, kind=CONTROL)
+        if before not in self._preds[after]:
+            self._preds[after].add(before)
+            self._writable().add_edge(before, after, kind=CONTROL)
 
     def node(self, n: int) -> Node:
         return self._g.nodes[n]["node"]
@@ -219,16 +244,20 @@ class GraphBuilder:
         return self.node(value.node).out_types[value.index]
 
     def operands(self, n: int) -> tuple[Value, ...]:
-        slots = {d["operand"]: Value(u, d["index"])
-                 for u, _, d in self._g.in_edges(n, data=True) if d["kind"] == DATA}
-        return tuple(slots[i] for i in range(len(slots)))
+        return self._operands[n]
 
     def ordered(self, n: int) -> bool:
         """Has node ``n`` a control edge in?"""
-        return any(d["kind"] == CONTROL for _, _, d in self._g.in_edges(n, data=True))
+        return bool(self._preds[n])
+
+    def _writable(self) -> nx.MultiDiGraph:
+        if nx.is_frozen(self._g):  # built already: the Graph owns this one
+            self._g = self._g.copy()
+        return self._g
 
     def build(self, outputs: Sequence[Value]) -> Graph:
-        return Graph(self._g.copy(), self.inputs, outputs)
+        return Graph(self._g, self.inputs, outputs,
+                     (dict(self._operands), {n: set(p) for n, p in self._preds.items()}))
 
 
 def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...], tuple[int, ...]],
