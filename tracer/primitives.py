@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from ..errors import CheckError, GraphError, ShapeError, UnsupportedOpError
-from ..graph.graph import TYPE_RULES
+from ..graph.graph import TYPE_RULES, Graph
 from ..graph.types import TensorType
 
 prims = torch.ops.prims
@@ -207,7 +207,29 @@ _TORCH_EQUIVALENT = set(
     "maximum minimum nextafter pow remainder eq ne lt le gt ge isfinite signbit".split())
 
 
+def _div(a, b):
+    """prims.div: true division of floating-point and complex values, truncating of integers."""
+    exact = a.is_floating_point() or a.is_complex()
+    return torch.div(a, b, rounding_mode=None if exact else "trunc")
+
+
+# The same under another name. torch.ops.prims' own ops also fail under torch.func's
+# transforms (their autograd has no setup_context), where the eager backend runs a graph.
+_TORCH_NAMED = {
+    "div": _div, "bessel_i0": torch.i0, "bessel_i0e": torch.special.i0e,
+    "bessel_i1": torch.special.i1, "bessel_i1e": torch.special.i1e,
+    "bessel_j0": torch.special.bessel_j0, "bessel_j1": torch.special.bessel_j1,
+    "erf_inv": torch.special.erfinv, "erfcx": torch.special.erfcx,
+    "ndtri": torch.special.ndtri, "spherical_bessel_j0": torch.special.spherical_bessel_j0,
+    "gcd": torch.gcd, "igamma": torch.special.gammainc, "igammac": torch.special.gammaincc,
+    "zeta": torch.special.zeta, "shift_left": torch.bitwise_left_shift,
+    "shift_right_arithmetic": torch.bitwise_right_shift,
+}
+
+
 def _prim_impl(name: str):
+    if name in _TORCH_NAMED:
+        return _TORCH_NAMED[name]
     return getattr(torch, name) if name in _TORCH_EQUIVALENT else getattr(prims, name).default
 
 
@@ -1048,10 +1070,14 @@ COMPLEX_RULES = frozenset((
 def is_effectful(node) -> bool:
     """Must this node run exactly as traced (never removed, merged, folded or moved)?
 
-    True for effectful primitives, for opaque calls to random ops (each call draws anew) and
-    for opaque ops with no result (checks such as aten._linalg_check_errors).
+    True for effectful primitives, for opaque calls to random ops (each call draws anew), for
+    opaque ops with no result (checks such as aten._linalg_check_errors), and for a node
+    whose body (a graph among its params: control flow) has such a node.
     """
     if get_primitive(node.prim).effectful:
+        return True
+    if any(isinstance(g, Graph) and any(is_effectful(g.node(n)) for n in g.order)
+           for _, g in node.params):
         return True
     return node.prim == "opaque" and (not node.out_types or torch.Tag.nondeterministic_seeded
                                       in node.kwargs["op"].tags)
