@@ -15,7 +15,8 @@ kernel that way. With ``engine="auto"``, Graphviz's ``dot`` lays out the DOT tex
 when it is on PATH.
 
 Boxes are labelled with the printer's value names (``%3``), so a picture reads against the
-graph's text. The SVG uses presentation attributes and no ids, so several drawings can be
+graph's text. A control-flow node's box names its bodies (``body: 7 nodes``) and its tooltip
+holds their text. The SVG uses presentation attributes and no ids, so several drawings can be
 inlined into one HTML page without their styles or ids clashing.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ import attrs
 import networkx as nx
 
 from ..errors import DebugError
-from .graph import CONTROL
+from .graph import CONTROL, Graph
 
 ENGINES = ("auto", "python", "dot")
 _FILL = {"input": "#dbeafe", "constant": "#e5e7eb", "op": "#fef9c3"}
@@ -76,7 +77,8 @@ def node_names(graph) -> dict[int, str]:
     lines = graph.as_text(provenance=False).splitlines()
     names = dict(zip(graph.inputs, re.findall(r"%\d+", lines[0])))
     body = [n for n in graph.order if graph.node(n).prim != "input"]
-    names.update((n, line.split(":", 1)[0].strip()) for n, line in zip(body, lines[1:-2]))
+    own = [line for line in lines[1:-2] if line.startswith("  %")]  # not a nested body's
+    names.update((n, line.split(":", 1)[0].strip()) for n, line in zip(body, own))
     return names
 
 
@@ -94,9 +96,13 @@ def _boxes(graph) -> dict[int, _Box]:
         lines = [head, ", ".join(map(str, node.out_types)) or "()"]
         if n in outs:
             lines.append("-> out " + ", ".join(map(str, outs[n])))
+        bodies = [(k, v) for k, v in node.params if isinstance(v, Graph)]  # control flow's
+        lines += [f"{k}: {len(v) - len(v.inputs)} nodes" for k, v in bodies]
         where = "  ".join(filter(None, (node.provenance.aten, node.provenance.source)))
-        params = ", ".join(f"{k}={v!r}" for k, v in node.params if node.prim != "constant")
-        title = "\n".join(filter(None, (f"{head}[{params}]" if params else head, where)))
+        params = ", ".join(f"{k}={v!r}" for k, v in node.params
+                           if node.prim != "constant" and not isinstance(v, Graph))
+        title = "\n".join(filter(None, (f"{head}[{params}]" if params else head, where,
+                                         *(f"{k}: {v.as_text()}" for k, v in bodies))))
         kind = node.prim if node.prim in _FILL else "op"
         boxes[n] = _Box(tuple(lines), kind, n in outs, title)
     return boxes

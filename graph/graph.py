@@ -260,6 +260,28 @@ class GraphBuilder:
                      (dict(self._operands), {n: set(p) for n, p in self._preds.items()}))
 
 
+def extract(graph: Graph, nodes: Iterable[int], inputs: Sequence[Value | TensorType],
+            outputs: Sequence[Value]) -> Graph:
+    """The subgraph of ``nodes`` (in program order) whose inputs are ``inputs``: each a value
+    of ``graph`` (the graph cut there) or a type (an input that nothing reads)."""
+    nodes = set(nodes)
+    b = GraphBuilder()
+    new = [b.add_input(x) if isinstance(x, TensorType) else b.add_input(graph.type_of(x))
+           for x in inputs]
+    values = {x: v for x, v in zip(inputs, new) if isinstance(x, Value)}
+    made: dict[int, int] = {}
+    for n in graph.order:
+        node = graph.node(n)
+        if n not in nodes or node.prim == "input":
+            continue
+        outs = b.add_node(node.prim, [values[v] for v in graph.operands(n)], node.kwargs,
+                          node.out_types, node.provenance,
+                          after=[made[p] for p in graph.control_preds(n) if p in made])
+        made[n] = b.last_node
+        values.update((Value(n, i), out) for i, out in enumerate(outs))
+    return b.build([values[v] for v in outputs])
+
+
 def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...], tuple[int, ...]],
                                           list[Value] | None] | None = None,
             keep: set[int] | None = None) -> Graph:

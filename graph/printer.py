@@ -7,7 +7,8 @@
       return (%3, %4)
     }
 
-Values are renumbered in topological order, so two graphs that differ only in how their nodes
+A node whose params hold graphs (a ``cond``'s branches, a ``scan``'s body) prints each below
+its line, indented. Values are renumbered in topological order, so two graphs that differ only in how their nodes
 were created print (and hash) the same. ``after(...)`` lists control predecessors; a donated
 input (``jit(..., donate_argnums=...)``) says so, as its memory may hold a result.
 """
@@ -19,6 +20,10 @@ from .types import Constant, dtype_name
 
 
 def _format_param(value, canonical: bool) -> str:
+    from .graph import Graph
+
+    if isinstance(value, Graph):  # printed in full below its node's line
+        return "{...}"
     if isinstance(value, torch.dtype):
         return dtype_name(value)
     if isinstance(value, Constant):
@@ -34,6 +39,8 @@ def _format_param(value, canonical: bool) -> str:
 def graph_to_text(graph, provenance: bool = True, canonical: bool = False) -> str:
     """``canonical`` is the hashed form: no provenance, devices on types, full constant
     digests."""
+    from .graph import Graph
+
     provenance = provenance and not canonical
     names: dict[tuple[int, int], str] = {}
 
@@ -69,6 +76,10 @@ def graph_to_text(graph, provenance: bool = True, canonical: bool = False) -> st
             where = "  ".join(filter(None, (node.provenance.aten, node.provenance.source)))
             line += f"  # {where}"
         lines.append(line)
+        for k, sub in node.params:  # a control-flow node's bodies, nested below it
+            if isinstance(sub, Graph):
+                text = graph_to_text(sub, provenance, canonical).split("\n")
+                lines += [f"    {k}: {text[0]}"] + [f"    {t}" for t in text[1:]]
     lines.append("  return (" + ", ".join(name(v) for v in graph.outputs) + ")")
     lines.append("}")
     return "\n".join(lines)

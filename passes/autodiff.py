@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import UnsupportedOpError
-from ..graph import Graph, GraphBuilder, TensorType, Value
+from ..graph import Graph, GraphBuilder, TensorType, Value, extract
 from ..tracer.primitives import COMPLEX_RULES, ELEMENTWISE, get_primitive, is_effectful
 from ..tracer.trace import Trace, bind, tracing
 from .interpret import inline, replay
@@ -265,23 +265,5 @@ def split(joint_graph: Graph, n_primals: int, n_outputs: int) -> tuple[Graph, Gr
             stack += [v.node for v in g.operands(n)] + list(g.control_preds(n))
     primals = [Value(n, 0) for n in g.inputs[:n_primals]]
     seeds = [Value(n, 0) for n in g.inputs[n_primals:]]
-    return (_extract(g, in_forward, primals, forward_outputs),
-            _extract(g, in_backward, list(residuals) + seeds, g.outputs[n_outputs:]))
-
-
-def _extract(graph: Graph, nodes: set[int], inputs: Sequence[Value],
-             outputs: Sequence[Value]) -> Graph:
-    """The subgraph of ``nodes`` (in program order), with ``inputs`` made its inputs."""
-    b = GraphBuilder()
-    values = {v: b.add_input(graph.type_of(v)) for v in inputs}
-    made: dict[int, int] = {}
-    for n in graph.order:
-        node = graph.node(n)
-        if n not in nodes or node.prim == "input":
-            continue
-        outs = b.add_node(node.prim, [values[v] for v in graph.operands(n)], node.kwargs,
-                          node.out_types, node.provenance,
-                          after=[made[p] for p in graph.control_preds(n) if p in made])
-        made[n] = b.last_node
-        values.update((Value(n, i), out) for i, out in enumerate(outs))
-    return b.build([values[v] for v in outputs])
+    return (extract(g, in_forward, primals, forward_outputs),
+            extract(g, in_backward, list(residuals) + seeds, g.outputs[n_outputs:]))
