@@ -41,7 +41,7 @@ import attrs
 import sympy
 import torch
 
-from ..graph import Graph, TensorType, Value
+from ..graph import Graph, TensorType, Value, rewrite
 from ..graph.types import contiguous_strides
 from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, loop_vars, walk)
@@ -489,6 +489,33 @@ _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
     "iota": lambda node, args, t: lambda idx: IndexValue(
         node.kwargs["start"] + idx[0] * node.kwargs["step"], t.dtype),
 }
+
+
+def inline_checkpoints(graph: Graph) -> Graph:
+    """Each ``checkpoint`` node replaced by its body (NOTE [checkpoint] in control.py): its
+    recomputation is in the graph by now, and no later pass merges computations."""
+    if not any(graph.node(n).prim == "checkpoint" for n in graph.order):
+        return graph
+
+    def visit(b, n, operands, preds):
+        node = graph.node(n)
+        if node.prim != "checkpoint":
+            return None
+        body = inline_checkpoints(node.kwargs["body"])
+        values = {Value(m, 0): operands[i] for i, m in enumerate(body.inputs)}
+        made: dict[int, int] = {}
+        for m in body.order:
+            inner = body.node(m)
+            if inner.prim == "input":
+                continue
+            outs = b.add_node(inner.prim, [values[v] for v in body.operands(m)], inner.kwargs,
+                              inner.out_types, inner.provenance, after=[
+                                  *preds, *(made[p] for p in body.control_preds(m))])
+            made[m] = b.last_node
+            values.update((Value(m, i), out) for i, out in enumerate(outs))
+        return [values[v] for v in body.outputs]
+
+    return rewrite(graph, visit)
 
 
 def lower(graph: Graph, supported_ops: Iterable[str] = ELEMENTWISE,

@@ -5,6 +5,7 @@ A compiling backend (cpp, triton) hands its simplified graph to ``schedule`` wit
 code generator accepts (ops and dtypes), and gets back the scheduled loop program and its
 memory plan. The stages are pure functions, run in this order:
 
+  inline   checkpoint bodies in place (passes/lowering.py; NOTE [checkpoint])
   lower    primitive graph -> loop program (passes/lowering.py)
   fuse     kernels merged (passes/fusion.py)
   index    index expressions simplified with the loops' ranges (passes/indexing.py)
@@ -106,6 +107,7 @@ def schedule(graph, stages: Stages, *, supported_ops, supported_dtypes, comm_buf
     # imported here: a program loaded from the disk cache runs without the compiler proper
     from . import fusion, indexing, lowering, memory
 
+    graph = stages.run("inline", lowering.inline_checkpoints, graph)
     program = stages.run("lower", lowering.lower, graph, supported_ops=supported_ops,
                          supported_dtypes=supported_dtypes, comm_buffers=comm_buffers)
     program = stages.run("fuse", fusion.fuse, program)

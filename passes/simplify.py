@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from ..config import config
-from ..graph import Constant, Graph, GraphBuilder, TensorType, Value, rewrite
+from ..graph import Constant, Graph, GraphBuilder, Node, TensorType, Value, extract, rewrite
 from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
 from .attention import fuse_attention
 
@@ -46,14 +46,40 @@ def dce(graph: Graph) -> Graph:
     return rewrite(graph, keep=live)
 
 
+def with_carry_history(body: Graph, n_carry: int) -> Graph:
+    """A scan body that also returns, as extra per-step outputs, the carry it was given."""
+    return extract(body, body.order, [Value(n, 0) for n in body.inputs],
+                   [*body.outputs, *(Value(n, 0) for n in body.inputs[:n_carry])])
+
+
 def cse(graph: Graph) -> Graph:
-    """Merge nodes computing the same primitive with the same params on the same values."""
+    """Merge nodes computing the same primitive with the same params on the same values.
+
+    A scan is also merged into a later one that computes the same and more: the same body
+    with its carry history as well, on the same operands (a scan's VJP runs its forward again
+    for that history, NOTE [control-flow primitives]): the first's results are the second's
+    first results."""
     seen: dict[tuple, list[Value]] = {}
+    scans = {(graph.node(n).params, graph.operands(n)) for n in graph.order
+             if graph.node(n).prim == "scan"}
 
     def visit(b, n, operands, preds):
         node = graph.node(n)
         if is_effectful(node):
             return None
+        if node.prim == "scan":
+            longer = node.kwargs | {"body": with_carry_history(node.kwargs["body"],
+                                                               node.kwargs["n_carry"])}
+            if (Node.make_params(longer), graph.operands(n)) in scans:
+                key = (node.prim, Node.make_params(longer), operands, preds)
+                if key not in seen:
+                    length, types = node.kwargs["length"], longer["body"].output_types
+                    history = [attrs.evolve(t, shape=(length, *t.shape))
+                               for t in types[len(node.out_types):]]
+                    seen[key] = b.add_node("scan", operands, longer,
+                                           (*node.out_types, *history), node.provenance,
+                                           after=preds)
+                return seen[key][:len(node.out_types)]
         key = (node.prim, node.params, operands, preds)
         if key not in seen:
             seen[key] = b.add_node(node.prim, operands, node.kwargs, node.out_types,
@@ -73,7 +99,8 @@ def fold_constants(graph: Graph) -> Graph:
     def visit(b, n, operands, preds):
         node = graph.node(n)
         small = all(t.numel <= config.fold_max_numel for t in node.out_types)
-        if preds or not small or is_effectful(node) or node.prim == "opaque":
+        if preds or not small or is_effectful(node) or node.prim == "opaque" or any(
+                isinstance(v, Graph) for _, v in node.params):  # loops run when called
             return None
         if node.prim not in _SOURCES and not (operands and all(v in known for v in operands)):
             return None

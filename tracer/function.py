@@ -9,7 +9,8 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from ..errors import ConcretizationError, OpError, PlaitError, TraceError
+from ..errors import (ConcretizationError, OpError, PlaitError, TraceError,
+                      UnsupportedOpError)
 from ..graph import Graph, TensorType
 from . import aten as _aten  # noqa: F401  (registers the handlers)
 from . import collectives as _collectives  # noqa: F401
@@ -59,6 +60,13 @@ def _as_plait_error(e: RuntimeError) -> PlaitError | None:
             "torch.func.functionalize(f) called inside a function plait traces: plait's "
             "traces are functionalized already, and torch cannot nest functionalize. Call f "
             "itself there (torch.func.functionalize(f) passed to plait directly is fine).")
+    if "no rule registered for HigherOrderOperator" in message:
+        op = message.split("HigherOrderOperator ", 1)[1].split(" ", 1)[0]
+        return UnsupportedOpError(
+            f"torch's higher-order op {op} reached plait's trace by a name bound before "
+            "tracing began (from torch._higher_order_ops... import ...). Call plait's own "
+            "(plait.cond, plait.while_loop, plait.scan), or torch's through its module "
+            f"(torch.cond, torch._higher_order_ops.{op}), which plait traces as its own.")
     if "not allocated" in message or "unallocated storage" in message:
         return ConcretizationError(
             "an operation read the data of a traced tensor directly (.tolist(), or a tensor "

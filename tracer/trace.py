@@ -50,7 +50,7 @@ _PLAIT_DIRS = tuple(os.path.join(_PLAIT_ROOT, d) + os.sep for d in (
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SKIP_DIRS = _PLAIT_DIRS + (_TORCH_DIR, os.path.dirname(contextlib.__file__) + os.sep)
 _SKIP_FILES = {os.path.join(_PLAIT_ROOT, f) for f in ("api.py", "__init__.py", "config.py",
-                                                     "transforms.py")}
+                                                     "transforms.py", "control.py", "rules.py")}
 
 
 class TracerTensor(torch.Tensor):
@@ -100,8 +100,12 @@ def _concretization(what: str) -> ConcretizationError:
     return ConcretizationError(
         f"{what} needs the concrete value of a traced tensor, but under plait.jit a tensor's "
         "value is only known when the compiled function runs. Compute both sides and pick "
-        "with torch.where(condition, a, b), or pass the value as a static argument "
-        "(static_argnums) so each value compiles its own version.")
+        "with torch.where(condition, a, b); branch or loop on it in the program with "
+        "plait.cond or plait.while_loop:\n"
+        "    y = plait.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))\n"
+        "    i, x = plait.while_loop(lambda i, x: i < n, lambda i, x: (i + 1, x / 2), (i, x))\n"
+        "or pass the value as a static argument (static_argnums) so each value compiles its "
+        "own version.")
 
 
 def captured_write_error() -> TraceError:
@@ -308,7 +312,7 @@ class Trace:
         outermost = self._depth == 0
         if outermost:
             self._provenance = self._inherited or Provenance(
-                str(func), _user_source() if config.provenance else None)
+                str(func), user_source() if config.provenance else None)
         self._depth += 1
         try:
             out = self._dispatch(func, args, kwargs)
@@ -553,7 +557,8 @@ def _describe(args, kwargs) -> str:
     return ", ".join(parts)
 
 
-def _user_source() -> str | None:
+def user_source() -> str | None:
+    """``file:line`` of the user's code that the op being traced comes from."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
