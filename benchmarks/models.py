@@ -211,7 +211,9 @@ def _training_loop(params, tokens, targets, heads: int, device: str, measure) ->
         names = model.names
 
         def step():
-            grads, loss = grad_step(dict(zip(names, model.weights)), tokens, targets, heads)
+            with torch.no_grad():  # the gradient program itself is not to be differentiated
+                grads, loss = grad_step(dict(zip(names, model.weights)), tokens, targets,
+                                        heads)
             for p, g in zip(model.weights, grads.values()):
                 p.grad = g
             opt.step()

@@ -9,7 +9,9 @@ stores nothing of size M x N. This pass finds the pattern in a traced graph, as
 torch.compile's attention patterns do, and replaces it:
 
     dot_general(P, v)  with  P = softmax(S) over the last dim, as traced (amax, sub, exp,
-                             sum, div), and S = (q @ kᵀ) times or divided by scalar fills.
+                             sum, div), S = (q @ kᵀ) times or divided by scalar fills, and
+                             optionally masked causally: masked_fill(~tril, -inf), the
+                             boolean tril a constant (``attention``'s ``causal``).
 
 Converts between floating dtypes and reshapes that keep the last two dims may sit anywhere
 on the path (bf16 attention converts to f32 for the softmax and back; matmuls of 4-D
@@ -19,16 +21,23 @@ a control edge): where the scores are needed anyway, fusing would compute them t
 
 The fused kernel does not round the scores and probabilities to bf16/fp16 between steps as
 eager does, so it is slightly more accurate than the code it replaces. The pass runs in
-jit's simplify pipeline, after every transform, so ``attention`` needs no derivative or
-batching rules.
+jit's simplify pipeline and, on the graph being differentiated, before reverse-mode
+differentiation (``autodiff.joint``): a training step's attention then differentiates by
+the primitive's own rule, torch's fused backward (tracer/nn.py), and neither pass stores
+the scores. Its second derivatives differentiate the written-out form (``_math``).
 """
 from __future__ import annotations
 
+import functools
+
 import attrs
+import torch
 
 from ..config import config
 from ..graph import Graph, GraphBuilder, Value, rewrite
-from ..tracer.primitives import is_effectful
+from ..tracer.primitives import get_primitive, is_effectful
+from ..tracer.trace import Trace, current_trace, tracing
+from .interpret import inline
 
 
 def _batch_view(g, v: Value, members: set | None = None) -> Value:
@@ -52,10 +61,12 @@ def _batch_view(g, v: Value, members: set | None = None) -> Value:
 
 
 def _row_statistic(g, v: Value, prim: str, members: set) -> Value | None:
-    """x, where ``v`` is ``prim`` of x over its last dim broadcast back along it."""
-    while g.node(v.node).prim == "broadcast_in_dim":
+    """x, where ``v`` is ``prim`` of x over its last dim broadcast back along it (softmax's
+    max through the derivative marker it has until simplification erases it)."""
+    while g.node(v.node).prim in ("broadcast_in_dim", "stop_gradient"):
         (x,) = g.operands(v.node)
-        if g.node(v.node).kwargs["broadcast_dimensions"] != tuple(range(g.type_of(x).ndim)):
+        if g.node(v.node).prim == "broadcast_in_dim" and \
+                g.node(v.node).kwargs["broadcast_dimensions"] != tuple(range(g.type_of(x).ndim)):
             return None
         members.add(v.node)
         v = x
@@ -128,10 +139,50 @@ def _swapped(g, v: Value) -> Value | None:
     return None
 
 
+def _mask(g, v: Value) -> torch.Tensor | None:
+    """The [M, N] boolean constant that ``v`` is, repeated over its leading dims (through
+    broadcasts and negations), if it is one."""
+    node, negated = g.node(v.node), False
+    while node.prim in ("bitwise_not", "broadcast_in_dim"):
+        if node.prim == "broadcast_in_dim":
+            (x,) = g.operands(v.node)
+            nd = g.type_of(v).ndim
+            if g.type_of(x).ndim != 2 or node.kwargs["broadcast_dimensions"] != (nd - 2, nd - 1):
+                return None
+        negated ^= node.prim == "bitwise_not"
+        v = g.operands(v.node)[0]
+        node = g.node(v.node)
+    if node.prim != "constant" or node.out_types[0].dtype != torch.bool \
+            or node.out_types[0].ndim < 2:
+        return None
+    mask = node.kwargs["value"].tensor  # folded broadcasts: one [M, N] mask, repeated
+    first = mask.reshape(-1, *mask.shape[-2:])[0]
+    if not torch.equal(mask, first.expand(mask.shape)):
+        return None
+    return ~first if negated else first
+
+
+def _causal(g, s: Value, members: set) -> tuple[Value, bool]:
+    """(x, True) where ``s`` is x with the entries above the diagonal set to -inf
+    (``masked_fill(~tril, -inf)`` as traced), else (s, False)."""
+    node = g.node(s.node)
+    if node.prim != "where":
+        return s, False
+    c, a, b = g.operands(s.node)
+    for fill, x, keep_where_true in ((a, b, False), (b, a, True)):
+        mask = _mask(g, c)
+        if _scalar(g, fill) == float("-inf") and mask is not None:
+            keep = mask if keep_where_true else ~mask
+            if torch.equal(keep.cpu(), torch.ones(keep.shape, dtype=torch.bool).tril()):
+                members.add(s.node)
+                return x, True
+    return s, False
+
+
 def match(g, kwargs: dict, p: Value, v: Value):
-    """For ``dot_general(p, v, **kwargs)`` that is attention: (q, k, v, scale, the nodes
-    inside the pattern), with k and v each as (value, whether its last two dims are still
-    to be swapped to make it [..., N, E] and [..., N, Ev]); else None."""
+    """For ``dot_general(p, v, **kwargs)`` that is attention: (q, k, v, scale, causal, the
+    nodes inside the pattern), with k and v each as (value, whether its last two dims are
+    still to be swapped to make it [..., N, E] and [..., N, Ev]); else None."""
     v_contracts_last = _matmul(g, kwargs, p, v)
     if v_contracts_last is None:
         return None
@@ -139,6 +190,7 @@ def match(g, kwargs: dict, p: Value, v: Value):
     s = _softmax_input(g, _batch_view(g, p, members), members)
     if s is None:
         return None
+    s, causal = _causal(g, _batch_view(g, s, members), members)
     s, scale = _scaled(g, _batch_view(g, s, members), members)
     if g.node(s.node).prim != "dot_general":
         return None
@@ -147,7 +199,7 @@ def match(g, kwargs: dict, p: Value, v: Value):
     if k_contracts_last is None or len({g.type_of(x).dtype for x in (q, k, v)}) != 1:
         return None
     members.add(s.node)
-    return q, (k, not k_contracts_last), (v, v_contracts_last), scale, members
+    return q, (k, not k_contracts_last), (v, v_contracts_last), scale, causal, members
 
 
 def _exclusive(graph: Graph, n: int, members: set[int], pinned: set[int]) -> bool:
@@ -206,15 +258,70 @@ def fuse_attention(graph: Graph) -> Graph:
         found = match(b, node.kwargs, *operands)
         if found is None:
             return None
-        q, (k, k_swap), (v, v_swap), scale, _ = found
+        q, (k, k_swap), (v, v_swap), scale, causal, _ = found
         t, provenance = node.out_types[0], node.provenance
         q, k, v = _batched(b, [q, _unswapped(b, k, k_swap, provenance),
                                _unswapped(b, v, v_swap, provenance)], t.shape[:-2], provenance)
         shape = (*b.type_of(q).shape[:-1], b.type_of(v).shape[-1])
-        (result,) = b.add_node("attention", (q, k, v), {"scale": scale},
+        (result,) = b.add_node("attention", (q, k, v), {"scale": scale, "causal": causal},
                                (attrs.evolve(t, shape=shape),), provenance)
         if shape == t.shape:
             return [result]
         return b.add_node("reshape", (result,), {"shape": t.shape}, (t,), provenance)
 
     return rewrite(graph, visit)
+
+
+# ---------------------------------------------------------------------------------------
+# Second derivatives: attention_backward's rules, from the written-out form's VJP
+# ---------------------------------------------------------------------------------------
+def _math(q, k, v, scale: float, causal: bool):
+    """softmax(q @ kᵀ * scale) @ v written out, on tracers."""
+    s = q @ k.mT * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s.softmax(-1) @ v
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_graph(types: tuple, scale: float, causal: bool) -> Graph:
+    """(q, k, v, ct) -> (out, dq, dk, dv): the written-out attention's VJP."""
+    from .autodiff import vjp
+
+    trace = Trace()
+    with tracing(trace), config.patch(fuse_attention=False):
+        q, k, v = (trace.new_input(t) for t in types)
+        forward = trace.builder.build([trace.value_of(_math(q, k, v, scale, causal))])
+        return vjp(forward, [0, 1, 2])
+
+
+def _graph_for(ct, q, k, v, scale, causal) -> Graph:
+    trace = current_trace()
+    return _backward_graph(tuple(trace.type_of(x) for x in (q, k, v)), scale, causal)
+
+
+def _backward_vjp(cts, ct, q, k, v, *, outs, scale, causal=False):
+    from .autodiff import vjp, zeros
+
+    graph = _graph_for(ct, q, k, v, scale, causal)
+    with config.patch(fuse_attention=False):
+        second = vjp(graph, [0, 1, 2, 3])
+    seeds = [zeros(graph.output_types[0]),
+             *(c if c is not None else torch.zeros_like(x) for c, x in zip(cts, (q, k, v)))]
+    gq, gk, gv, gct = inline(second, [q, k, v, ct, *seeds])[4:]
+    return [gct, gq, gk, gv]
+
+
+def _backward_jvp(operands, tangents, outs, *, scale, causal=False):
+    from .autodiff import jvp
+
+    ct, q, k, v = operands
+    graph = _graph_for(ct, q, k, v, scale, causal)
+    given = [tangents[1], tangents[2], tangents[3], tangents[0]]  # in the graph's input order
+    wrt = [i for i, t in enumerate(given) if t is not None]
+    return inline(jvp(graph, wrt), [q, k, v, ct, *(given[i] for i in wrt)])[5:8]
+
+
+get_primitive("attention_backward").vjp = _backward_vjp
+get_primitive("attention_backward").jvp = _backward_jvp

@@ -34,6 +34,7 @@ from ..errors import UnsupportedOpError
 from ..graph import Graph, GraphBuilder, TensorType, Value, extract
 from ..tracer.primitives import COMPLEX_RULES, ELEMENTWISE, get_primitive, is_effectful
 from ..tracer.trace import Trace, bind, tracing
+from .attention import fuse_attention
 from .interpret import inline, replay
 
 
@@ -211,7 +212,10 @@ def _recompute_costs(g: Graph, pinned: set[int]) -> dict[int, int]:
 
 def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
     """(inputs, one seed per output in ``seeded``) -> (outputs, cotangents of inputs ``wrt``);
-    seeds of outputs that are not floating point are ignored (NOTE [autodiff])."""
+    seeds of outputs that are not floating point are ignored (NOTE [autodiff]). Attention
+    written out is fused first, to differentiate by its fused rule (NOTE [attention
+    fusion])."""
+    graph = fuse_attention(graph)
     trace = Trace()
     with tracing(trace):
         primals = [trace.new_input(t) for t in graph.input_types]

@@ -26,6 +26,9 @@ _UNINITIALIZED = ("empty", "empty_like", "empty_strided", "empty_permuted", "new
                   "new_empty_strided")
 SAMPLES_PER_OP = 2
 RTOL, ATOL = 1e-4, 1e-5
+# plait runs torch's fused attention kernels (forward and backward) where eager runs the
+# written-out math for 3-D operands: another summation order, ~1e-5 apart in float32
+_ATOL = {"nn.functional.scaled_dot_product_attention": 5e-5}
 
 
 @attrs.define
@@ -83,14 +86,14 @@ def _deterministic(op, sample) -> bool:
         return False
 
 
-def _compare(actual, expected) -> None:
+def _compare(actual, expected, atol: float = ATOL) -> None:
     a_leaves, a_tree = pytree.tree_flatten(actual)
     e_leaves, e_tree = pytree.tree_flatten(expected)
     if a_tree != e_tree:
         raise AssertionError(f"structure {a_tree} != {e_tree}")
     for a, e in zip(a_leaves, e_leaves):
         if isinstance(e, torch.Tensor):
-            torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL, equal_nan=True)
+            torch.testing.assert_close(a, e, rtol=RTOL, atol=atol, equal_nan=True)
         elif a != e and not (a != a and e != e):
             raise AssertionError(f"{a!r} != {e!r}")
 
@@ -272,7 +275,7 @@ def sweep(mode: str = "jit", names: set[str] | None = None, backend: str = "eage
                     actual = run()
                 if opaque:
                     result.opaque_ops.add(name)
-                _compare(actual, expected)
+                _compare(actual, expected, _ATOL.get(name, ATOL))
                 result.outcomes[key] = "match"
                 result.details[key] = ""
             except _Skip:

@@ -145,15 +145,78 @@ def test_switched_off_by_config():
         assert_close(jitted(q, k, v), attention(q, k, v), atol=1e-5, rtol=1e-5)
 
 
-def test_gradients_of_attention():
-    """The backward pass needs the probabilities, so the forward is not fused there; the
-    gradients are eager's."""
+CAUSAL = {
+    "masked_fill": lambda q, k, v: (q @ k.mT * 0.5).masked_fill(
+        ~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(), float("-inf"))
+    .softmax(-1) @ v,
+    "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(CAUSAL))
+def test_causal_attention_is_fused(backend, name):
+    q, k, v = _qkv(2, 3, 16, 8)
+    jitted = plait.jit(CAUSAL[name], backend=backend)
+    graph = jitted.lower(q, k, v).graph
+    attention_nodes = [graph.node(n) for n in graph.order if graph.node(n).prim == "attention"]
+    assert [a.kwargs["causal"] for a in attention_nodes] == [True]
+    assert "exp" not in _prims(graph)
+    assert_close(jitted(q, k, v), CAUSAL["masked_fill"](q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_a_mask_that_is_not_causal_is_left_alone():
     q, k, v = _qkv(2, 16, 8)
-    loss = lambda q, k, v: attention(q, k, v).square().sum()  # noqa: E731
+    band = torch.ones(16, 16, dtype=torch.bool).tril().triu(-2)
+    fn = lambda q, k, v: (q @ k.mT).masked_fill(~band, float("-inf")).softmax(-1) @ v  # noqa
+    assert "attention" not in _prims(plait.jit(fn, backend="cpp").lower(q, k, v).graph)
+    assert_close(plait.jit(fn, backend="cpp")(q, k, v), fn(q, k, v))
+
+
+@pytest.mark.parametrize("fn", [attention, CAUSAL["masked_fill"], CAUSAL["sdpa"]],
+                         ids=["written_out", "causal", "sdpa"])
+def test_gradients_of_attention_run_the_fused_backward(fn):
+    """Fused before differentiation: the forward and the backward run torch's fused kernels,
+    no score matrix stored; the gradients are eager's."""
+    q, k, v = _qkv(2, 16, 8)
+    loss = lambda q, k, v: fn(q, k, v).square().sum()  # noqa: E731
     jitted = plait.jit(plait.grad(loss, argnums=(0, 1, 2)), backend="cpp")
-    assert "attention" not in _prims(jitted.lower(q, k, v).graph)
-    theirs = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    prims = _prims(jitted.lower(q, k, v).graph)
+    assert "attention_backward" in prims and "exp" not in prims
+    assert jitted.lower(q, k, v).stats["peak_bytes"] < 6 * q.nbytes + _scores_bytes(q, k)
+    # torch.func cannot differentiate SDPA's fused kernel on the CPU: the written-out form
+    reference = CAUSAL["masked_fill"] if fn is CAUSAL["sdpa"] else fn
+    theirs = torch.func.grad(lambda q, k, v: reference(q, k, v).square().sum(),
+                             argnums=(0, 1, 2))(q, k, v)
     assert_close(jitted(q, k, v), theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_derivatives_of_every_order():
+    q, k, v = _qkv(2, 8, 4, dtype=torch.float64)
+    causal = lambda q: (CAUSAL["sdpa"](q, k, v) ** 2).sum()  # noqa: E731
+    written = lambda q: (CAUSAL["masked_fill"](q, k, v) ** 2).sum()  # noqa: E731
+    assert_close(plait.jvp(causal, (q,), (v,))[1], torch.func.jvp(written, (q,), (v,))[1])
+    assert_close(plait.hessian(causal)(q), torch.func.hessian(written)(q))
+    assert_close(plait.grad(lambda q: plait.grad(causal)(q).sum())(q),
+                 torch.func.grad(lambda q: torch.func.grad(written)(q).sum())(q))
+    per_example = plait.vmap(plait.grad(causal))(torch.stack([q, k]))
+    assert_close(per_example, torch.stack([torch.func.grad(written)(x) for x in (q, k)]))
+
+
+def test_grouped_query_attention():
+    q = torch.randn(2, 8, 16, 4)
+    k, v = torch.randn(2, 2, 16, 4), torch.randn(2, 2, 16, 4)
+    fn = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, enable_gqa=True)
+    jitted = plait.jit(fn, backend="cpp")
+    assert "attention" in _prims(jitted.lower(q, k, v).graph)
+    assert_close(jitted(q, k, v), fn(q, k, v), atol=1e-5, rtol=1e-5)
+    repeated = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    for got, want in zip(plait.grad(lambda *a: fn(*a).sum(), argnums=(1, 2))(q, k, v),
+                         torch.autograd.grad(repeated(q, k.requires_grad_(),
+                                                      v.requires_grad_()).sum(), (k, v))):
+        assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("keys", ["rows", "columns", "three_dims"])

@@ -59,12 +59,12 @@ def test_a_gpt_training_step_matches_eager(backend):
 
 
 def test_repeated_blocks_compile_each_kernel_once():
-    """NOTE [canonical kernels]: two more blocks bring some 40 more kernels to run, and at
+    """NOTE [canonical kernels]: two more blocks bring some 36 more kernels to run, and at
     most two more to write and compile."""
     step = plait.jit(plait.grad_and_value(gpt_loss), backend="cpp")
     four, six = (step.lower(*_gpt(blocks)).compiled for blocks in (4, 6))
     names = {n: [w.name for w in c.writers.values()] for n, c in ((4, four), (6, six))}
-    assert len(names[6]) - len(names[4]) >= 40
+    assert len(names[6]) - len(names[4]) >= 30
     assert len(set(names[6])) - len(set(names[4])) <= 2
     assert six.cpp_source.count('extern "C" void kernel_') == len(set(names[6]))
 

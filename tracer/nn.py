@@ -26,7 +26,8 @@ from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .aten import handles, type_of
 from .primitives import _check, define, vjp_rule
-from .trace import HANDLERS, bind
+from ..config import config
+from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, on_tracers
 
 aten = torch.ops.aten
 
@@ -74,11 +75,17 @@ define("conv", _conv_infer, _conv_impl)
 
 
 # ---------------------------------------------------------------------------------------
-# The attention primitive: only the attention fusion pass makes one (NOTE [attention
-# fusion], passes/attention.py), after every transform, so it has no derivative or batching
-# rules; a backend runs it as an extern.
+# The attention primitive (NOTE [attention fusion], passes/attention.py)
 # ---------------------------------------------------------------------------------------
-def _attention_infer(q, k, v, *, scale):
+# softmax(q @ kᵀ * scale, causally masked where ``causal``) @ v over the last two dims, every
+# leading dim a batch dim. ``scaled_dot_product_attention`` traces to it, and the attention
+# fusion pass makes it from the written-out forms, before differentiation, so a training
+# step's forward and backward both run torch's fused kernels and never store the scores.
+# Its VJP is ``attention_backward``, whose implementation runs the fused forward again (for
+# the row statistics it does not keep) and torch's fused backward; its JVP is written out
+# (forward mode stores the scores). ``attention_backward``'s own derivatives differentiate
+# the written-out form (passes/attention.py: they need the graph passes).
+def _attention_infer(q, k, v, *, scale, causal=False):
     ok = (q.ndim == k.ndim == v.ndim >= 2 and q.dtype == k.dtype == v.dtype
           and q.dtype.is_floating_point and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
           and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2])
@@ -86,16 +93,86 @@ def _attention_infer(q, k, v, *, scale):
     return (TensorType((*q.shape[:-1], v.shape[-1]), q.dtype, q.device),)
 
 
-def _attention(q, k, v, *, scale):
+def _attention(q, k, v, *, scale, causal=False):
     """torch's fused attention, whose fused kernels take only 4-D operands (others silently
     take its path that stores the scores): the batch dims become one, heads one."""
     out = torch.nn.functional.scaled_dot_product_attention(
         *[x if x.ndim == 4 else x.reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v)],
-        scale=scale)
+        scale=scale, is_causal=causal)
     return out if q.ndim == 4 else out.reshape(*q.shape[:-1], v.shape[-1])
 
 
-define("attention", _attention_infer, _attention)
+def _attention_backward(ct, q, k, v, *, scale, causal=False):
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(_attention(*leaves, scale=scale, causal=causal), leaves, ct)
+
+
+def _batched_attention(prim: str):
+    def rule(operands, batched, axis_size, **params):
+        out = bind(prim, *[x if b else x.expand(axis_size, *x.shape)
+                           for x, b in zip(operands, batched)], **params)
+        return (list(out) if isinstance(out, tuple) else [out]), [True] * (3 if
+                                                                          isinstance(out, tuple) else 1)
+
+    return rule
+
+
+def _attention_jvp(operands, tangents, outs, *, scale, causal=False):
+    q, k, v = operands
+    dq, dk, dv = (t if t is not None else torch.zeros_like(x) for t, x in zip(tangents, operands))
+    s = q @ k.mT * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    p = s.softmax(-1)
+    ds = (dq @ k.mT + q @ dk.mT) * scale
+    dp = p * (ds - (p * ds).sum(-1, keepdim=True))
+    return [dp @ v + p @ dv]
+
+
+define("attention", _attention_infer, _attention, jvp=_attention_jvp,
+       batch=_batched_attention("attention"))
+define("attention_backward", lambda ct, q, k, v, **_: (q, k, v), _attention_backward,
+       multiple_results=True, batch=_batched_attention("attention_backward"))
+
+
+@vjp_rule("attention")
+def _attention_vjp(cts, q, k, v, *, outs, scale, causal=False):
+    return bind("attention_backward", cts[0], q, k, v, scale=scale, causal=causal)
+
+
+def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                  is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` without a mask or dropout: the attention
+    primitive (grouped-query attention's key and value heads repeated by broadcasting).
+    Anything else runs torch's decomposition."""
+    tensors = (query, key, value)
+    if attn_mask is not None or dropout_p or not config.fuse_attention or not any(
+            isinstance(x, TracerTensor) or torch._is_functional_tensor(x) for x in tensors) \
+            or len({x.dtype for x in tensors}) != 1 or not query.dtype.is_floating_point \
+            or not query.ndim == key.ndim == value.ndim >= 2:
+        return NotImplemented
+    heads, kv_heads = (query.shape[-3], key.shape[-3]) if query.ndim > 2 else (1, 1)
+    groups = heads // kv_heads if enable_gqa and kv_heads and heads % kv_heads == 0 else 1
+    batch = (*key.shape[:-3], kv_heads * groups, *key.shape[-2:]) if groups > 1 else None
+    if (query.shape[:-2] != (batch or key.shape)[:-2] or key.shape[:-2] != value.shape[:-2]
+            or query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]):
+        return NotImplemented
+    scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
+    return _attention_traced(query, key, value, groups, scale, is_causal)
+
+
+@on_tracers
+def _attention_traced(q, k, v, groups: int, scale: float, causal: bool):
+    if groups > 1:  # key and value head j serves query heads j * groups ... (j+1) * groups - 1
+        k, v = (x.unsqueeze(-3).expand(*x.shape[:-2], groups, *x.shape[-2:]).reshape(
+            *x.shape[:-3], x.shape[-3] * groups, *x.shape[-2:]) for x in (k, v))
+    return bind("attention", q, k, v, scale=scale, causal=causal)
+
+
+FUNCTION_HANDLERS[torch.nn.functional.scaled_dot_product_attention] = \
+    _scaled_dot_product_attention
 
 
 def _flipped_transpose(w, groups: int):
