@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import attrs
 import torch
 
 from ..errors import UnsupportedOpError
 from ..graph import Graph, Value
+from ..tracer.nn import conv_vjp_written
 from ..tracer.primitives import get_primitive, is_effectful
-from ..tracer.trace import Trace, bind, tracing
-from .interpret import replay
+from ..tracer.trace import Trace, bind, current_trace, tracing
+from .interpret import inline, replay
 
 RANDOMNESS = ("error", "different", "same")
 
@@ -87,3 +89,24 @@ def _random(node, operands, flags, axis_size, randomness):
         raise UnsupportedOpError(f"vmap(randomness='same'): {op} takes a batched operand, so "
                                  "its draws cannot be shared")
     return loop("opaque", operands, flags, axis_size, node.kwargs)
+
+
+def _written_out(form):
+    """The batching rule of a primitive that computes what ``form`` (torch calls on tracers)
+    writes out: ``form`` vmapped (NOTE [convolution backward])."""
+    def rule(operands, batched, axis_size, **params):
+        trace = current_trace()
+        types = [trace.type_of(x) for x in operands]
+        types = [attrs.evolve(t, shape=t.shape[1:]) if b else t for t, b in zip(types, batched)]
+        inner = Trace()
+        with tracing(inner):
+            outs = form(*[inner.new_input(t) for t in types], **params)
+            graph = inner.builder.build([inner.value_of(x) for x in outs])
+        batched_graph, flags = vmap(graph, batched, axis_size)
+        return inline(batched_graph, operands), flags
+
+    return rule
+
+
+get_primitive("conv_backward").batch = _written_out(
+    lambda ct, lhs, rhs, **params: conv_vjp_written([ct], lhs, rhs, **params))

@@ -297,6 +297,18 @@ def _where_scalars(condition, a, b):
     return bind("where", convert(condition, torch.bool), *line_up((a, b), dtype, shape, device))
 
 
+@handles(getattr(aten.where, "ScalarOther", None), getattr(aten.where, "ScalarSelf", None))
+def _where_one_scalar(condition, a, b):
+    """A tensor and a Python scalar (some torch versions dispatch these overloads, with no
+    decomposition): promoted as eager promotes a tensor with a scalar, all broadcast."""
+    tensor = a if isinstance(a, torch.Tensor) else b
+    dtype = torch.result_type(a, b)
+    shape = torch.broadcast_shapes(type_of(condition).shape, type_of(tensor).shape)
+    device = type_of(tensor).device
+    (pred,) = line_up((convert(condition, torch.bool),), torch.bool, shape, device)
+    return bind("where", pred, *line_up((a, b), dtype, shape, device))
+
+
 @handles(_prim("frexp"))
 def _prims_frexp(x):
     return bind("frexp", x)

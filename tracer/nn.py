@@ -183,9 +183,59 @@ def _flipped_transpose(w, groups: int):
         groups * b, ga // groups, *k).flip(list(range(2, len(k) + 2)))
 
 
+# NOTE [convolution backward]
+# The VJP of a convolution is two convolutions (``conv_vjp_written``), but the one for the
+# kernel correlates the input with the whole output-sized cotangent as a kernel: for a
+# depthwise 7x7 convolution over 56x56 the library runs a 56x56-kernel convolution, many
+# times slower than its own weight-gradient kernels. Where ATen's ``convolution_backward``
+# takes the convolution (symmetric padding, no input dilation), the VJP is the primitive
+# ``conv_backward``: (ct, lhs, rhs) -> (d_lhs, d_rhs), which calls it. Its derivatives need
+# no formula of their own: d_lhs = A(ct, rhs) and d_rhs = B(lhs, ct) are bilinear, A and B
+# being conv's adjoints in each operand, so its JVP is conv_backward(t_ct, lhs, rhs) +
+# conv_backward(ct, t_lhs, t_rhs), and its VJP for cotangents (g_l, g_r) is conv(g_l, rhs) +
+# conv(lhs, g_r) for ct, and conv_backward(ct, g_l, g_r) for (lhs, rhs). vmap batches the
+# written-out form (passes/batching.py).
+def _library_backward(padding, lhs_dilation) -> bool:
+    return all(lo == hi for lo, hi in padding) and all(d == 1 for d in lhs_dilation)
+
+
+def _conv_backward_impl(ct, lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
+                        feature_group_count):
+    nd = len(window_strides)
+    d_lhs, d_rhs, _ = torch.ops.aten.convolution_backward(
+        ct, lhs, rhs, None, list(window_strides), [lo for lo, _ in padding],
+        list(rhs_dilation), False, [0] * nd, feature_group_count, [True, True, False])
+    return d_lhs, d_rhs
+
+
+def _conv_backward_jvp(operands, tangents, outs, **params):
+    zeros = [t if t is not None else torch.zeros_like(x) for t, x in zip(tangents, operands)]
+    (t_ct, t_lhs, t_rhs), (ct, lhs, rhs) = zeros, operands
+    first = bind("conv_backward", t_ct, lhs, rhs, **params)
+    second = bind("conv_backward", ct, t_lhs, t_rhs, **params)
+    return [a + b for a, b in zip(first, second)]
+
+
+def _conv_backward_vjp(cts, ct, lhs, rhs, *, outs, **params):
+    g_lhs, g_rhs = (c if c is not None else torch.zeros_like(o) for c, o in zip(cts, outs))
+    d_ct = bind("conv", g_lhs, rhs, **params) + bind("conv", lhs, g_rhs, **params)
+    return [d_ct, *bind("conv_backward", ct, g_lhs, g_rhs, **params)]
+
+
+define("conv_backward", lambda ct, lhs, rhs, **_: (lhs, rhs), _conv_backward_impl,
+       multiple_results=True, jvp=_conv_backward_jvp, vjp=_conv_backward_vjp)
+
+
 @vjp_rule("conv")
-def _conv_vjp(cts, lhs, rhs, *, outs, window_strides, padding, lhs_dilation, rhs_dilation,
-              feature_group_count):
+def _conv_vjp(cts, lhs, rhs, *, outs, **params):
+    """NOTE [convolution backward]."""
+    if _library_backward(params["padding"], params["lhs_dilation"]):
+        return bind("conv_backward", cts[0], lhs, rhs, **params)
+    return conv_vjp_written(cts, lhs, rhs, **params)
+
+
+def conv_vjp_written(cts, lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
+                      feature_group_count):
     """Per spatial dim, output o reads padded input position o*s + j*rd through kernel tap j,
     where the padded input holds input i at lo + i*ld. Both cotangents are convolutions:
     - input: the cotangent dilated by s and correlated with the flipped kernel (span K) sees

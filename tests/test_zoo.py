@@ -1,0 +1,48 @@
+"""Whole models written the ordinary way (benchmarks/zoo.py: a Llama-style decoder, a ViT, a
+ResNet with BatchNorm, a ConvNeXt), trained through ``plait.jit(model)`` and
+``loss.backward()`` at small sizes: every gradient, the loss and BatchNorm's running
+statistics against eager's, over two steps of SGD."""
+import os
+import sys
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import plait
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from zoo import MODELS  # noqa: E402
+
+
+def _train(model, call, inputs, steps=2):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = call(*inputs)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_trains_as_in_eager(name):
+    plait.config.backend = "cpp"  # the autouse fixture restores it
+    make, batch = MODELS[name](small=True)
+    inputs = batch("cpu")
+    torch.manual_seed(0)
+    eager = make()
+    torch.manual_seed(0)
+    model = make()
+    want_losses, want_grads = _train(eager, eager, inputs)
+    losses, grads = _train(model, plait.jit(model), inputs)
+    assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-5)
+    for step, (got, want) in enumerate(zip(grads, want_grads)):
+        for k in want:
+            assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=f"step {step}: {k}")
+    for (k, got), want in zip(model.named_buffers(), eager.buffers()):
+        assert_close(got, want, rtol=1e-5, atol=1e-6, msg=k)  # BatchNorm's statistics
