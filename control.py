@@ -24,9 +24,8 @@ until every example's predicate is false, each example keeping its carry once do
 
 When a program runs, a node runs its bodies as programs of their own, compiled once per body
 (by ``config.backend``, "auto": the one for the tensors' device; cached by the body's digest
-and backend); under a recording
-torch.autograd, a torch.func transform or a dispatch mode they run op by op with torch, so the
-recording sees them. Called on real tensors outside any trace, the functions run as Python
+and backend); under a recording torch.autograd, a torch.func transform or a dispatch mode
+they run op by op with torch, so the recording sees them. Called on real tensors outside any trace, the functions run as Python
 (``cond`` as an ``if``, the loops as loops), as torch.cond does eagerly.
 """
 from __future__ import annotations
@@ -41,8 +40,8 @@ import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
 from .backends import eager, get_backend, resolve_backend
-from .errors import ShapeError, TraceError, UnsupportedOpError
 from .config import config
+from .errors import ShapeError, TraceError, UnsupportedOpError
 from .graph import Graph, Provenance, TensorType, Value, extract
 from .passes import autodiff, batching
 from .passes.autodiff import differentiable, zeros
