@@ -129,6 +129,24 @@ def test_conv_primitive_vjp_all_params():
     assert_close(got, torch.autograd.grad((_conv_impl(x, w, **params) * ct).sum(), (x, w)))
 
 
+@pytest.mark.parametrize("in_dims", [(0, None), (None, 0), (0, 0)])
+def test_conv_vmap_batches_examples_or_kernels(in_dims):
+    x, w = randn(2, 4, 9, 9), randn(6, 2, 3, 3)
+    args = [randn(3, *a.shape) if d == 0 else a for a, d in zip((x, w), in_dims)]
+    conv = lambda x, w: F.conv2d(x, w, padding=1, stride=2, groups=2)  # noqa: E731
+    graph = plait.make_graph(plait.vmap(conv, in_dims=in_dims))(*args)
+    assert sum(graph.node(n).prim == "conv" for n in graph.order) == 1  # not one per example
+    assert_close(plait.vmap(conv, in_dims=in_dims)(*args),
+                 torch.func.vmap(conv, in_dims=in_dims)(*args))
+
+
+def test_conv_hessian_with_respect_to_its_input():
+    """jacfwd over jacrev: 324 basis vectors vmapped through the convolution's backward."""
+    x, w = randn(1, 4, 9, 9).double(), randn(4, 1, 3, 3).double()
+    f = lambda x: F.conv2d(x, w, padding=1, groups=4).tanh().sum()  # noqa: E731
+    assert_close(plait.hessian(f)(x), torch.func.hessian(f)(x))
+
+
 # ---------------------------------------------------------------------------------------
 # Pooling
 # ---------------------------------------------------------------------------------------

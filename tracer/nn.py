@@ -71,7 +71,23 @@ def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
                              zeros, feature_group_count)
 
 
-define("conv", _conv_infer, _conv_impl)
+def _conv_batch(operands, batched, axis_size, *, feature_group_count, **params):
+    """The batch joins the examples (a batched input alone) or, with a batched kernel, the
+    channels: example b's channels and kernels form groups of their own."""
+    (lhs, rhs), b = operands, axis_size
+    if not batched[1]:
+        out = bind("conv", lhs.flatten(0, 1), rhs, feature_group_count=feature_group_count,
+                   **params)
+        return [out.unflatten(0, (b, lhs.shape[1]))], [True]
+    n, c, *size = lhs.shape[1:] if batched[0] else lhs.shape
+    lhs = lhs.movedim(0, 1).reshape(n, b * c, *size) if batched[0] else \
+        lhs.unsqueeze(1).expand(n, b, c, *size).reshape(n, b * c, *size)
+    out = bind("conv", lhs, rhs.flatten(0, 1), feature_group_count=b * feature_group_count,
+               **params)
+    return [out.unflatten(1, (b, rhs.shape[1])).movedim(1, 0)], [True]
+
+
+define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 
 
 # ---------------------------------------------------------------------------------------
