@@ -45,26 +45,17 @@ from .errors import ShapeError, TraceError, UnsupportedOpError
 from .graph import Graph, Provenance, TensorType, Value, extract
 from .passes import autodiff, batching
 from .passes.autodiff import differentiable, zeros
-from .passes.interpret import inline, replay
+from .passes.interpret import graph_of, inline, replay
 from .passes.simplify import simplify, with_carry_history
 from .tracer.primitives import define, is_effectful
-from .tracer.trace import (TRACING_CONTEXTS, Trace, bind, current_trace, on_tracers, tracing,
-                           tracing_active, user_source)
+from .tracer.trace import (TRACING_CONTEXTS, bind, current_trace, on_tracers, tracing_active,
+                           user_source)
 from .transforms import _TENSOR, _Traced
 
 
 # ---------------------------------------------------------------------------------------
 # Bodies: traced into graphs, rewired, and run
 # ---------------------------------------------------------------------------------------
-def _graph_of(fn: Callable, types: Sequence[TensorType]) -> Graph:
-    """The graph of ``fn`` on tracers of ``types``: a body that a rule builds from the graph
-    passes' results, given everything it reads."""
-    trace = Trace()
-    with tracing(trace):
-        outs = fn(*[trace.new_input(t) for t in types])
-        return trace.builder.build([trace.value_of(x) for x in outs])
-
-
 def _rewired(graph: Graph, inputs: Sequence[int | TensorType], first_output: int = 0) -> Graph:
     """``graph`` on new inputs, each one of its own (by position) or a type (an input it does
     not read), with its outputs from ``first_output`` on."""
@@ -138,7 +129,7 @@ def _batched_outputs(graph: Graph, have: Sequence[bool], want: Sequence[bool],
     """A batched body whose outputs are batched where ``want`` says (broadcast where not)."""
     if list(have) == list(want):
         return graph
-    return _graph_of(lambda *ins: [_expanded(o, h, w, axis_size) for o, h, w in
+    return graph_of(lambda *ins: [_expanded(o, h, w, axis_size) for o, h, w in
                                    zip(inline(graph, ins), have, want)], graph.input_types)
 
 
@@ -293,7 +284,7 @@ def _while_jvp(operands, tangents, outs, cond_graph, body_graph, n_carry):
                                        *[types[i] for i in wk]])
     out = bind("while_loop", *operands[:n], *[_or_zeros(tangents[i], operands[i]) for i in dc],
                *operands[n:], *[tangents[i] for i in wk], cond_graph=cond_graph,
-               body_graph=_graph_of(body, new_types), n_carry=n + len(dc))
+               body_graph=graph_of(body, new_types), n_carry=n + len(dc))
     return [out[n + dc.index(i)] if i in dc else None for i in range(n)]
 
 
@@ -317,8 +308,8 @@ def _while_batch(operands, batched, axis_size, cond_graph, body_graph, n_carry):
                     for new, c in zip(inline(body, ins), ins[:n])]
 
         types = body.input_types
-        body = _graph_of(step, types)
-        cond_b = _graph_of(lambda *ins: [inline(running, ins)[0].any()], types)
+        body = graph_of(step, types)
+        cond_b = graph_of(lambda *ins: [inline(running, ins)[0].any()], types)
     return list(bind("while_loop", *carry, *consts, cond_graph=cond_b, body_graph=body,
                      n_carry=n)), carry_flags
 
@@ -448,7 +439,7 @@ def _scan_vjp(cts, *operands, outs, body, n_carry, n_xs, length, reverse):
     res = bind("scan", *[_or_zeros(cts[i], outs[i]) for i in dc],
                *[torch.zeros_like(operands[i]) for i in dk], *carries, *xs,
                *[_or_zeros(c, y) for c, y in zip(cts[nc:], outs[nc:])], *consts,
-               body=_graph_of(step, step_types), n_carry=len(dc) + len(dk),
+               body=graph_of(step, step_types), n_carry=len(dc) + len(dk),
                n_xs=nc + nx + ny, length=length, reverse=not reverse)
     grads = dict(zip(dc + dk + dx, res))
     return [grads.get(i) for i in range(len(operands))]
@@ -472,7 +463,7 @@ def _scan_jvp(operands, tangents, outs, body, n_carry, n_xs, length, reverse):
                   *[types[i] for i in wx], *types[nc + nx:], *[types[i] for i in wk]]
     res = bind("scan", *operands[:nc], *[_or_zeros(tangents[i], operands[i]) for i in dc],
                *operands[nc:nc + nx], *[tangents[i] for i in wx], *operands[nc + nx:],
-               *[tangents[i] for i in wk], body=_graph_of(step, step_types),
+               *[tangents[i] for i in wk], body=graph_of(step, step_types),
                n_carry=nc + len(dc), n_xs=nx + len(wx), length=length, reverse=reverse)
     y_tangents = res[nc + len(dc) + ny:]
     return ([res[nc + dc.index(i)] if i in dc else None for i in range(nc)]
@@ -636,7 +627,7 @@ def _remat_backward(body: Graph, wrt: list[int], n_outputs: int, *ins) -> list:
 def _checkpoint_vjp(cts, *operands, outs, body, n_outputs):
     wrt = [i for i, t in enumerate(body.input_types) if differentiable(t)]
     types = [*body.input_types, *body.output_types[n_outputs:], *body.output_types]
-    backward = _graph_of(functools.partial(_remat_backward, body, wrt, n_outputs), types)
+    backward = graph_of(functools.partial(_remat_backward, body, wrt, n_outputs), types)
     grads = iter(bind("checkpoint", *operands, *outs[n_outputs:], *map(_or_zeros, cts, outs),
                       body=backward, n_outputs=len(wrt)))
     return [next(grads) if i in wrt else None for i in range(len(operands))]

@@ -250,6 +250,25 @@ class GraphBuilder:
         """Has node ``n`` a control edge in?"""
         return bool(self._preds[n])
 
+    def splice(self, graph: Graph, values: dict[Value, Value], nodes: set[int] | None = None,
+               after: Sequence[int] = ()) -> dict[Value, Value]:
+        """Copy ``graph``'s nodes (those in ``nodes``, when given) into this builder, in
+        program order, where ``values`` maps its values that are given (its inputs, or values
+        it is cut at) to this builder's; each copy runs after ``after`` and after the copies
+        of its control predecessors. Returns ``values`` with the copies' values added."""
+        values, made = dict(values), {}
+        for n in graph.order:
+            node = graph.node(n)
+            if node.prim == "input" or nodes is not None and n not in nodes:
+                continue
+            outs = self.add_node(node.prim, [values[v] for v in graph.operands(n)], node.kwargs,
+                                 node.out_types, node.provenance, after=[
+                                     *after, *(made[p] for p in graph.control_preds(n)
+                                               if p in made)])
+            made[n] = self.last_node
+            values.update((Value(n, i), out) for i, out in enumerate(outs))
+        return values
+
     def _writable(self) -> nx.MultiDiGraph:
         if nx.is_frozen(self._g):  # built already: the Graph owns this one
             self._g = self._g.copy()
@@ -264,21 +283,11 @@ def extract(graph: Graph, nodes: Iterable[int], inputs: Sequence[Value | TensorT
             outputs: Sequence[Value]) -> Graph:
     """The subgraph of ``nodes`` (in program order) whose inputs are ``inputs``: each a value
     of ``graph`` (the graph cut there) or a type (an input that nothing reads)."""
-    nodes = set(nodes)
     b = GraphBuilder()
     new = [b.add_input(x) if isinstance(x, TensorType) else b.add_input(graph.type_of(x))
            for x in inputs]
-    values = {x: v for x, v in zip(inputs, new) if isinstance(x, Value)}
-    made: dict[int, int] = {}
-    for n in graph.order:
-        node = graph.node(n)
-        if n not in nodes or node.prim == "input":
-            continue
-        outs = b.add_node(node.prim, [values[v] for v in graph.operands(n)], node.kwargs,
-                          node.out_types, node.provenance,
-                          after=[made[p] for p in graph.control_preds(n) if p in made])
-        made[n] = b.last_node
-        values.update((Value(n, i), out) for i, out in enumerate(outs))
+    values = b.splice(graph, {x: v for x, v in zip(inputs, new) if isinstance(x, Value)},
+                      set(nodes))
     return b.build([values[v] for v in outputs])
 
 

@@ -36,8 +36,8 @@ import torch
 from ..config import config
 from ..graph import Graph, GraphBuilder, Value, rewrite
 from ..tracer.primitives import get_primitive, is_effectful
-from ..tracer.trace import Trace, current_trace, tracing
-from .interpret import inline
+from ..tracer.trace import current_trace
+from .interpret import graph_of, inline
 
 
 def _batch_view(g, v: Value, members: set | None = None) -> Value:
@@ -289,10 +289,8 @@ def _backward_graph(types: tuple, scale: float, causal: bool) -> Graph:
     """(q, k, v, ct) -> (out, dq, dk, dv): the written-out attention's VJP."""
     from .autodiff import vjp
 
-    trace = Trace()
-    with tracing(trace), config.patch(fuse_attention=False):
-        q, k, v = (trace.new_input(t) for t in types)
-        forward = trace.builder.build([trace.value_of(_math(q, k, v, scale, causal))])
+    with config.patch(fuse_attention=False):
+        forward = graph_of(lambda q, k, v: [_math(q, k, v, scale, causal)], types)
         return vjp(forward, [0, 1, 2])
 
 

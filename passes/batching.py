@@ -25,7 +25,7 @@ from ..graph import Graph, Value
 from ..tracer.nn import conv_vjp_written
 from ..tracer.primitives import get_primitive, is_effectful
 from ..tracer.trace import Trace, bind, current_trace, tracing
-from .interpret import inline, replay
+from .interpret import graph_of, inline, replay
 
 RANDOMNESS = ("error", "different", "same")
 
@@ -98,10 +98,7 @@ def _written_out(form):
         trace = current_trace()
         types = [trace.type_of(x) for x in operands]
         types = [attrs.evolve(t, shape=t.shape[1:]) if b else t for t, b in zip(types, batched)]
-        inner = Trace()
-        with tracing(inner):
-            outs = form(*[inner.new_input(t) for t in types], **params)
-            graph = inner.builder.build([inner.value_of(x) for x in outs])
+        graph = graph_of(lambda *ins: form(*ins, **params), types)
         batched_graph, flags = vmap(graph, batched, axis_size)
         return inline(batched_graph, operands), flags
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ..graph import Graph, Value
-from ..tracer.trace import bind, current_trace
+from ..graph import Graph, TensorType, Value
+from ..tracer.trace import Trace, bind, current_trace, tracing
 
 
 def replay(graph: Graph, inputs: Sequence[Any],
@@ -48,3 +48,12 @@ def inline(graph: Graph, inputs: Sequence[Any]) -> list:
     """The outputs of ``graph`` applied to ``inputs``, as tracers of the current trace."""
     env = replay(graph, inputs)
     return [env[v] for v in graph.outputs]
+
+
+def graph_of(fn: Callable, types: Sequence[TensorType]) -> Graph:
+    """The graph of ``fn`` (torch calls or ``bind`` on tracers, returning a sequence of
+    them) applied to fresh inputs of ``types``: a rule's body, given everything it reads."""
+    trace = Trace()
+    with tracing(trace):
+        outs = fn(*[trace.new_input(t) for t in types])
+        return trace.builder.build([trace.value_of(x) for x in outs])

@@ -502,17 +502,8 @@ def inline_checkpoints(graph: Graph) -> Graph:
         if node.prim != "checkpoint":
             return None
         body = inline_checkpoints(node.kwargs["body"])
-        values = {Value(m, 0): operands[i] for i, m in enumerate(body.inputs)}
-        made: dict[int, int] = {}
-        for m in body.order:
-            inner = body.node(m)
-            if inner.prim == "input":
-                continue
-            outs = b.add_node(inner.prim, [values[v] for v in body.operands(m)], inner.kwargs,
-                              inner.out_types, inner.provenance, after=[
-                                  *preds, *(made[p] for p in body.control_preds(m))])
-            made[m] = b.last_node
-            values.update((Value(m, i), out) for i, out in enumerate(outs))
+        values = b.splice(body, {Value(m, 0): v for m, v in zip(body.inputs, operands)},
+                          after=preds)
         return [values[v] for v in body.outputs]
 
     return rewrite(graph, visit)

@@ -363,28 +363,20 @@ def test_vjp__pytree_primals():
     assert_close(plait.vjp(f, p)[1](ct), tf.vjp(f, p)[1](ct))
 
 
-# page: torch.func.vjp -- note "Case 1: torch.no_grad inside f is respected"
-def test_vjp__inner_no_grad_respected():
-    def f(x):
-        with torch.no_grad():
-            c = x ** 2
-        return x - c
-
-    x = torch.randn(3)
-    ct = torch.ones(3)
-    assert_close(plait.vjp(f, x)[1](ct), tf.vjp(f, x)[1](ct))
+def _inner_no_grad(x):
+    with torch.no_grad():
+        c = x ** 2
+    return x - c
 
 
-# page: torch.func.vjp -- note "Case 1", vjp called inside a traced function (plait.jit)
-def test_vjp__inner_no_grad_respected_inside_jit():
-    def f(x):
-        with torch.no_grad():
-            c = x ** 2
-        return x - c
-
-    x = torch.randn(3)
-    ct = torch.ones(3)
-    assert_close(plait.jit(lambda x: plait.vjp(f, x)[1](ct))(x), tf.vjp(f, x)[1](ct))
+# page: torch.func.vjp -- note "Case 1: torch.no_grad inside f is respected", called on real
+# tensors and inside a traced function (plait.jit)
+@pytest.mark.parametrize("where", ["eager", "jit"])
+def test_vjp__inner_no_grad_respected(where):
+    x, ct = torch.randn(3), torch.ones(3)
+    run = lambda x: plait.vjp(_inner_no_grad, x)[1](ct)  # noqa: E731
+    got = plait.jit(run)(x) if where == "jit" else run(x)
+    assert_close(got, tf.vjp(_inner_no_grad, x)[1](ct))
 
 
 # page: torch.func.vjp -- note "Case 2: vjp inside torch.no_grad ignores the outer one"

@@ -125,11 +125,12 @@ def _attention_backward(ct, q, k, v, *, scale, causal=False):
 
 
 def _batched_attention(prim: str):
+    """Every operand batched (broadcast where it is not): a leading batch dim more."""
     def rule(operands, batched, axis_size, **params):
         out = bind(prim, *[x if b else x.expand(axis_size, *x.shape)
                            for x, b in zip(operands, batched)], **params)
-        return (list(out) if isinstance(out, tuple) else [out]), [True] * (3 if
-                                                                          isinstance(out, tuple) else 1)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        return outs, [True] * len(outs)
 
     return rule
 
