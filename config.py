@@ -92,6 +92,9 @@ class Config:
     cpp_compiler: str = attrs.field(factory=lambda: _env("cpp_compiler", "g++", str))
     cpp_flags: str = attrs.field(factory=lambda: _env(
         "cpp_flags", "-O3 -march=native -fopenmp -fwrapv -fno-math-errno -std=c++17 -lmvec", str))
+    # The cpp backend runs a program through a wrapper generated as C++, one native call per
+    # program (NOTE [C++ wrapper], backends/cpp_wrapper.py); False steps through it in Python.
+    cpp_wrapper: bool = attrs.field(factory=lambda: _env("cpp_wrapper", True, _to_bool))
 
     # The triton backend times a few launch configurations of each kernel at its first launch
     # and keeps the fastest, on disk beside the kernels (NOTE [autotuning], backends/triton.py).
@@ -160,7 +163,7 @@ class Config:
 
 
 _KEYED = ("simplify", "fuse_attention", "fold_max_numel", "allow_opaque", "cpp_compiler",
-          "cpp_flags", "inplace", "reorder", "plan_memory", "overlap", "symm_mem_max_bytes",
+          "cpp_flags", "cpp_wrapper", "inplace", "reorder", "plan_memory", "overlap", "symm_mem_max_bytes",
           "comm_pool_reuse")
 _key = operator.attrgetter(*_KEYED)
 

@@ -531,7 +531,8 @@ def _scan_eager(f, carry, leaves, spec, length: int, reverse: bool):
 def _scan_traced(f, init, xs, length, reverse):
     carry_leaves, carry_spec = _tensors(init, "plait.scan: init")
     leaves, spec = pytree.tree_flatten(xs) if xs is not None else ([], None)
-    example = pytree.tree_unflatten([x[0] for x in leaves], spec) if xs is not None else None
+    example = pytree.tree_unflatten([x[0] if length else x.new_zeros(x.shape[1:])
+                                     for x in leaves], spec) if xs is not None else None
     t = _Traced(lambda c, x: _pair(f(c, x)), (init, example), {})
     carry, ys = t.structure()
     _only_tensors(ys, "plait.scan: the ys f returns")

@@ -589,11 +589,15 @@ class CompiledProgram:
         self.stages = stages = stages or Stages()
         texts = stages.run("codegen", self._write, program, stages, keep=False)
         code = stages.run("native", self.load, texts, keep=False)
-        self._wrapper = stages.run("wrapper", Wrapper, program, plan, self.launch, keep=False)
+        self._wrapper = stages.run("wrapper", self.wrap, program, plan, keep=False)
         self._constants = tuple((self._wrapper.slot[b], t) for b, t in program.constants.items())
         self.wrapper_source = self._wrapper.source
         self.source = code + self.listing(self.wrapper_source)
         stages.log()
+
+    def wrap(self, program: LoopProgram, plan):
+        """The program's wrapper, once its kernels are loaded."""
+        return Wrapper(program, plan, self.launch)
 
     def _write(self, program: LoopProgram, stages) -> list[str]:
         """Each kernel's writer and text; the distinct texts (NOTE [canonical kernels])."""

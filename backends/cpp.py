@@ -66,7 +66,7 @@ from ..config import config
 from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
                            is_inner, walk)
-from . import codegen
+from . import codegen, cpp_wrapper
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, column_wise,
                       KERNEL_NAME, kernel_error, levels, with_error_codes)
 
@@ -618,12 +618,14 @@ def _load(path: str, symbols: Sequence[str]) -> Library | None:
         return None
 
 
-def build(source: str, symbols: Sequence[str]) -> Library:
+def build(source: str, symbols: Sequence[str], flags: Sequence[str] = ()) -> Library:
     """The shared library of ``source`` (which defines ``symbols``), from the disk cache or
-    built with the configured compiler (NOTE [C++ build cache])."""
+    built with the configured compiler and ``flags`` after the configured ones (NOTE [C++
+    build cache])."""
     compiler = _compiler()
     # NOTE [one rounding per op] (codegen.py); before the configured flags, which may say otherwise
-    command = [compiler, "-ffp-contract=off", *shlex.split(config.cpp_flags), "-shared", "-fPIC"]
+    command = [compiler, "-ffp-contract=off", *shlex.split(config.cpp_flags), *flags, "-shared",
+               "-fPIC"]
     st = os.stat(compiler)
     key = hashlib.sha256("\0".join([source, *command, str(st.st_size),
                                     str(st.st_mtime_ns)]).encode()).hexdigest()[:40]
@@ -670,17 +672,23 @@ class CompiledProgram(codegen.CompiledProgram):
     def load(self, texts: list[str]) -> str:
         """The distinct kernels' source, built as one library, or, for a program of many
         kernels, as a library per core built in parallel (each compiler also parses the
-        prelude, so a library takes ``KERNELS_PER_LIBRARY`` kernels at least)."""
+        prelude, so a library takes ``KERNELS_PER_LIBRARY`` kernels at least). The C++ wrapper,
+        where it applies, joins the first library (NOTE [C++ wrapper])."""
         prelude = with_error_codes(_PRELUDE) + _INDEX_HELPERS
-        self.cpp_source = "\n\n".join([prelude, *texts]) + "\n"
         names = list(dict.fromkeys(w.name for w in self.writers.values()))  # as ``texts``
         parts = max(1, min(os.cpu_count() or 1, len(texts) // KERNELS_PER_LIBRARY))
         chunks = [(texts[j::parts], names[j::parts]) for j in range(parts)]
+        self.native = cpp_wrapper.generate(self.program, self.plan, self.writers) \
+            if cpp_wrapper.applies(self.program, self.plan) else None
+        if self.native is not None:
+            chunks[0] = ([*chunks[0][0], self.native.source], [*chunks[0][1], "plait_program"])
+        kernels = "\n\n".join([prelude, *texts]) + "\n"
+        self.cpp_source = kernels + (f"\n{self.native.source}\n" if self.native else "")
         with concurrent.futures.ThreadPoolExecutor(parts) as pool:  # g++ runs outside the GIL
             libraries = list(pool.map(
                 lambda chunk: build("\n\n".join([prelude, *chunk[0]]) + "\n", chunk[1]), chunks))
         self._library_of = {n: lib for lib, (_, ns) in zip(libraries, chunks) for n in ns}
-        return self.cpp_source
+        return kernels  # the wrapper's listing follows
 
     def launch(self, i: int, k: Kernel, slot: dict):
         w = self.writers[i]
@@ -688,8 +696,17 @@ class CompiledProgram(codegen.CompiledProgram):
                            w.checks_error)
         return call, f"{w.name}({', '.join(w.buffers)})"
 
-    @staticmethod
-    def listing(wrapper_source: str) -> str:
+    def wrap(self, program, plan):
+        """The C++ wrapper where it applies (NOTE [C++ wrapper]), else the Python one."""
+        wrapper = super().wrap(program, plan)
+        if self.native is None:
+            return wrapper
+        return cpp_wrapper.NativeWrapper.of(program, plan, self.native, self._library_of,
+                                            wrapper)
+
+    def listing(self, wrapper_source: str) -> str:
+        if self.native is not None:
+            return "\n" + wrapper_source + "\n"
         return "\n/* Python wrapper:\n" + wrapper_source + "\n*/\n"
 
     @functools.cached_property

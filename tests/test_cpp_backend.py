@@ -12,7 +12,7 @@ import plait
 import pytest
 import sympy
 import torch
-from plait.backends import available_backends, cpp
+from plait.backends import available_backends, cpp, cpp_wrapper
 from plait.backends import triton as triton_backend
 from plait.backends.cpp import CPP_DTYPES, CPP_OPS, compile_program
 from plait.errors import BackendError, CheckError
@@ -62,6 +62,9 @@ def program(buffers: dict, inputs, kernels, outputs, constants=None) -> LoopProg
 
 
 def count_builds(monkeypatch) -> list:
+    """The compiler's runs from now on; the C++ runtime, built once per process (NOTE [C++
+    wrapper]), is built first."""
+    cpp_wrapper._runtime()
     calls = []
     real = subprocess.run
 
@@ -240,7 +243,8 @@ def test_extern_in_the_middle():
     assert "c, = torch.mm(a, w, transpose=True)" in run.source
 
 
-def test_buffers_are_freed_after_their_last_use():
+@pytest.mark.parametrize("native", [False, True], ids=["python_wrapper", "cpp_wrapper"])
+def test_buffers_are_freed_after_their_last_use(native):
     seen = {}
 
     def keep_ref(t):
@@ -258,13 +262,20 @@ def test_buffers_are_freed_after_their_last_use():
         Extern("e3", check_dead, ("c",), ("d",), (), "check_dead"),
     ]
     bufs = {n: ((4,), F32) for n in "xabcd"}
-    run = compile_program(program(bufs, ["x"], kernels, ["d"]))
+    with plait.config.patch(cpp_wrapper=native):
+        run = compile_program(program(bufs, ["x"], kernels, ["d"]))
     x = torch.randn(4)
     torch.testing.assert_close(run([x])[0], torch.exp(-x + 1))
+    source, first = run.wrapper_source, f"{run.writers[0].name}(x, a)"
+    if native:  # a is allocated for k0 and freed after e1, its last reader
+        assert source.index(f"// 0: {first}") < source.index("a_ = alloc(16)") < \
+            source.index("(x_, a_);")
+        assert source.index("// 1: b, = keep_ref(a)") < source.index("release(a_); a_ = nu") \
+            < source.index("// 2: ")
+        return
     assert seen["a_dead_later"]
-    assert "    del a\n" in run.wrapper_source
-    first = f"{run.writers[0].name}(x, a)"
-    assert run.wrapper_source.index("a = torch.empty") < run.wrapper_source.index(first)
+    assert "    del a\n" in source
+    assert source.index("a = torch.empty") < source.index(first)
 
 
 # Behaviour of the wrapper both code generators share (backends/codegen.py), for each.
@@ -375,7 +386,8 @@ def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path):
     assert eval(run().stdout) == want
     for program_cache in ("1", "0"):
         env["PLAIT_PROGRAM_CACHE"] = program_cache
-        (library,) = [f for f in (tmp_path / "cpp").iterdir() if f.suffix == ".so"]
+        (library,) = [f for f in (tmp_path / "cpp").iterdir() if f.suffix == ".so" and
+                      "C++ runtime" not in f.with_suffix(".cpp").read_text()]
         os.truncate(library, 8192)
         proc = run()
         assert proc.returncode == 0, proc.stderr

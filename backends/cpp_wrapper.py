@@ -1,0 +1,553 @@
+"""The C++ backend's wrapper written in C++: one native call runs a whole program.
+
+NOTE [C++ wrapper]
+The Python wrapper (codegen.Wrapper) steps through a program, one ctypes call per kernel; on a
+small training step that stepping is most of the time (tens of microseconds a step). Here the
+wrapper is generated as one C++ function, ``plait_program(void** args, void** table)``, built
+into a library of its own, that follows the same memory plan (NOTE [wrapper memory]) with
+pointers:
+
+* ``args`` holds the inputs, the constants and the storages holding outputs, which Python
+  allocates as tensors before the call (they are handed to the caller). Every other storage is
+  allocated (64-byte aligned) before its first step and freed after its last; a pool slot
+  before its first user and after its last; an in-place alias is its storage's pointer.
+* ``table`` holds what the function calls, by position: the kernels (from the kernel
+  libraries, which stay as they are), each library's error flag, the runtime's functions and
+  the Python steps. Nothing is linked: the wrapper compiles in a fraction of a second.
+* Externs run natively where the runtime has them: a small C++ library built once against
+  torch's own headers and libraries (``RUNTIME``), which calls the same ATen operators as the
+  extern's Python implementation on ``from_blob`` views of the buffers (an operand's view steps
+  become its strides) and writes into the step's own output buffers. Any other extern is a
+  Python step: the wrapper calls back into Python with the step's pointers; the callback runs
+  the extern on tensors over that memory and copies its results into the outputs.
+* A failed step stops the call: a kernel's error flag (NOTE [kernel errors]), an ATen error
+  (the runtime keeps its message), a Python step's exception (kept and raised again) or a
+  failed allocation. Everything allocated so far is freed on the way out.
+
+A program with collectives keeps the Python wrapper (its comm pools and waits are Python's),
+as does every call under ``config.check_memory_plan``, which counts allocations that only
+torch can see. ``config.cpp_wrapper = False`` turns the C++ wrapper off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import threading
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ..config import config
+from ..errors import BackendError
+from ..graph.loops import Extern, Kernel, Wait
+from ..graph.types import TensorType
+from ..tracer.primitives import Impl
+from .codegen import extern_results, extern_text, kernel_error
+
+# ---------------------------------------------------------------------------------------
+# The runtime: native externs, through ATen
+# ---------------------------------------------------------------------------------------
+RUNTIME = r"""// plait's C++ runtime (backends/cpp_wrapper.py, NOTE [C++ wrapper]).
+#include <ATen/ATen.h>
+#include <ATen/DLConvertor.h>
+#include <c10/core/CPUAllocator.h>
+#include <string>
+
+struct plait_view { void* data; int64_t ndim; const int64_t* sizes; const int64_t* strides;
+                    int64_t dtype; };
+
+static thread_local std::string plait_message;
+
+static at::Tensor tensor(const plait_view* v) {
+  return at::from_blob(v->data, at::IntArrayRef(v->sizes, v->ndim),
+                       at::IntArrayRef(v->strides, v->ndim),
+                       at::TensorOptions().dtype(static_cast<at::ScalarType>(v->dtype)));
+}
+
+static std::vector<int64_t> take(const int64_t*& p) {  // a count, then that many values
+  int64_t n = *p++;
+  std::vector<int64_t> out(p, p + n);
+  p += n;
+  return out;
+}
+
+template <class F> static int guarded(F f) {
+  try { f(); return 0; }
+  catch (const std::exception& e) { plait_message = e.what(); return -1; }
+}
+
+extern "C" const char* plait_runtime_error() { return plait_message.c_str(); }
+
+// Memory, from torch's CPU allocator (its profiler sees it). An intermediate is raw memory; a
+// result is a tensor that Python takes over through DLPack.
+extern "C" void* plait_alloc(int64_t n) {
+  try { return c10::GetCPUAllocator()->raw_allocate(n ? n : 1); } catch (...) { return nullptr; }
+}
+extern "C" void plait_free(void* p) { if (p) c10::GetCPUAllocator()->raw_deallocate(p); }
+extern "C" void* plait_alloc_result(int64_t n, void** handle) {
+  try {
+    auto* t = new at::Tensor(at::empty({n ? n : 1}, at::kByte));
+    *handle = t;
+    return t->data_ptr();
+  } catch (...) { return nullptr; }
+}
+extern "C" void* plait_result_dlpack(void* handle) {
+  auto* t = static_cast<at::Tensor*>(handle);
+  auto* managed = at::toDLPack(*t);
+  delete t;
+  return managed;
+}
+extern "C" void plait_drop_result(void* handle) { delete static_cast<at::Tensor*>(handle); }
+
+// dot_general as tracer/primitives.py's implementation computes it: batch dims first, then
+// lhs free dims, then rhs free dims; a matrix product is one mm, anything else one bmm.
+extern "C" int plait_dot_general(const plait_view* lhs, const plait_view* rhs,
+                                 const plait_view* out, const int64_t* dims) {
+  return guarded([&] {
+    auto lc = take(dims), rc = take(dims), lb = take(dims), rb = take(dims);
+    at::Tensor l = tensor(lhs), r = tensor(rhs), o = tensor(out);
+    if (lb.empty() && l.dim() == 2 && r.dim() == 2 && lc.size() == 1) {
+      at::mm_out(o, lc[0] == 1 ? l : l.t(), rc[0] == 0 ? r : r.t());
+      return;
+    }
+    auto rest = [](const at::Tensor& t, const std::vector<int64_t>& a,
+                   const std::vector<int64_t>& b) {
+      std::vector<int64_t> free;
+      for (int64_t i = 0; i < t.dim(); ++i)
+        if (std::find(a.begin(), a.end(), i) == a.end() &&
+            std::find(b.begin(), b.end(), i) == b.end()) free.push_back(i);
+      return free;
+    };
+    auto size = [](const at::Tensor& t, const std::vector<int64_t>& d) {
+      int64_t n = 1;
+      for (auto i : d) n *= t.size(i);
+      return n;
+    };
+    auto lf = rest(l, lc, lb), rf = rest(r, rc, rb);
+    std::vector<int64_t> lp(lb), rp(rb);
+    lp.insert(lp.end(), lf.begin(), lf.end()); lp.insert(lp.end(), lc.begin(), lc.end());
+    rp.insert(rp.end(), rc.begin(), rc.end()); rp.insert(rp.end(), rf.begin(), rf.end());
+    auto a = l.permute(lp).reshape({size(l, lb), size(l, lf), size(l, lc)});
+    auto b = r.permute(rp).reshape({size(r, rb), size(r, rc), size(r, rf)});
+    auto o3 = o.view({a.size(0), a.size(1), b.size(2)});
+    at::bmm_out(o3, a, b);
+  });
+}
+"""
+
+# torch dtype -> ATen's ScalarType number (c10/core/ScalarType.h)
+_SCALAR_TYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+                 torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex64: 9,
+                 torch.complex128: 10, torch.bool: 11, torch.bfloat16: 15}
+
+
+@functools.cache
+def _runtime():
+    """The runtime library, built once per torch and compiler (NOTE [C++ build cache])."""
+    from . import cpp
+
+    root = os.path.dirname(torch.__file__)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = [f"-I{root}/include", f"-I{root}/include/torch/csrc/api/include",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-L{root}/lib", "-ltorch_cpu", "-lc10",
+             f"-Wl,-rpath,{root}/lib"]
+    source = f"// for torch {torch.__version__}\n{RUNTIME}"  # its headers: part of the key
+    library = cpp.build(source, [*_RESERVED, "plait_dot_general", "plait_runtime_error",
+                                 "plait_result_dlpack"], flags)
+    library.cdll.plait_runtime_error.restype = ctypes.c_char_p
+    library.cdll.plait_result_dlpack.restype = ctypes.c_void_p
+    library.cdll.plait_result_dlpack.argtypes = [ctypes.c_void_p]
+    return library
+
+
+# The runtime's functions every wrapper calls, at these positions of its table.
+_RESERVED = ("plait_alloc", "plait_free", "plait_alloc_result", "plait_drop_result")
+
+
+def _prim(k) -> str | None:
+    """The primitive an extern runs (None for anything but a primitive's implementation)."""
+    return k.fn.prim if isinstance(k, Extern) and isinstance(k.fn, Impl) else None
+
+
+def _scan_body(k):
+    """NOTE [native loops]: the body program of a scan extern as a ``codegen.Runner`` whose
+    wrapper is native and writes every output into memory of its caller's, or None."""
+    from ..passes.simplify import simplify
+    from . import cpp
+
+    if _prim(k) != "scan" or any(m != "reshape" for v in k.fn.views for m, _ in v):
+        return None
+    runner = cpp.compile_graph(simplify(dict(k.params)["body"])).runner
+    return runner if isinstance(runner.wrapper, NativeWrapper) and runner.wrapper.loopable \
+        else None
+
+
+def applies(program, plan) -> bool:
+    """Is ``program`` run by the C++ wrapper (NOTE [C++ wrapper])?"""
+    return config.cpp_wrapper and not plan.comm_pools and not any(
+        isinstance(k, Wait) or isinstance(k, Extern) and k.collective for k in program.kernels)
+
+
+# ---------------------------------------------------------------------------------------
+# Generating the wrapper
+# ---------------------------------------------------------------------------------------
+class _Table:
+    """What the wrapper calls, by position in ``table``: (kind, what) -> index."""
+
+    def __init__(self):
+        self.entries: dict = {("runtime", name): j for j, name in enumerate(_RESERVED)}
+
+    def __call__(self, kind: str, what) -> int:
+        return self.entries.setdefault((kind, what), len(self.entries))
+
+
+def _view_of(k: Extern, j: int | None, t) -> tuple[tuple, tuple, int]:
+    """The sizes, strides and element offset of extern ``k``'s operand ``j`` (a buffer of type
+    ``t``) as its implementation views it (``Impl.views``); of an output (``j`` None), its
+    buffer's."""
+    x = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+    for method, arg in (k.fn.views[j] if j is not None and k.fn.views else ()):
+        x = getattr(x, method)(arg)
+    return tuple(x.shape), tuple(x.stride()), x.storage_offset()
+
+
+def _array(lines: list, name: str, values) -> str:
+    values = list(values) or [0]
+    lines.append(f"    static const int64_t {name}[] = {{{', '.join(map(str, values))}}};")
+    return name
+
+
+@attrs.frozen
+class Generated:
+    """A program's C++ wrapper: its ``source``; what ``table`` holds, in order (``(kind,
+    what)``); the storages Python allocates (outputs'); the Python steps; the scan bodies'
+    runners (``body`` entries index them); the program's layout."""
+
+    source: str   # compiled
+    listing: str  # the source with each step's provenance, for reading
+    entries: tuple
+    handed: tuple
+    python_steps: tuple
+    bodies: tuple
+    n_entry: int
+
+
+def generate(program, plan, writers: dict) -> Generated:
+    """The C++ wrapper of ``program`` under ``plan`` (NOTE [C++ wrapper]); ``writers``: step ->
+    its kernel's writer (``name``, ``buffers``, ``checks_error``)."""
+    lv, kernels, buffers = plan.liveness, program.kernels, program.buffers
+    table, lines, python_steps, bodies = _Table(), [], [], []
+    var = {b: f"{b}_" if b.isidentifier() else f"b{i}_" for i, b in enumerate(buffers)}
+    entry = [*program.inputs, *program.constants]
+    outputs = {lv.storage[b] for b in program.outputs}
+    handed = tuple(s for s in dict.fromkeys(lv.storage[b] for b in program.outputs)
+                   if s not in entry and s in lv.uses)  # Python allocates these
+    args = {b: i for i, b in enumerate(entry)}
+    owned = [s for s, (f, _) in lv.span.items() if f >= 0 and s not in plan.slot_of
+             and s not in outputs and s not in args]
+    head = [f"    char* {var[b]} = (char*)args[{i}];" for b, i in args.items()]
+    head += [f"    char* {var[b]} = nullptr;" for b in buffers if b not in args]
+    head += [f"    char* pool{j} = nullptr;" for j in range(len(plan.slots))]
+    frees: dict = {}  # step -> pointers freed after it
+    for s in owned:
+        frees.setdefault(lv.span[s][1], []).append(var[s])
+    for j, slot in enumerate(plan.slots):
+        frees.setdefault(slot.last, []).append(f"pool{j}")
+    for i, k in enumerate(kernels):
+        lines += [(f"    // {line}",) for line in program.describe(k)]  # listing only
+        lines.append(f"    // {i}: " + (f"{writers[i].name}({', '.join(writers[i].buffers)})"
+                                         if isinstance(k, Kernel) else extern_text(k)))
+        for j, slot in enumerate(plan.slots):
+            if slot.first == i:
+                lines.append(f"    if (!(pool{j} = alloc({slot.nbytes}))) {{ rc = -3; goto done; }}")
+        for b in dict.fromkeys((*k.reads, *k.writes)):
+            if lv.uses[b][0] != i or b in args:
+                continue
+            s = lv.storage[b]
+            if b in program.aliases:
+                lines.append(f"    {var[b]} = {var[program.aliases[b]]};")
+            elif s in plan.slot_of:
+                lines.append(f"    {var[b]} = pool{plan.slot_of[s]};")
+            elif s in handed:  # a result: Python takes it over (a loop's body: the caller's)
+                h = handed.index(s)
+                lines.append(f"    if (!({var[b]} = results ? alloc_result({lv.nbytes[s]}, "
+                             f"&results[{h}]) : (char*)args[{len(entry) + h}])) "
+                             "{ rc = -3; goto done; }")
+            else:  # a storage of its own
+                lines.append(f"    if (!({var[b]} = alloc({lv.nbytes[s]}))) "
+                             "{ rc = -3; goto done; }")
+        lines.append("    {")
+        if isinstance(k, Kernel):
+            w = writers[i]
+            sig = ", ".join(["void*"] * len(w.buffers))
+            lines.append(f"    ((void (*)({sig}))table[{table('kernel', w.name)}])"
+                         f"({', '.join(var[b] for b in w.buffers)});")
+            if w.checks_error:
+                lines.append(f"    if ((rc = ((int (*)())table[{table('error', w.name)}])())) "
+                             "goto done;")
+        elif _prim(k) == "dot_general" and not k.fenced:
+            _dot_general(k, buffers, var, table, lines)
+        elif (body := _scan_body(k)) is not None:
+            bodies.append(body)
+            _scan(k, len(bodies) - 1, body, buffers, var, table, lines)
+        else:
+            python_steps.append(i)
+            ptrs = ", ".join(var[b] for b in (*k.inputs, *k.outputs)) or "nullptr"
+            lines.append(f"    void* ptrs[] = {{{ptrs}}};")
+            lines.append(f"    if ((rc = ((int (*)(int64_t, void**))table[{table('python', None)}])"
+                         f"({i}, ptrs))) goto done;")
+        lines.append("    }")
+        for p in frees.get(i, ()):
+            lines.append(f"    release({p}); {p} = nullptr;")
+    cleanup = [f"    release({p});" for ps in frees.values() for p in ps]
+    if handed:
+        cleanup.append(f"    if (rc && results) for (int j = 0; j < {len(handed)}; ++j) "
+                       "if (results[j]) drop_result(results[j]);")
+    text = lambda lines: "\n".join([  # noqa: E731
+        "// The C++ wrapper (backends/cpp_wrapper.py, NOTE [C++ wrapper])",
+        "#include <cstdint>", "#include <cstring>", "",
+        "struct plait_view { void* data; int64_t ndim; const int64_t* sizes; "
+        "const int64_t* strides; int64_t dtype; };", "",
+        'extern "C" int plait_program(void** args, void** table, void** results) {',
+        "    int rc = 0;",
+        "    auto alloc = (char* (*)(int64_t))table[0];",
+        "    auto release = (void (*)(void*))table[1];",
+        "    auto alloc_result = (char* (*)(int64_t, void**))table[2];",
+        "    auto drop_result = (void (*)(void*))table[3];",
+        *head, *lines, "done:", *cleanup, "    return rc;", "}"])
+    # provenance (the user's lines) stays out of the compiled source: a program traced from
+    # other lines builds the same library
+    return Generated(text([x for x in lines if isinstance(x, str)]),
+                     text([x if isinstance(x, str) else x[0] for x in lines]),
+                     tuple(table.entries), handed, tuple(python_steps), tuple(bodies),
+                     len(entry))
+
+
+def _dot_general(k: Extern, buffers, var: dict, table: _Table, lines: list) -> None:
+    """A dot_general through the runtime, on views of its buffers."""
+    views = []
+    for j, b in enumerate((*k.inputs, *k.outputs)):
+        t = buffers[b].type
+        sizes, strides, offset = _view_of(k, j if j < len(k.inputs) else None, t)
+        sz, st = _array(lines, f"sizes{j}", sizes), _array(lines, f"strides{j}", strides)
+        lines.append(f"    plait_view v{j} = {{{var[b]} + {offset * t.dtype.itemsize}, "
+                     f"{len(sizes)}, {sz}, {st}, {_SCALAR_TYPES[t.dtype]}}};")
+        views.append(f"&v{j}")
+    params = dict(k.params)
+    (lc, rc), (lb, rb) = params["contracting"], params["batch"]
+    dims = _array(lines, "dims", [n for d in (lc, rc, lb, rb) for n in (len(d), *d)])
+    lines.append(f"    if ((rc = ((int (*)(const plait_view*, const plait_view*, const "
+                 f"plait_view*, const int64_t*))table[{table('runtime', 'plait_dot_general')}])"
+                 f"({', '.join(views)}, {dims}))) goto done;")
+
+
+# NOTE [native loops]
+# A scan whose body compiles to a native wrapper (cpp) runs as a C++ loop in the wrapper: each
+# step calls the body's ``plait_program`` on pointers, its carry in and out alternating between
+# two buffers of the step's own (the first step reads the initial carry, the last writes the
+# scan's carry outputs), each x read and each y written in place at the step's offset of the
+# stacked buffer, the loop-invariant operands and the body's constants passed as they are. No
+# Python runs per step. The body's buffers live inside the step (its wrapper allocates and
+# frees them). A body whose outputs are not all its own memory (an output that is an input)
+# runs as a Python step, as does a scan over views other than reshapes.
+def _scan(k: Extern, index: int, body, buffers, var: dict, table: _Table,
+          lines: list) -> None:
+    p = dict(k.params)
+    nc, nx, length, reverse = p["n_carry"], p["n_xs"], p["length"], p["reverse"]
+    ins, outs = k.inputs, k.outputs
+    w = body.wrapper
+    n_in, n_const = len(ins), len(body.constants)
+    step = [buffers[b].type.nbytes // max(length, 1) for b in (*ins[nc:nc + nx], *outs[nc:])]
+    carry = [buffers[b].type.nbytes for b in outs[:nc]]
+    lines.append(f"    auto body = (int (*)(void**, void**, void**))table[{table('body', index)}];")
+    lines.append(f"    void** body_table = (void**)table[{table('body_table', index)}];")
+    lines.append(f"    void* a[{n_in + n_const + len(w.handed_types)}];")
+    for c in range(n_const):
+        lines.append(f"    a[{n_in + c}] = table[{table('body_constant', (index, c))}];")
+    for q in range(nc + nx, n_in):
+        lines.append(f"    a[{q}] = {var[ins[q]]};")
+    lines.append(f"    char* carry[2][{max(nc, 1)}] = {{}};")
+    for c, n in enumerate(carry):
+        lines.append(f"    carry[0][{c}] = alloc({n}); carry[1][{c}] = alloc({n});")
+        lines.append(f"    if (!carry[0][{c}] || !carry[1][{c}]) rc = -3;")
+    lines.append(f"    for (int64_t n = 0; n < {length} && !rc; ++n) {{")
+    lines.append(f"        int64_t t = {f'{length - 1} - n' if reverse else 'n'};")
+    for c in range(nc):
+        lines.append(f"        a[{c}] = n ? carry[(n - 1) % 2][{c}] : {var[ins[c]]};")
+    for j in range(nx):
+        lines.append(f"        a[{nc + j}] = {var[ins[nc + j]]} + t * {step[j]};")
+    targets = [f"(n == {length - 1} ? {var[b]} : carry[n % 2][{j}])" if j < nc else
+               f"({var[b]} + t * {step[nx + j - nc]})" for j, b in enumerate(outs)]
+    copies, placed = [], set()
+    for j, (p, t) in enumerate(zip(w.handed_of, w.output_types)):
+        if p is None or not t.nbytes:
+            continue
+        if p >= n_in + n_const and p not in placed:  # the body writes it there
+            placed.add(p)
+            lines.append(f"        a[{p}] = {targets[j]};")
+        else:  # an input, a constant or an output again: copied there
+            copies.append(f"        if (!rc) std::memcpy({targets[j]}, a[{p}], {t.nbytes});")
+    lines.append("        rc = body(a, body_table, nullptr);")
+    lines += copies
+    lines.append("    }")
+    if length == 0:
+        for c, b in enumerate(outs[:nc]):
+            lines.append(f"    std::memcpy({var[b]}, {var[ins[c]]}, {carry[c]});")
+    lines.append(f"    for (int c = 0; c < {nc}; ++c) {{ release(carry[0][c]); "
+                 "release(carry[1][c]); }")
+    lines.append("    if (rc) goto done;")
+
+
+# ---------------------------------------------------------------------------------------
+# Running it
+# ---------------------------------------------------------------------------------------
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p))
+_raised = threading.local()  # a Python step's exception, for the call that made it
+_DLTENSOR = b"dltensor"  # a DLPack capsule's name (the capsule keeps a pointer to it)
+_capsule = ctypes.pythonapi.PyCapsule_New
+_capsule.restype, _capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                         ctypes.c_void_p]
+
+
+def _at(pointer: int, t) -> torch.Tensor:
+    """The tensor of type ``t`` over the memory at ``pointer`` (not owning it)."""
+    if not t.nbytes:
+        return torch.empty(tuple(t.shape), dtype=t.dtype)
+    memory = (ctypes.c_char * t.nbytes).from_address(pointer)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(t.dtype).view(tuple(t.shape))
+
+
+class NativeWrapper:
+    """``run(inputs, device, constants) -> outputs`` of a program through its C++ wrapper
+    (NOTE [C++ wrapper]); ``fallback``, the Python wrapper, runs calls that check the memory
+    plan. It pickles as what it was built from (NOTE [program cache])."""
+
+    def __init__(self, library, entries: tuple, steps: dict, bodies: tuple, layout: tuple,
+                 fallback):
+        self._state = (library, entries, steps, bodies, layout, fallback)
+        self.source = None
+        self.fallback, self._steps, self._bodies = fallback, steps, bodies
+        self.n_entry, self.handed_types, self._outputs, self._order = layout
+        # each output's position in ``args`` (None: allocated by the call) and type
+        self.handed_of = [self._outputs[u][0] for u in self._order]
+        self.output_types = [TensorType(self._outputs[u][2], self._outputs[u][3])
+                             for u in self._order]
+        self._callback = _CALLBACK(self._python_step)
+        self._table = (ctypes.c_void_p * max(1, len(entries)))(
+            *[self._resolve(kind, what) for kind, what in entries])
+        self._run = library.cdll.plait_program
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._run.restype = ctypes.c_int
+
+    def _resolve(self, kind: str, what) -> int:
+        """The address a table entry holds."""
+        if kind in ("kernel", "error"):
+            return ctypes.cast(getattr(what[0].cdll, what[1]), ctypes.c_void_p).value
+        if kind == "runtime":
+            return ctypes.cast(getattr(_runtime().cdll, what), ctypes.c_void_p).value
+        if kind == "python":
+            return ctypes.cast(self._callback, ctypes.c_void_p).value
+        if kind == "body_constant":
+            return self._bodies[what[0]].constants[what[1]][1].data_ptr()
+        wrapper = self._bodies[what].wrapper
+        return ctypes.cast(wrapper._run, ctypes.c_void_p).value if kind == "body" else \
+            ctypes.addressof(wrapper._table)
+
+    @classmethod
+    def of(cls, program, plan, generated: Generated, library_of: dict,
+           fallback) -> "NativeWrapper":
+        """The wrapper ``generated`` for ``program`` under ``plan``, built into
+        ``library_of["plait_program"]`` with its kernels' libraries (``library_of``: kernel
+        name -> Library)."""
+        entries = []
+        for kind, what in generated.entries:
+            if kind == "kernel":
+                what = (library_of[what], what)
+            elif kind == "error":
+                what = (library_of[what], "plait_take_error")
+            entries.append((kind, what))
+        buffers, storage = program.buffers, plan.liveness.storage
+        steps = {i: (program.kernels[i], tuple(buffers[b].type for b in program.kernels[i].inputs),
+                     tuple(buffers[b].type for b in program.kernels[i].outputs))
+                 for i in generated.python_steps}
+        entry = [*program.inputs, *program.constants]
+        position = {b: j for j, b in enumerate([*entry, *generated.handed])}
+        unique = list(dict.fromkeys(program.outputs))
+        outputs = tuple((position.get(storage[b]), storage[b] == b, tuple(buffers[b].type.shape),
+                         buffers[b].type.dtype) for b in unique)
+        handed = tuple((tuple(buffers[s].type.shape), buffers[s].type.dtype)
+                       for s in generated.handed)
+        layout = (generated.n_entry, handed, outputs,
+                  tuple(unique.index(b) for b in program.outputs))
+        wrapper = cls(library_of["plait_program"], tuple(entries), steps, generated.bodies,
+                      layout, fallback)
+        wrapper.source = generated.listing  # for reading; not pickled
+        return wrapper
+
+    def __reduce__(self):
+        return NativeWrapper, self._state
+
+    @property
+    def loopable(self) -> bool:
+        """Does every output of some bytes come from memory the caller passes (NOTE [native
+        loops])?"""
+        return all(j is not None or not t.nbytes
+                   for j, t in zip(self.handed_of, self.output_types))
+
+    @property
+    def slot(self) -> dict:
+        return self.fallback.slot
+
+    @property
+    def measured_peak_bytes(self):
+        return self.fallback.measured_peak_bytes
+
+    def _python_step(self, step: int, pointers) -> int:
+        """A Python step: the extern on tensors over its buffers, its results copied into its
+        outputs. An exception is kept for the caller (ctypes would only print it)."""
+        try:
+            k, in_types, out_types = self._steps[step]
+            args = [_at(pointers[j], t) for j, t in enumerate(in_types)]
+            results = extern_results(k, args, out_types)
+            for j, (t, r) in enumerate(zip(out_types, results)):
+                if t.nbytes:
+                    _at(pointers[len(in_types) + j], t).copy_(r)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - raised again by the call
+            _raised.error = e
+            return -2
+
+    def __call__(self, inputs: Sequence[torch.Tensor], device: torch.device,
+                 constants: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        if config.check_memory_plan:
+            return self.fallback(inputs, device, constants)
+        tensors = [*(t.contiguous() for t in inputs), *(t for _, t in constants)]
+        pointers = (ctypes.c_void_p * max(1, len(tensors)))(*[t.data_ptr() for t in tensors])
+        results = (ctypes.c_void_p * max(1, len(self.handed_types)))()
+        rc = self._run(pointers, self._table, results)
+        if rc:
+            _fail(rc)
+        dlpack = _runtime().cdll.plait_result_dlpack
+        for (shape, dtype), handle in zip(self.handed_types, results):
+            memory = torch.from_dlpack(_capsule(dlpack(handle), _DLTENSOR, None))
+            nbytes = math.prod(shape) * dtype.itemsize
+            tensors.append(memory[:nbytes].view(dtype).view(shape))
+        unique = [torch.empty(shape, dtype=dtype) if j is None else
+                  tensors[j] if same else tensors[j].view(shape)
+                  for j, same, shape, dtype in self._outputs]
+        return [unique[u] for u in self._order]
+
+
+def _fail(rc: int):
+    if rc == -1:
+        raise BackendError("an ATen operator called by the C++ wrapper failed: " +
+                           _runtime().cdll.plait_runtime_error().decode())
+    if rc == -2:
+        raised, _raised.error = _raised.error, None
+        raise raised
+    if rc == -3:
+        raise MemoryError("the C++ wrapper could not allocate a buffer")
+    raise kernel_error(rc)

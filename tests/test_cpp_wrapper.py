@@ -1,0 +1,181 @@
+"""The cpp backend's wrapper generated as C++ (NOTE [C++ wrapper], NOTE [native loops]): one
+native call per program, externs through ATen or back into Python, scans as C++ loops; each
+against eager PyTorch, torch.func and the Python wrapper."""
+import pickle
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import plait
+from plait.backends.cpp_wrapper import NativeWrapper
+from plait.errors import CheckError
+from test_control import rnn, rnn_args, rnn_ref
+
+
+@pytest.fixture(autouse=True)
+def cpp():
+    plait.config.backend = "cpp"  # conftest's autouse fixture restores it
+
+
+def _wrapper(lowered):
+    return lowered.compiled._wrapper
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def mlp_loss(w1, b1, w2, x, y):
+    h = F.gelu(x @ w1 + b1)
+    return F.cross_entropy(h @ w2.t(), y)
+
+
+def mlp_args():
+    g = _gen(1)
+    return (torch.randn(16, 32, generator=g) * 0.2, torch.randn(32, generator=g),
+            torch.randn(10, 32, generator=g) * 0.2, torch.randn(8, 16, generator=g),
+            torch.randint(0, 10, (8,), generator=g))
+
+
+def _step_matches_torch_func(loss_fn, ref_fn, args, argnums):
+    """jit(grad_and_value(loss_fn)) against torch.func's of ``ref_fn``: the step, its results."""
+    step = plait.jit(plait.grad_and_value(loss_fn, argnums=argnums))
+    got = step(*args)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(
+            torch.func.grad_and_value(ref_fn, argnums=argnums)(*args))):
+        assert_close(a, b)
+    return step, got
+
+
+def test_a_training_step_is_one_native_call_and_matches_torch_func():
+    args = mlp_args()
+    step, (grads, loss) = _step_matches_torch_func(mlp_loss, mlp_loss, args, (0, 1, 2))
+    wrapper = _wrapper(step.lower(*args))
+    assert isinstance(wrapper, NativeWrapper)
+    assert not wrapper._steps  # every extern (the matmuls) runs natively, through ATen
+    with plait.config.patch(cpp_wrapper=False):
+        python = plait.jit(plait.grad_and_value(mlp_loss, argnums=(0, 1, 2)))
+        assert not isinstance(_wrapper(python.lower(*args)), NativeWrapper)
+        for got, want in zip(torch.utils._pytree.tree_leaves(python(*args)),
+                             torch.utils._pytree.tree_leaves((grads, loss))):
+            assert_close(got, want, rtol=0, atol=0)  # the same kernels and library calls
+
+
+@pytest.mark.parametrize("shape", [((2, 3, 5, 4), (2, 3, 4, 6)), ((5, 4), (6, 4)),
+                                   ((3, 5, 4), (4, 7))])
+def test_matmuls_of_transposed_and_batched_operands(shape):
+    a, b = torch.randn(*shape[0], generator=_gen(2)), torch.randn(*shape[1], generator=_gen(3))
+    fn = (lambda a, b: a @ b.mT) if shape == ((5, 4), (6, 4)) else (lambda a, b: (a @ b).mT @ a)
+    if shape[0] == (3, 5, 4):
+        fn = lambda a, b: torch.einsum("bij,jk->bki", a, b)  # noqa: E731
+    assert_close(plait.jit(fn)(a, b), fn(a, b))
+
+
+def test_python_steps_run_other_externs_and_their_errors_propagate():
+    """Attention and convolution are Python steps: the wrapper calls back for them."""
+    def fn(q, k, v, img, kernel):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return a.sum(-1), F.conv2d(img, kernel, padding=1).relu()
+
+    g = _gen(4)
+    args = (torch.randn(2, 3, 8, 4, generator=g), torch.randn(2, 3, 8, 4, generator=g),
+            torch.randn(2, 3, 8, 4, generator=g), torch.randn(2, 3, 6, 6, generator=g),
+            torch.randn(4, 3, 3, 3, generator=g))
+    jitted = plait.jit(fn)
+    for got, want in zip(jitted(*args), fn(*args)):
+        assert_close(got, want)
+    assert len(_wrapper(jitted.lower(*args))._steps) == 2
+
+    spd = torch.eye(3) * 2
+    chol = plait.jit(lambda m: torch.linalg.cholesky(m) * 2)
+    assert_close(chol(spd), torch.linalg.cholesky(spd) * 2)
+    with pytest.raises(torch.linalg.LinAlgError):  # raised in the step, as eager raises it
+        chol(-spd)
+    assert_close(chol(spd), torch.linalg.cholesky(spd) * 2)
+
+
+def test_a_kernel_error_stops_the_call_and_raises():
+    fn = plait.jit(lambda a, b: (a // b) + 1)
+    a, b = torch.arange(6), torch.tensor([1, 2, 3, 1, 2, 3])
+    assert torch.equal(fn(a, b), a // b + 1)
+    with pytest.raises(CheckError, match="ZeroDivisionError"):
+        fn(a, torch.tensor([1, 2, 0, 1, 2, 3]))
+    assert torch.equal(fn(a, b), a // b + 1)  # and the next call is fine
+
+
+# ---------------------------------------------------------------------------------------
+# Scans as C++ loops
+# ---------------------------------------------------------------------------------------
+def _python_calls(fn, *args) -> int:
+    """How many Python functions run during ``fn(*args)``."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_scan_and_its_gradient_run_no_python_per_step():
+    calls = {}
+    for steps in (10, 200):
+        args = rnn_args(steps)
+        step, _ = _step_matches_torch_func(rnn, rnn_ref, args, (0, 1, 3))
+        wrapper = _wrapper(step.lower(*args))
+        assert not wrapper._steps and len(wrapper._bodies) >= 2  # forward and reverse loops
+        calls[steps] = _python_calls(step, *args)
+    assert calls[200] == calls[10]  # 20 times the steps, not one Python call more
+
+
+def test_reverse_nested_and_pytree_scans_match_python():
+    def fn(xs, c0):
+        def outer(c, x):
+            inner, ys = plait.scan(lambda a, y: (a * 0.5 + y, a.sum()), c["a"], x)
+            return {"a": inner.tanh(), "n": c["n"] + ys.sum()}, (inner.sum(), ys)
+
+        return plait.scan(outer, c0, xs, reverse=True)
+
+    def ref(xs, c0):
+        c, firsts, seconds = dict(c0), [None] * len(xs), [None] * len(xs)
+        for i in reversed(range(len(xs))):
+            a, ys = c["a"], []
+            for y in xs[i]:
+                ys.append(a.sum())
+                a = a * 0.5 + y
+            c = {"a": a.tanh(), "n": c["n"] + torch.stack(ys).sum()}
+            firsts[i], seconds[i] = a.sum(), torch.stack(ys)
+        return c, (torch.stack(firsts), torch.stack(seconds))
+
+    xs, c0 = torch.randn(5, 4, 3, generator=_gen(5)), {"a": torch.randn(3), "n": torch.zeros(())}
+    jitted = plait.jit(fn)
+    for got, want in zip(torch.utils._pytree.tree_leaves(jitted(xs, c0)),
+                         torch.utils._pytree.tree_leaves(ref(xs, c0))):
+        assert_close(got, want)
+    assert not _wrapper(jitted.lower(xs, c0))._steps
+
+
+def test_a_scan_of_no_steps_returns_its_initial_carry():
+    fn = plait.jit(lambda c, xs: plait.scan(lambda c, x: (c + x, c * x), c, xs))
+    c, xs = torch.randn(3), torch.randn(0, 3)
+    carry, ys = fn(c, xs)
+    assert_close(carry, c) and ys.shape == (0, 3)
+
+
+def test_a_native_program_and_its_loop_bodies_pickle():
+    """The program cache keeps runners (NOTE [program cache]): one with scan bodies loads and
+    runs in place of a compiled one."""
+    args = rnn_args(7)
+    lowered = plait.jit(plait.grad(rnn, argnums=(0, 1)))
+    want = lowered(*args)
+    runner = pickle.loads(pickle.dumps(lowered.lower(*args).compiled.runner))
+    for got, w in zip(runner(list(args)), want):
+        assert_close(got, w)
