@@ -58,6 +58,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -684,7 +685,9 @@ class CompiledProgram(codegen.CompiledProgram):
             chunks[0] = ([*chunks[0][0], self.native.source], [*chunks[0][1], "plait_program"])
         kernels = "\n\n".join([prelude, *texts]) + "\n"
         self.cpp_source = kernels + (f"\n{self.native.source}\n" if self.native else "")
-        with concurrent.futures.ThreadPoolExecutor(parts) as pool:  # g++ runs outside the GIL
+        with concurrent.futures.ThreadPoolExecutor(parts + 1) as pool:  # g++ outside the GIL
+            if self.native is not None:  # the C++ runtime, on first use: built alongside
+                pool.submit(cpp_wrapper.runtime)
             libraries = list(pool.map(
                 lambda chunk: build("\n\n".join([prelude, *chunk[0]]) + "\n", chunk[1]), chunks))
         self._library_of = {n: lib for lib, (_, ns) in zip(libraries, chunks) for n in ns}
@@ -701,8 +704,16 @@ class CompiledProgram(codegen.CompiledProgram):
         wrapper = super().wrap(program, plan)
         if self.native is None:
             return wrapper
-        return cpp_wrapper.NativeWrapper.of(program, plan, self.native, self._library_of,
-                                            wrapper)
+        try:
+            return cpp_wrapper.NativeWrapper.of(program, plan, self.native, self._library_of,
+                                                wrapper)
+        except BackendError as e:  # the runtime does not build here (no torch headers?)
+            if not _warned_runtime:
+                _warned_runtime.append(e)
+                warnings.warn(f"plait's C++ wrapper is off: {e}\nPrograms step through their "
+                              "kernels from Python instead (slower per call); set "
+                              "plait.config.cpp_wrapper = False to silence this.")
+            return wrapper
 
     def listing(self, wrapper_source: str) -> str:
         if self.native is not None:
@@ -737,6 +748,7 @@ class _KernelCall:
 
 
 _CPU = torch.device("cpu")
+_warned_runtime: list = []
 
 
 compile_program = CompiledProgram

@@ -3,30 +3,35 @@
 NOTE [C++ wrapper]
 The Python wrapper (codegen.Wrapper) steps through a program, one ctypes call per kernel; on a
 small training step that stepping is most of the time (tens of microseconds a step). Here the
-wrapper is generated as one C++ function, ``plait_program(void** args, void** table)``, built
-into a library of its own, that follows the same memory plan (NOTE [wrapper memory]) with
-pointers:
+wrapper is generated as one C++ function, ``plait_program(args, table, results)``, compiled
+into the program's first kernel library, that follows the same memory plan (NOTE [wrapper
+memory]) with pointers:
 
-* ``args`` holds the inputs, the constants and the storages holding outputs, which Python
-  allocates as tensors before the call (they are handed to the caller). Every other storage is
-  allocated (64-byte aligned) before its first step and freed after its last; a pool slot
-  before its first user and after its last; an in-place alias is its storage's pointer.
-* ``table`` holds what the function calls, by position: the kernels (from the kernel
-  libraries, which stay as they are), each library's error flag, the runtime's functions and
-  the Python steps. Nothing is linked: the wrapper compiles in a fraction of a second.
-* Externs run natively where the runtime has them: a small C++ library built once against
-  torch's own headers and libraries (``RUNTIME``), which calls the same ATen operators as the
-  extern's Python implementation on ``from_blob`` views of the buffers (an operand's view steps
-  become its strides) and writes into the step's own output buffers. Any other extern is a
-  Python step: the wrapper calls back into Python with the step's pointers; the callback runs
-  the extern on tensors over that memory and copies its results into the outputs.
+* ``args`` holds the inputs and the constants. Memory comes from torch's CPU allocator (so
+  torch's profiler sees it, as it sees the Python wrapper's): each storage before its first
+  step and back after its last, a pool slot before its first user and after its last, an
+  in-place alias its storage's pointer. A storage holding an output is a tensor the runtime
+  makes at its first step and hands over in ``results``; Python takes it over through DLPack.
+* ``table`` holds what the function calls, by position: the runtime's allocation functions
+  first, then the kernels (their libraries stay as they are), their libraries' error flags,
+  the runtime's externs, the Python steps and the loop bodies (NOTE [native loops]). Nothing
+  is linked, so the wrapper adds a fraction of a second to its library's build.
+* Externs run natively where the runtime has them (matrix products). The runtime is a small
+  C++ library (``RUNTIME``) built once per torch version against torch's own headers and
+  libraries; it calls the ATen operators the extern's Python implementation calls, on
+  ``from_blob`` views of the buffers (an operand's view steps become its strides), writing
+  into the step's own output buffer. Any other extern is a Python step: the wrapper calls
+  back into Python with the step's pointers, and the callback runs the extern on tensors over
+  that memory and copies its results into the outputs.
 * A failed step stops the call: a kernel's error flag (NOTE [kernel errors]), an ATen error
   (the runtime keeps its message), a Python step's exception (kept and raised again) or a
-  failed allocation. Everything allocated so far is freed on the way out.
+  failed allocation. Everything allocated so far is given back on the way out.
+* The compiled source carries no provenance, so a program traced from other lines builds the
+  same library; the listing (``wrapper_source``) has each step's user lines above it.
 
 A program with collectives keeps the Python wrapper (its comm pools and waits are Python's),
-as does every call under ``config.check_memory_plan``, which counts allocations that only
-torch can see. ``config.cpp_wrapper = False`` turns the C++ wrapper off.
+as does every call under ``config.check_memory_plan`` (its tracker follows the Python
+wrapper's tensors). ``config.cpp_wrapper = False`` turns the C++ wrapper off.
 """
 from __future__ import annotations
 
@@ -145,7 +150,7 @@ _SCALAR_TYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, 
 
 
 @functools.cache
-def _runtime():
+def runtime():
     """The runtime library, built once per torch and compiler (NOTE [C++ build cache])."""
     from . import cpp
 
@@ -311,13 +316,16 @@ def generate(program, plan, writers: dict) -> Generated:
         "#include <cstdint>", "#include <cstring>", "",
         "struct plait_view { void* data; int64_t ndim; const int64_t* sizes; "
         "const int64_t* strides; int64_t dtype; };", "",
+        "// Compiled unoptimized: it only calls, and -O3 on one function of a few thousand",
+        "// steps takes seconds (a 12-block training step: 12.9 s at -O3, 0.3 s at -O0).",
+        "#pragma GCC push_options", '#pragma GCC optimize ("O0")',
         'extern "C" int plait_program(void** args, void** table, void** results) {',
         "    int rc = 0;",
         "    auto alloc = (char* (*)(int64_t))table[0];",
         "    auto release = (void (*)(void*))table[1];",
         "    auto alloc_result = (char* (*)(int64_t, void**))table[2];",
         "    auto drop_result = (void (*)(void*))table[3];",
-        *head, *lines, "done:", *cleanup, "    return rc;", "}"])
+        *head, *lines, "done:", *cleanup, "    return rc;", "}", "#pragma GCC pop_options"])
     # provenance (the user's lines) stays out of the compiled source: a program traced from
     # other lines builds the same library
     return Generated(text([x for x in lines if isinstance(x, str)]),
@@ -447,7 +455,7 @@ class NativeWrapper:
         if kind in ("kernel", "error"):
             return ctypes.cast(getattr(what[0].cdll, what[1]), ctypes.c_void_p).value
         if kind == "runtime":
-            return ctypes.cast(getattr(_runtime().cdll, what), ctypes.c_void_p).value
+            return ctypes.cast(getattr(runtime().cdll, what), ctypes.c_void_p).value
         if kind == "python":
             return ctypes.cast(self._callback, ctypes.c_void_p).value
         if kind == "body_constant":
@@ -530,7 +538,7 @@ class NativeWrapper:
         rc = self._run(pointers, self._table, results)
         if rc:
             _fail(rc)
-        dlpack = _runtime().cdll.plait_result_dlpack
+        dlpack = runtime().cdll.plait_result_dlpack
         for (shape, dtype), handle in zip(self.handed_types, results):
             memory = torch.from_dlpack(_capsule(dlpack(handle), _DLTENSOR, None))
             nbytes = math.prod(shape) * dtype.itemsize
@@ -544,7 +552,7 @@ class NativeWrapper:
 def _fail(rc: int):
     if rc == -1:
         raise BackendError("an ATen operator called by the C++ wrapper failed: " +
-                           _runtime().cdll.plait_runtime_error().decode())
+                           runtime().cdll.plait_runtime_error().decode())
     if rc == -2:
         raised, _raised.error = _raised.error, None
         raise raised

@@ -64,7 +64,7 @@ def program(buffers: dict, inputs, kernels, outputs, constants=None) -> LoopProg
 def count_builds(monkeypatch) -> list:
     """The compiler's runs from now on; the C++ runtime, built once per process (NOTE [C++
     wrapper]), is built first."""
-    cpp_wrapper._runtime()
+    cpp_wrapper.runtime()
     calls = []
     real = subprocess.run
 
