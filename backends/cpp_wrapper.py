@@ -58,6 +58,7 @@ from .codegen import extern_results, extern_text, kernel_error
 RUNTIME = r"""// plait's C++ runtime (backends/cpp_wrapper.py, NOTE [C++ wrapper]).
 #include <ATen/ATen.h>
 #include <ATen/DLConvertor.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <c10/core/CPUAllocator.h>
 #include <string>
 
@@ -107,13 +108,16 @@ extern "C" void* plait_result_dlpack(void* handle) {
 }
 extern "C" void plait_drop_result(void* handle) { delete static_cast<at::Tensor*>(handle); }
 
-// dot_general as tracer/primitives.py's implementation computes it: batch dims first, then
-// lhs free dims, then rhs free dims; a matrix product is one mm, anything else one bmm.
-extern "C" int plait_dot_general(const plait_view* lhs, const plait_view* rhs,
-                                 const plait_view* out, const int64_t* dims) {
+// Each extern takes its operands' and results' views (operands first) and its params as
+// integers and doubles, and computes what the primitive's Python implementation computes.
+
+// dot_general: batch dims first, then lhs free dims, then rhs free dims; a matrix product is
+// one mm, anything else one bmm. ints: the contracting and batch dims of each side, each
+// list as its length and then its elements.
+extern "C" int plait_dot_general(const plait_view* v, const int64_t* p, const double*) {
   return guarded([&] {
-    auto lc = take(dims), rc = take(dims), lb = take(dims), rb = take(dims);
-    at::Tensor l = tensor(lhs), r = tensor(rhs), o = tensor(out);
+    auto lc = take(p), rc = take(p), lb = take(p), rb = take(p);
+    at::Tensor l = tensor(&v[0]), r = tensor(&v[1]), o = tensor(&v[2]);
     if (lb.empty() && l.dim() == 2 && r.dim() == 2 && lc.size() == 1) {
       at::mm_out(o, lc[0] == 1 ? l : l.t(), rc[0] == 0 ? r : r.t());
       return;
@@ -141,6 +145,69 @@ extern "C" int plait_dot_general(const plait_view* lhs, const plait_view* rhs,
     at::bmm_out(o3, a, b);
   });
 }
+
+// conv and conv_backward with symmetric padding and no input dilation, as ATen's own
+// convolution takes them. ints: window strides, padding, kernel dilation (each a list), groups.
+struct conv_params { std::vector<int64_t> stride, padding, dilation; int64_t groups; };
+static conv_params conv_of(const int64_t* p) {
+  auto stride = take(p), padding = take(p), dilation = take(p);
+  return {stride, padding, dilation, *p};
+}
+
+extern "C" int plait_conv(const plait_view* v, const int64_t* p, const double*) {
+  return guarded([&] {
+    auto c = conv_of(p);
+    std::vector<int64_t> zeros(c.stride.size(), 0);
+    tensor(&v[2]).copy_(at::convolution(tensor(&v[0]), tensor(&v[1]), {}, c.stride,
+                                        c.padding, c.dilation, false, zeros, c.groups));
+  });
+}
+
+extern "C" int plait_conv_backward(const plait_view* v, const int64_t* p, const double*) {
+  return guarded([&] {
+    auto c = conv_of(p);
+    std::vector<int64_t> zeros(c.stride.size(), 0);
+    auto grads = at::convolution_backward(tensor(&v[0]), tensor(&v[1]), tensor(&v[2]),
+                                          c10::nullopt, c.stride, c.padding, c.dilation, false,
+                                          zeros, c.groups, {true, true, false});
+    tensor(&v[3]).copy_(std::get<0>(grads));
+    tensor(&v[4]).copy_(std::get<1>(grads));
+  });
+}
+
+// attention and attention_backward: torch's fused attention on 4-D operands (other ranks
+// folded into batch and heads, as the Python implementation does); the backward is autograd's
+// of it. ints: causal; doubles: scale.
+static at::Tensor four_d(const at::Tensor& x) {
+  return x.dim() == 4 ? x : x.reshape({-1, 1, x.size(-2), x.size(-1)});
+}
+
+static at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         bool causal, double scale) {
+  auto out = at::scaled_dot_product_attention(four_d(q), four_d(k), four_d(v), {}, 0.0, causal,
+                                              scale);
+  if (q.dim() == 4) return out;
+  auto shape = q.sizes().vec();
+  shape.back() = v.size(-1);
+  return out.reshape(shape);
+}
+
+extern "C" int plait_attention(const plait_view* v, const int64_t* p, const double* f) {
+  return guarded([&] {
+    tensor(&v[3]).copy_(attend(tensor(&v[0]), tensor(&v[1]), tensor(&v[2]), p[0], f[0]));
+  });
+}
+
+extern "C" int plait_attention_backward(const plait_view* v, const int64_t* p, const double* f) {
+  return guarded([&] {
+    at::AutoGradMode grad_mode(true);
+    std::vector<at::Tensor> leaves;
+    for (int j = 1; j < 4; ++j) leaves.push_back(tensor(&v[j]).detach().requires_grad_(true));
+    auto out = attend(leaves[0], leaves[1], leaves[2], p[0], f[0]);
+    auto grads = torch::autograd::grad({out}, leaves, {tensor(&v[0])});
+    for (int j = 0; j < 3; ++j) tensor(&v[4 + j]).copy_(grads[j]);
+  });
+}
 """
 
 # torch dtype -> ATen's ScalarType number (c10/core/ScalarType.h)
@@ -160,8 +227,8 @@ def runtime():
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-L{root}/lib", "-ltorch_cpu", "-lc10",
              f"-Wl,-rpath,{root}/lib"]
     source = f"// for torch {torch.__version__}\n{RUNTIME}"  # its headers: part of the key
-    library = cpp.build(source, [*_RESERVED, "plait_dot_general", "plait_runtime_error",
-                                 "plait_result_dlpack"], flags)
+    library = cpp.build(source, [*_RESERVED, *(f"plait_{prim}" for prim in NATIVE),
+                                 "plait_runtime_error", "plait_result_dlpack"], flags)
     library.cdll.plait_runtime_error.restype = ctypes.c_char_p
     library.cdll.plait_result_dlpack.restype = ctypes.c_void_p
     library.cdll.plait_result_dlpack.argtypes = [ctypes.c_void_p]
@@ -175,6 +242,36 @@ _RESERVED = ("plait_alloc", "plait_free", "plait_alloc_result", "plait_drop_resu
 def _prim(k) -> str | None:
     """The primitive an extern runs (None for anything but a primitive's implementation)."""
     return k.fn.prim if isinstance(k, Extern) and isinstance(k.fn, Impl) else None
+
+
+def _lists(*lists) -> list[int]:
+    """Integer lists as the runtime's ``take`` reads them: each its length, then its items."""
+    return [n for xs in lists for n in (len(xs), *xs)]
+
+
+def _conv_ints(p: dict) -> list[int] | None:
+    if any(lo != hi for lo, hi in p["padding"]) or max(p["lhs_dilation"]) > 1:
+        return None  # the Python implementation pads, crops or dilates first
+    return _lists(p["window_strides"], [lo for lo, _ in p["padding"]], p["rhs_dilation"]) + \
+        [p["feature_group_count"]]
+
+
+# primitive -> params -> (ints, doubles) the runtime's ``plait_<primitive>`` takes, or None
+# where it does not compute it (NOTE [C++ wrapper])
+NATIVE = {
+    "dot_general": lambda p: (_lists(*p["contracting"], *p["batch"]), ()),
+    "conv": lambda p: None if (ints := _conv_ints(p)) is None else (ints, ()),
+    "conv_backward": lambda p: None if (ints := _conv_ints(p)) is None else (ints, ()),
+    "attention": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
+    "attention_backward": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
+}
+
+
+def _native_params(k) -> tuple | None:
+    """The runtime's params for extern ``k``, or None: a Python step."""
+    if k.fenced or (prim := _prim(k)) not in NATIVE:
+        return None
+    return NATIVE[prim](dict(k.params))
 
 
 def _scan_body(k):
@@ -293,8 +390,9 @@ def generate(program, plan, writers: dict) -> Generated:
             if w.checks_error:
                 lines.append(f"    if ((rc = ((int (*)())table[{table('error', w.name)}])())) "
                              "goto done;")
-        elif _prim(k) == "dot_general" and not k.fenced:
-            _dot_general(k, buffers, var, table, lines)
+        elif (params := _native_params(k)) is not None and all(
+                buffers[b].type.dtype in _SCALAR_TYPES for b in (*k.inputs, *k.outputs)):
+            _native_call(k, params, buffers, var, table, lines)
         elif (body := _scan_body(k)) is not None:
             bodies.append(body)
             _scan(k, len(bodies) - 1, body, buffers, var, table, lines)
@@ -334,22 +432,22 @@ def generate(program, plan, writers: dict) -> Generated:
                      len(entry))
 
 
-def _dot_general(k: Extern, buffers, var: dict, table: _Table, lines: list) -> None:
-    """A dot_general through the runtime, on views of its buffers."""
+def _native_call(k: Extern, params: tuple, buffers, var: dict, table: _Table,
+                 lines: list) -> None:
+    """An extern through the runtime, on views of its buffers."""
     views = []
     for j, b in enumerate((*k.inputs, *k.outputs)):
         t = buffers[b].type
         sizes, strides, offset = _view_of(k, j if j < len(k.inputs) else None, t)
         sz, st = _array(lines, f"sizes{j}", sizes), _array(lines, f"strides{j}", strides)
-        lines.append(f"    plait_view v{j} = {{{var[b]} + {offset * t.dtype.itemsize}, "
-                     f"{len(sizes)}, {sz}, {st}, {_SCALAR_TYPES[t.dtype]}}};")
-        views.append(f"&v{j}")
-    params = dict(k.params)
-    (lc, rc), (lb, rb) = params["contracting"], params["batch"]
-    dims = _array(lines, "dims", [n for d in (lc, rc, lb, rb) for n in (len(d), *d)])
-    lines.append(f"    if ((rc = ((int (*)(const plait_view*, const plait_view*, const "
-                 f"plait_view*, const int64_t*))table[{table('runtime', 'plait_dot_general')}])"
-                 f"({', '.join(views)}, {dims}))) goto done;")
+        views.append(f"{{{var[b]} + {offset * t.dtype.itemsize}, {len(sizes)}, {sz}, {st}, "
+                     f"{_SCALAR_TYPES[t.dtype]}}}")
+    lines.append(f"    const plait_view views[] = {{{', '.join(views)}}};")
+    _array(lines, "ints", params[0])
+    lines.append(f"    static const double floats[] = {{{', '.join(map(repr, params[1])) or 0}}};")
+    lines.append(f"    if ((rc = ((int (*)(const plait_view*, const int64_t*, const double*))"
+                 f"table[{table('runtime', f'plait_{_prim(k)}')}])(views, ints, floats))) "
+                 "goto done;")
 
 
 # NOTE [native loops]

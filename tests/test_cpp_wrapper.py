@@ -28,6 +28,16 @@ def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
+def _step_matches_torch_func(loss_fn, ref_fn, args, argnums):
+    """jit(grad_and_value(loss_fn)) against torch.func's of ``ref_fn``: the step, its results."""
+    step = plait.jit(plait.grad_and_value(loss_fn, argnums=argnums))
+    got = step(*args)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(
+            torch.func.grad_and_value(ref_fn, argnums=argnums)(*args))):
+        assert_close(a, b)
+    return step, got
+
+
 def mlp_loss(w1, b1, w2, x, y):
     h = F.gelu(x @ w1 + b1)
     return F.cross_entropy(h @ w2.t(), y)
@@ -38,16 +48,6 @@ def mlp_args():
     return (torch.randn(16, 32, generator=g) * 0.2, torch.randn(32, generator=g),
             torch.randn(10, 32, generator=g) * 0.2, torch.randn(8, 16, generator=g),
             torch.randint(0, 10, (8,), generator=g))
-
-
-def _step_matches_torch_func(loss_fn, ref_fn, args, argnums):
-    """jit(grad_and_value(loss_fn)) against torch.func's of ``ref_fn``: the step, its results."""
-    step = plait.jit(plait.grad_and_value(loss_fn, argnums=argnums))
-    got = step(*args)
-    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(
-            torch.func.grad_and_value(ref_fn, argnums=argnums)(*args))):
-        assert_close(a, b)
-    return step, got
 
 
 def test_a_training_step_is_one_native_call_and_matches_torch_func():
@@ -74,24 +74,29 @@ def test_matmuls_of_transposed_and_batched_operands(shape):
     assert_close(plait.jit(fn)(a, b), fn(a, b))
 
 
-def test_python_steps_run_other_externs_and_their_errors_propagate():
-    """Attention and convolution are Python steps: the wrapper calls back for them."""
-    def fn(q, k, v, img, kernel):
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return a.sum(-1), F.conv2d(img, kernel, padding=1).relu()
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_and_convolution_run_natively_with_their_gradients(causal):
+    def loss(q, k, v, img, kernel):
+        a = F.scaled_dot_product_attention(q, k, v.transpose(-2, -1), is_causal=causal)
+        c = F.conv2d(img, kernel, padding=1, stride=(1, 2), groups=2).relu()
+        return a.square().sum() + c.mean()
 
     g = _gen(4)
     args = (torch.randn(2, 3, 8, 4, generator=g), torch.randn(2, 3, 8, 4, generator=g),
-            torch.randn(2, 3, 8, 4, generator=g), torch.randn(2, 3, 6, 6, generator=g),
-            torch.randn(4, 3, 3, 3, generator=g))
-    jitted = plait.jit(fn)
-    for got, want in zip(jitted(*args), fn(*args)):
-        assert_close(got, want)
-    assert len(_wrapper(jitted.lower(*args))._steps) == 2
+            torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 4, 6, 6, generator=g),
+            torch.randn(6, 2, 3, 3, generator=g))
+    step, _ = _step_matches_torch_func(loss, loss, args, (0, 1, 2, 3, 4))
+    program = step.lower(*args).compiled.program
+    assert {"attention", "attention_backward", "conv", "conv_backward"} <= {
+        getattr(k, "label", None) for k in program.kernels}
+    assert not _wrapper(step.lower(*args))._steps  # none of them calls back into Python
 
+
+def test_python_steps_run_other_externs_and_their_errors_propagate():
     spd = torch.eye(3) * 2
     chol = plait.jit(lambda m: torch.linalg.cholesky(m) * 2)
     assert_close(chol(spd), torch.linalg.cholesky(spd) * 2)
+    assert len(_wrapper(chol.lower(spd))._steps) == 2  # cholesky and its check: Python steps
     with pytest.raises(torch.linalg.LinAlgError):  # raised in the step, as eager raises it
         chol(-spd)
     assert_close(chol(spd), torch.linalg.cholesky(spd) * 2)
