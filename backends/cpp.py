@@ -686,8 +686,8 @@ class CompiledProgram(codegen.CompiledProgram):
         kernels = "\n\n".join([prelude, *texts]) + "\n"
         self.cpp_source = kernels + (f"\n{self.native.source}\n" if self.native else "")
         with concurrent.futures.ThreadPoolExecutor(parts + 1) as pool:  # g++ outside the GIL
-            if self.native is not None:  # the C++ runtime, on first use: built alongside
-                pool.submit(cpp_wrapper.runtime)
+            for library in self.native.libraries() if self.native else ():
+                pool.submit(library)  # the wrapper's own, on first use: built alongside
             libraries = list(pool.map(
                 lambda chunk: build("\n\n".join([prelude, *chunk[0]]) + "\n", chunk[1]), chunks))
         self._library_of = {n: lib for lib, (_, ns) in zip(libraries, chunks) for n in ns}

@@ -8,21 +8,23 @@ into the program's first kernel library, that follows the same memory plan (NOTE
 memory]) with pointers:
 
 * ``args`` holds the inputs and the constants. Memory comes from torch's CPU allocator (so
-  torch's profiler sees it, as it sees the Python wrapper's): each storage before its first
-  step and back after its last, a pool slot before its first user and after its last, an
-  in-place alias its storage's pointer. A storage holding an output is a tensor the runtime
-  makes at its first step and hands over in ``results``; Python takes it over through DLPack.
-* ``table`` holds what the function calls, by position: the runtime's allocation functions
-  first, then the kernels (their libraries stay as they are), their libraries' error flags,
-  the runtime's externs, the Python steps and the loop bodies (NOTE [native loops]). Nothing
-  is linked, so the wrapper adds a fraction of a second to its library's build.
-* Externs run natively where the runtime has them (matrix products). The runtime is a small
-  C++ library (``RUNTIME``) built once per torch version against torch's own headers and
-  libraries; it calls the ATen operators the extern's Python implementation calls, on
-  ``from_blob`` views of the buffers (an operand's view steps become its strides), writing
-  into the step's own output buffer. Any other extern is a Python step: the wrapper calls
-  back into Python with the step's pointers, and the callback runs the extern on tensors over
-  that memory and copies its results into the outputs.
+  torch's profiler sees it, as it sees the Python wrapper's) through ``MEMORY``, a tiny
+  library built once per torch version: each storage before its first step and back after
+  its last, a pool slot before its first user and after its last, an in-place alias its
+  storage's pointer. A storage holding an output is allocated at its first step too and
+  handed over in ``results`` as a DLPack tensor, which Python takes over.
+* ``table`` holds what the function calls, by position: the allocation functions first, then
+  the kernels (their libraries stay as they are), their libraries' error flags, the runtime's
+  externs, the Python steps and the loop bodies (NOTE [native loops]). Nothing is linked, so
+  the wrapper adds a fraction of a second to its library's build.
+* Externs run natively where the runtime has them (``NATIVE``: matrix products,
+  convolutions and their backward, attention and its backward). The runtime (``RUNTIME``) is
+  built once per torch version against torch's headers and libraries (8 s on 2 cores, when a
+  program first needs it); it calls the ATen operators the extern's Python implementation
+  calls, on ``from_blob`` views of the buffers (an operand's view steps become its strides),
+  and writes into the step's own output buffers. Any other extern is a Python step: the
+  wrapper calls back into Python with the step's pointers, and the callback runs the extern
+  on tensors over that memory and copies its results into the outputs.
 * A failed step stops the call: a kernel's error flag (NOTE [kernel errors]), an ATen error
   (the runtime keeps its message), a Python step's exception (kept and raised again) or a
   failed allocation. Everything allocated so far is given back on the way out.
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import threading
 from collections.abc import Sequence
@@ -55,11 +56,43 @@ from .codegen import extern_results, extern_text, kernel_error
 # ---------------------------------------------------------------------------------------
 # The runtime: native externs, through ATen
 # ---------------------------------------------------------------------------------------
-RUNTIME = r"""// plait's C++ runtime (backends/cpp_wrapper.py, NOTE [C++ wrapper]).
-#include <ATen/ATen.h>
-#include <ATen/DLConvertor.h>
-#include <torch/csrc/autograd/autograd.h>
+MEMORY = r"""// plait's C++ wrapper's memory (backends/cpp_wrapper.py, NOTE [C++ wrapper]).
+#include <ATen/dlpack.h>
 #include <c10/core/CPUAllocator.h>
+
+// From torch's CPU allocator (its profiler sees it). An intermediate is raw memory; a result
+// is also handed to Python as a DLPack tensor of bytes, whose deleter gives the memory back.
+extern "C" void* plait_alloc(int64_t n) {
+  try { return c10::GetCPUAllocator()->raw_allocate(n ? n : 1); } catch (...) { return nullptr; }
+}
+
+extern "C" void plait_free(void* p) { if (p) c10::GetCPUAllocator()->raw_deallocate(p); }
+
+struct plait_result { DLManagedTensor managed; int64_t size; };
+
+static void plait_delete(DLManagedTensor* m) {
+  plait_free(m->dl_tensor.data);
+  delete static_cast<plait_result*>(m->manager_ctx);
+}
+
+extern "C" void* plait_alloc_result(int64_t n, void** handle) {
+  void* data = plait_alloc(n);
+  if (!data) return nullptr;
+  auto* r = new plait_result{};
+  r->size = n;
+  r->managed.dl_tensor = {data, {kDLCPU, 0}, 1, {kDLUInt, 8, 1}, &r->size, nullptr, 0};
+  r->managed.manager_ctx = r;
+  r->managed.deleter = plait_delete;
+  *handle = &r->managed;
+  return data;
+}
+
+extern "C" void plait_drop_result(void* handle) { plait_delete(static_cast<DLManagedTensor*>(handle)); }
+"""
+
+RUNTIME = r"""// plait's C++ runtime: externs through ATen (backends/cpp_wrapper.py, NOTE [C++ wrapper]).
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <string>
 
 struct plait_view { void* data; int64_t ndim; const int64_t* sizes; const int64_t* strides;
@@ -86,27 +119,6 @@ template <class F> static int guarded(F f) {
 }
 
 extern "C" const char* plait_runtime_error() { return plait_message.c_str(); }
-
-// Memory, from torch's CPU allocator (its profiler sees it). An intermediate is raw memory; a
-// result is a tensor that Python takes over through DLPack.
-extern "C" void* plait_alloc(int64_t n) {
-  try { return c10::GetCPUAllocator()->raw_allocate(n ? n : 1); } catch (...) { return nullptr; }
-}
-extern "C" void plait_free(void* p) { if (p) c10::GetCPUAllocator()->raw_deallocate(p); }
-extern "C" void* plait_alloc_result(int64_t n, void** handle) {
-  try {
-    auto* t = new at::Tensor(at::empty({n ? n : 1}, at::kByte));
-    *handle = t;
-    return t->data_ptr();
-  } catch (...) { return nullptr; }
-}
-extern "C" void* plait_result_dlpack(void* handle) {
-  auto* t = static_cast<at::Tensor*>(handle);
-  auto* managed = at::toDLPack(*t);
-  delete t;
-  return managed;
-}
-extern "C" void plait_drop_result(void* handle) { delete static_cast<at::Tensor*>(handle); }
 
 // Each extern takes its operands' and results' views (operands first) and its params as
 // integers and doubles, and computes what the primitive's Python implementation computes.
@@ -216,22 +228,32 @@ _SCALAR_TYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, 
                  torch.complex128: 10, torch.bool: 11, torch.bfloat16: 15}
 
 
-@functools.cache
-def runtime():
-    """The runtime library, built once per torch and compiler (NOTE [C++ build cache])."""
+def _build(source: str, symbols: list, libraries: list):
+    """A library against torch's headers and ``libraries``, built once per torch version and
+    compiler (NOTE [C++ build cache])."""
     from . import cpp
 
     root = os.path.dirname(torch.__file__)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = [f"-I{root}/include", f"-I{root}/include/torch/csrc/api/include",
-             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-L{root}/lib", "-ltorch_cpu", "-lc10",
-             f"-Wl,-rpath,{root}/lib"]
-    source = f"// for torch {torch.__version__}\n{RUNTIME}"  # its headers: part of the key
-    library = cpp.build(source, [*_RESERVED, *(f"plait_{prim}" for prim in NATIVE),
-                                 "plait_runtime_error", "plait_result_dlpack"], flags)
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-L{root}/lib",
+             *(f"-l{name}" for name in libraries), f"-Wl,-rpath,{root}/lib"]
+    source = f"// for torch {torch.__version__}\n{source}"  # its headers: part of the key
+    return cpp.build(source, symbols, flags)
+
+
+@functools.cache
+def memory():
+    """The wrapper's allocation functions (0.5 s to build)."""
+    return _build(MEMORY, list(_RESERVED), ["c10"])
+
+
+@functools.cache
+def runtime():
+    """The externs through ATen (8 s to build on 2 cores), where a program has one."""
+    library = _build(RUNTIME, [*(f"plait_{prim}" for prim in NATIVE), "plait_runtime_error"],
+                     ["torch_cpu", "c10"])
     library.cdll.plait_runtime_error.restype = ctypes.c_char_p
-    library.cdll.plait_result_dlpack.restype = ctypes.c_void_p
-    library.cdll.plait_result_dlpack.argtypes = [ctypes.c_void_p]
     return library
 
 
@@ -335,6 +357,11 @@ class Generated:
     python_steps: tuple
     bodies: tuple
     n_entry: int
+
+    def libraries(self) -> list:
+        """The builders of the libraries it calls into (they build once, on first use)."""
+        return [memory, *([runtime] if any(kind == "runtime" and what not in _RESERVED
+                                            for kind, what in self.entries) else [])]
 
 
 def generate(program, plan, writers: dict) -> Generated:
@@ -553,7 +580,8 @@ class NativeWrapper:
         if kind in ("kernel", "error"):
             return ctypes.cast(getattr(what[0].cdll, what[1]), ctypes.c_void_p).value
         if kind == "runtime":
-            return ctypes.cast(getattr(runtime().cdll, what), ctypes.c_void_p).value
+            library = memory() if what in _RESERVED else runtime()
+            return ctypes.cast(getattr(library.cdll, what), ctypes.c_void_p).value
         if kind == "python":
             return ctypes.cast(self._callback, ctypes.c_void_p).value
         if kind == "body_constant":
@@ -636,11 +664,9 @@ class NativeWrapper:
         rc = self._run(pointers, self._table, results)
         if rc:
             _fail(rc)
-        dlpack = runtime().cdll.plait_result_dlpack
         for (shape, dtype), handle in zip(self.handed_types, results):
-            memory = torch.from_dlpack(_capsule(dlpack(handle), _DLTENSOR, None))
-            nbytes = math.prod(shape) * dtype.itemsize
-            tensors.append(memory[:nbytes].view(dtype).view(shape))
+            data = torch.from_dlpack(_capsule(handle, _DLTENSOR, None))
+            tensors.append(data.view(dtype).view(shape))
         unique = [torch.empty(shape, dtype=dtype) if j is None else
                   tensors[j] if same else tensors[j].view(shape)
                   for j, same, shape, dtype in self._outputs]
