@@ -297,7 +297,8 @@ def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...],
     """Rebuild ``graph`` node by node in topological order.
 
     ``visit(builder, n, operands, control_preds)`` (operands and preds already remapped) may
-    return the values that replace node ``n``; returning None copies the node. Nodes outside
+    return the values that replace node ``n`` (None for one nothing reads); returning None
+    copies the node. Nodes outside
     ``keep`` (when given) are dropped; input nodes are always kept.
     """
     b = GraphBuilder()
@@ -317,6 +318,6 @@ def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...],
                 new = b.add_node(node.prim, operands, node.kwargs, node.out_types,
                                  node.provenance, after=preds)
         for i, v in enumerate(new):
-            values[Value(n, i)] = v
-        ids[n] = new[0].node if new else b.last_node
+            values[Value(n, i)] = v  # None: a value nothing reads any more
+        ids[n] = next((v.node for v in new if v is not None), b.last_node)
     return b.build([values[v] for v in graph.outputs])

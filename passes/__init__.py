@@ -1,7 +1,7 @@
 """Pure graph -> graph passes, each registered by name in ``PASSES``."""
 from .attention import fuse_attention
 from .simplify import (PASSES, algebra, cse, dce, erase_markers, fold_constants, rewrite,
-                       simplify)
+                       simplify, unread_ys)
 
 __all__ = ["PASSES", "algebra", "cse", "dce", "erase_markers", "fold_constants", "fuse_attention",
-           "rewrite", "simplify"]
+           "rewrite", "simplify", "unread_ys"]

@@ -46,6 +46,33 @@ def dce(graph: Graph) -> Graph:
     return rewrite(graph, keep=live)
 
 
+def unread_ys(graph: Graph) -> Graph:
+    """Scans without the per-step outputs that nothing reads, nor what their bodies compute
+    for those alone: a scan's VJP computes the cotangent of every x (an RNN's inputs too),
+    which a step's gradients rarely use. After ``cse``, which merges a scan into the one its
+    VJP runs (with the carry history) only while both compute the same ys."""
+    read = {*graph.outputs, *(v for n in graph.order for v in graph.operands(n))}
+    unread = {n: [i for i in range(node.kwargs["n_carry"], len(node.out_types))
+                  if Value(n, i) not in read]
+              for n in graph.order if (node := graph.node(n)).prim == "scan"}
+    if not any(unread.values()):
+        return graph
+
+    def visit(b, n, operands, preds):
+        if not unread.get(n):
+            return None
+        node, dropped = graph.node(n), set(unread[n])
+        body = node.kwargs["body"]
+        kept = [i for i in range(len(node.out_types)) if i not in dropped]
+        body = dce(extract(body, body.order, [Value(i, 0) for i in body.inputs],
+                           [body.outputs[i] for i in kept]))
+        new = iter(b.add_node("scan", operands, node.kwargs | {"body": body},
+                              [node.out_types[i] for i in kept], node.provenance, after=preds))
+        return [None if i in dropped else next(new) for i in range(len(node.out_types))]
+
+    return rewrite(graph, visit)
+
+
 def with_carry_history(body: Graph, n_carry: int) -> Graph:
     """A scan body that also returns, as extra per-step outputs, the carry it was given."""
     return extract(body, body.order, [Value(n, 0) for n in body.inputs],
@@ -310,11 +337,12 @@ def algebra(graph: Graph) -> Graph:
 
 PASSES: dict[str, Callable[[Graph], Graph]] = {
     "erase_markers": erase_markers, "dce": dce, "cse": cse, "fold_constants": fold_constants,
-    "algebra": algebra, "fuse_attention": fuse_attention,
+    "algebra": algebra, "fuse_attention": fuse_attention, "unread_ys": unread_ys,
 }
 
 
-PIPELINE = ("erase_markers", "dce", "fold_constants", "fuse_attention", "algebra", "cse", "dce")
+PIPELINE = ("erase_markers", "dce", "fold_constants", "fuse_attention", "algebra", "cse", "dce",
+            "unread_ys")
 
 
 def simplify(graph: Graph, on_pass: Callable[[str, Graph], None] | None = None) -> Graph:

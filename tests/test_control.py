@@ -239,6 +239,20 @@ def test_scan_graph_stays_small_for_200_steps():
     assert len(plait.make_graph(rnn)(*rnn_args(steps=10))) == len(forward)
 
 
+def test_a_scans_unread_per_step_outputs_leave_it():
+    """The reverse scan of an RNN's weight gradients computes no cotangent of the inputs (no
+    per-step output, one matmul less a step), and the forward runs once."""
+    args = rnn_args(steps=10)
+    graph = plait.jit(plait.grad(rnn, argnums=(0, 1))).lower(*args).graph
+    scans = [graph.node(n) for n in graph.order if graph.node(n).prim == "scan"]
+    assert len(scans) == 2
+    forward, reverse = sorted(scans, key=lambda node: node.kwargs["reverse"])
+    assert len(reverse.out_types) == reverse.kwargs["n_carry"]  # no per-step outputs left
+    dots = [sum(b.node(n).prim == "dot_general" for n in b.order)
+            for b in (forward.kwargs["body"], reverse.kwargs["body"])]
+    assert dots == [2, 5]  # h @ w, x @ u; again, and the cotangents of h, w and u
+
+
 def test_scan_under_vmap_over_sequences(backend):
     w, u, xs, h0 = rnn_args(steps=30)
     sequences = torch.randn(5, 30, 3, 4, generator=_gen(11))

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 import plait
 from plait.graph import Graph
 from plait.passes import (PASSES, algebra, cse, dce, erase_markers, fold_constants, fuse_attention,
-                          simplify)
+                          simplify, unread_ys)
 
 
 def prim_count(graph: Graph, prim: str) -> int:
@@ -28,7 +28,7 @@ def _run(graph: Graph, *inputs):
 def test_registry():
     assert PASSES == {"erase_markers": erase_markers, "dce": dce, "cse": cse,
                       "fold_constants": fold_constants, "algebra": algebra,
-                      "fuse_attention": fuse_attention}
+                      "fuse_attention": fuse_attention, "unread_ys": unread_ys}
 
 
 # ---------------------------------------------------------------------------------------
