@@ -296,17 +296,27 @@ def _native_params(k) -> tuple | None:
     return NATIVE[prim](dict(k.params))
 
 
-def _scan_body(k):
-    """NOTE [native loops]: the body program of a scan extern as a ``codegen.Runner`` whose
-    wrapper is native and writes every output into memory of its caller's, or None."""
+# control-flow primitive -> the params holding its sub-programs (NOTE [native loops])
+BODIES = {"scan": ("body",), "while_loop": ("cond_graph", "body_graph"),
+          "cond": ("true_branch", "false_branch")}
+
+
+def _sub_programs(k, buffers) -> list | None:
+    """NOTE [native loops]: the sub-programs of a control-flow extern, each a ``codegen.Runner``
+    whose wrapper is native and writes every output into memory of its caller's; or None."""
     from ..passes.simplify import simplify
     from . import cpp
 
-    if _prim(k) != "scan" or any(m != "reshape" for v in k.fn.views for m, _ in v):
+    if _prim(k) not in BODIES or k.fenced or any(m != "reshape" for v in k.fn.views
+                                                 for m, _ in v):
         return None
-    runner = cpp.compile_graph(simplify(dict(k.params)["body"])).runner
-    return runner if isinstance(runner.wrapper, NativeWrapper) and runner.wrapper.loopable \
-        else None
+    runners = [cpp.compile_graph(simplify(dict(k.params)[name])).runner
+               for name in BODIES[_prim(k)]]
+    if not all(isinstance(r.wrapper, NativeWrapper) and r.wrapper.loopable for r in runners):
+        return None
+    pred = {"cond": lambda: buffers[k.inputs[0]].type,
+            "while_loop": lambda: runners[0].wrapper.output_types[0]}.get(_prim(k))
+    return runners if pred is None or pred().dtype in cpp.CPP_DTYPES else None
 
 
 def applies(program, plan) -> bool:
@@ -420,9 +430,11 @@ def generate(program, plan, writers: dict) -> Generated:
         elif (params := _native_params(k)) is not None and all(
                 buffers[b].type.dtype in _SCALAR_TYPES for b in (*k.inputs, *k.outputs)):
             _native_call(k, params, buffers, var, table, lines)
-        elif (body := _scan_body(k)) is not None:
-            bodies.append(body)
-            _scan(k, len(bodies) - 1, body, buffers, var, table, lines)
+        elif (runners := _sub_programs(k, buffers)) is not None:
+            calls = [_Call(f"a{j}", len(bodies) + j, r, table, lines)
+                     for j, r in enumerate(runners)]
+            bodies += runners
+            CONTROL[_prim(k)](k, calls, buffers, var, lines)
         else:
             python_steps.append(i)
             ptrs = ", ".join(var[b] for b in (*k.inputs, *k.outputs)) or "nullptr"
@@ -478,60 +490,124 @@ def _native_call(k: Extern, params: tuple, buffers, var: dict, table: _Table,
 
 
 # NOTE [native loops]
-# A scan whose body compiles to a native wrapper (cpp) runs as a C++ loop in the wrapper: each
-# step calls the body's ``plait_program`` on pointers, its carry in and out alternating between
-# two buffers of the step's own (the first step reads the initial carry, the last writes the
-# scan's carry outputs), each x read and each y written in place at the step's offset of the
-# stacked buffer, the loop-invariant operands and the body's constants passed as they are. No
-# Python runs per step. The body's buffers live inside the step (its wrapper allocates and
-# frees them). A body whose outputs are not all its own memory (an output that is an input)
-# runs as a Python step, as does a scan over views other than reshapes.
-def _scan(k: Extern, index: int, body, buffers, var: dict, table: _Table,
-          lines: list) -> None:
+# A scan, while_loop or cond whose sub-programs all compile to native wrappers (cpp) runs in
+# the C++ wrapper: each step (each branch) calls its sub-program's ``plait_program`` on
+# pointers, with no Python per step. A loop's carry in and out alternate between two buffers
+# of the step's own (the first step reads the initial carry; a scan's last writes the carry
+# outputs, a while_loop's final carry is copied there); a scan reads each x and writes each y
+# in place at the step's offset of the stacked buffer; loop-invariant operands and the
+# sub-program's constants are passed as they are; a while_loop's condition writes its
+# predicate into a buffer of the step's, read as its dtype. A sub-program's buffers live inside
+# the step (its wrapper allocates and frees them). An output a sub-program returns that is
+# not memory of its own (an input returned as it is, an output twice) is copied into place
+# after the call. A sub-program whose wrapper is not native, or a control-flow operand that
+# is a view other than a reshape, makes the extern a Python step, as before.
+class _Call:
+    """How the wrapper calls one sub-program (a ``codegen.Runner``) through array ``name`` of
+    its arguments: its constants bound once, ``lines`` gain its declaration."""
+
+    def __init__(self, name: str, index: int, runner, table: _Table, lines: list):
+        self.name, self.wrapper = name, runner.wrapper
+        self.n_in = self.wrapper.n_entry - len(runner.constants)
+        self.fn = f"((int (*)(void**, void**, void**))table[{table('body', index)}])"
+        self.table = f"(void**)table[{table('body_table', index)}]"
+        lines.append(f"    void* {name}[{self.wrapper.n_entry + len(self.wrapper.handed_types)}];")
+        for c in range(len(runner.constants)):
+            lines.append(f"    {name}[{self.n_in + c}] = "
+                         f"table[{table('body_constant', (index, c))}];")
+
+    def __call__(self, inputs: list[str], targets: list[str], indent: str) -> list[str]:
+        """Lines calling it on ``inputs`` (pointer expressions), writing its outputs to
+        ``targets``, leaving ``rc`` nonzero where it failed."""
+        lines = [f"{indent}{self.name}[{j}] = {x};" for j, x in enumerate(inputs)]
+        copies, placed = [], set()
+        for target, p, t in zip(targets, self.wrapper.handed_of, self.wrapper.output_types):
+            if p is None or not t.nbytes:
+                continue
+            if p >= self.wrapper.n_entry and p not in placed:  # it writes the output there
+                placed.add(p)
+                lines.append(f"{indent}{self.name}[{p}] = {target};")
+            else:  # an input, a constant or an output again: copied there
+                copies.append(f"{indent}if (!rc) std::memcpy({target}, {self.name}[{p}], "
+                              f"{t.nbytes});")
+        return [*lines, f"{indent}rc = {self.fn}({self.name}, {self.table}, nullptr);", *copies]
+
+
+def _carries(outs, buffers, lines: list) -> list[int]:
+    """Two buffers of each carry's size (``carry[0][c]``, ``carry[1][c]``); their sizes."""
+    sizes = [buffers[b].type.nbytes for b in outs]
+    lines.append(f"    char* carry[2][{max(len(sizes), 1)}] = {{}};")
+    for c, n in enumerate(sizes):
+        lines.append(f"    carry[0][{c}] = alloc({n}); carry[1][{c}] = alloc({n});")
+        lines.append(f"    if (!carry[0][{c}] || !carry[1][{c}]) rc = -3;")
+    return sizes
+
+
+def _release_carries(n: int, lines: list) -> None:
+    lines.append(f"    for (int c = 0; c < {n}; ++c) {{ release(carry[0][c]); "
+                 "release(carry[1][c]); }")
+    lines.append("    if (rc) goto done;")
+
+
+def _scan(k: Extern, calls: list, buffers, var: dict, lines: list) -> None:
     p = dict(k.params)
     nc, nx, length, reverse = p["n_carry"], p["n_xs"], p["length"], p["reverse"]
     ins, outs = k.inputs, k.outputs
-    w = body.wrapper
-    n_in, n_const = len(ins), len(body.constants)
     step = [buffers[b].type.nbytes // max(length, 1) for b in (*ins[nc:nc + nx], *outs[nc:])]
-    carry = [buffers[b].type.nbytes for b in outs[:nc]]
-    lines.append(f"    auto body = (int (*)(void**, void**, void**))table[{table('body', index)}];")
-    lines.append(f"    void** body_table = (void**)table[{table('body_table', index)}];")
-    lines.append(f"    void* a[{n_in + n_const + len(w.handed_types)}];")
-    for c in range(n_const):
-        lines.append(f"    a[{n_in + c}] = table[{table('body_constant', (index, c))}];")
-    for q in range(nc + nx, n_in):
-        lines.append(f"    a[{q}] = {var[ins[q]]};")
-    lines.append(f"    char* carry[2][{max(nc, 1)}] = {{}};")
-    for c, n in enumerate(carry):
-        lines.append(f"    carry[0][{c}] = alloc({n}); carry[1][{c}] = alloc({n});")
-        lines.append(f"    if (!carry[0][{c}] || !carry[1][{c}]) rc = -3;")
+    sizes = _carries(outs[:nc], buffers, lines)
     lines.append(f"    for (int64_t n = 0; n < {length} && !rc; ++n) {{")
     lines.append(f"        int64_t t = {f'{length - 1} - n' if reverse else 'n'};")
-    for c in range(nc):
-        lines.append(f"        a[{c}] = n ? carry[(n - 1) % 2][{c}] : {var[ins[c]]};")
-    for j in range(nx):
-        lines.append(f"        a[{nc + j}] = {var[ins[nc + j]]} + t * {step[j]};")
+    inputs = [f"(n ? carry[(n - 1) % 2][{c}] : {var[ins[c]]})" for c in range(nc)] + \
+        [f"({var[ins[nc + j]]} + t * {step[j]})" for j in range(nx)] + \
+        [var[b] for b in ins[nc + nx:]]
     targets = [f"(n == {length - 1} ? {var[b]} : carry[n % 2][{j}])" if j < nc else
                f"({var[b]} + t * {step[nx + j - nc]})" for j, b in enumerate(outs)]
-    copies, placed = [], set()
-    for j, (p, t) in enumerate(zip(w.handed_of, w.output_types)):
-        if p is None or not t.nbytes:
-            continue
-        if p >= n_in + n_const and p not in placed:  # the body writes it there
-            placed.add(p)
-            lines.append(f"        a[{p}] = {targets[j]};")
-        else:  # an input, a constant or an output again: copied there
-            copies.append(f"        if (!rc) std::memcpy({targets[j]}, a[{p}], {t.nbytes});")
-    lines.append("        rc = body(a, body_table, nullptr);")
-    lines += copies
+    lines += calls[0](inputs, targets, "        ")
     lines.append("    }")
     if length == 0:
         for c, b in enumerate(outs[:nc]):
-            lines.append(f"    std::memcpy({var[b]}, {var[ins[c]]}, {carry[c]});")
-    lines.append(f"    for (int c = 0; c < {nc}; ++c) {{ release(carry[0][c]); "
-                 "release(carry[1][c]); }")
+            lines.append(f"    std::memcpy({var[b]}, {var[ins[c]]}, {sizes[c]});")
+    _release_carries(nc, lines)
+
+
+def _while_loop(k: Extern, calls: list, buffers, var: dict, lines: list) -> None:
+    from .cpp import _ctype
+
+    nc, ins, outs = dict(k.params)["n_carry"], k.inputs, k.outputs
+    cond, body = calls
+    pred = cond.wrapper.output_types[0]
+    sizes = _carries(outs, buffers, lines)
+    lines.append(f"    char* pred = alloc({pred.nbytes});")
+    lines.append("    if (!pred) rc = -3;")
+    lines.append("    int64_t n = 0;")
+    lines.append("    for (; !rc; ++n) {")
+    inputs = [f"(n ? carry[(n - 1) % 2][{c}] : {var[ins[c]]})" for c in range(nc)] + \
+        [var[b] for b in ins[nc:]]
+    lines += cond(inputs, ["pred"], "        ")
+    lines.append(f"        if (rc || !*({_ctype(pred.dtype)}*)pred) break;")
+    lines += body(inputs, [f"carry[n % 2][{c}]" for c in range(nc)], "        ")
+    lines.append("    }")
+    for c, b in enumerate(outs):
+        lines.append(f"    if (!rc) std::memcpy({var[b]}, n ? carry[(n - 1) % 2][{c}] : "
+                     f"{var[ins[c]]}, {sizes[c]});")
+    lines.append("    release(pred);")
+    _release_carries(nc, lines)
+
+
+def _cond(k: Extern, calls: list, buffers, var: dict, lines: list) -> None:
+    from .cpp import _ctype
+
+    pred, args = k.inputs[0], [var[b] for b in k.inputs[1:]]
+    targets = [var[b] for b in k.outputs]
+    lines.append(f"    if (*({_ctype(buffers[pred].type.dtype)}*){var[pred]}) {{")
+    lines += calls[0](args, targets, "        ")
+    lines.append("    } else {")
+    lines += calls[1](args, targets, "        ")
+    lines.append("    }")
     lines.append("    if (rc) goto done;")
+
+
+CONTROL = {"scan": _scan, "while_loop": _while_loop, "cond": _cond}
 
 
 # ---------------------------------------------------------------------------------------

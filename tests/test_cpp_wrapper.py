@@ -184,3 +184,32 @@ def test_a_native_program_and_its_loop_bodies_pickle():
     runner = pickle.loads(pickle.dumps(lowered.lower(*args).compiled.runner))
     for got, w in zip(runner(list(args)), want):
         assert_close(got, w)
+
+
+def test_a_while_loop_runs_no_python_per_iteration():
+    def count_to(n, x):  # fori_loop with tensor bounds: a while_loop, its trip count data
+        return plait.fori_loop(torch.tensor(0), n, lambda i, x: x * 1.01 + i, x)
+
+    def ref(n, x):
+        for i in range(int(n)):
+            x = x * 1.01 + i
+        return x
+
+    jitted, x = plait.jit(count_to), torch.randn(4, generator=_gen(6))
+    calls = {}
+    for n in (0, 3, 300):
+        assert_close(jitted(torch.tensor(n), x), ref(n, x))
+        calls[n] = _python_calls(jitted, torch.tensor(n), x)
+    assert calls[300] == calls[3] == calls[0]
+    assert not _wrapper(jitted.lower(torch.tensor(3), x))._steps
+
+
+def test_a_cond_runs_its_branches_natively():
+    def fn(x, w):
+        return plait.cond(x.sum() > 0, lambda x: (x @ w).relu(), lambda x: x.flip(0) @ w, (x,))
+
+    jitted, w = plait.jit(fn), torch.randn(3, 2, generator=_gen(7))
+    for x in (torch.rand(4, 3) + 0.1, -torch.rand(4, 3) - 0.1):
+        want = (x @ w).relu() if x.sum() > 0 else x.flip(0) @ w
+        assert_close(jitted(x, w), want)
+    assert jitted.trace_count == 1 and not _wrapper(jitted.lower(x, w))._steps
