@@ -58,7 +58,6 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -686,8 +685,10 @@ class CompiledProgram(codegen.CompiledProgram):
         kernels = "\n\n".join([prelude, *texts]) + "\n"
         self.cpp_source = kernels + (f"\n{self.native.source}\n" if self.native else "")
         with concurrent.futures.ThreadPoolExecutor(parts + 1) as pool:  # g++ outside the GIL
-            for library in self.native.libraries() if self.native else ():
-                pool.submit(library)  # the wrapper's own, on first use: built alongside
+            if self.native is not None:
+                pool.submit(cpp_wrapper.memory)  # the wrapper's, on first use: alongside
+                if self.native.uses_runtime:
+                    cpp_wrapper.runtime_future()  # in the background: nothing waits for it
             libraries = list(pool.map(
                 lambda chunk: build("\n\n".join([prelude, *chunk[0]]) + "\n", chunk[1]), chunks))
         self._library_of = {n: lib for lib, (_, ns) in zip(libraries, chunks) for n in ns}
@@ -707,12 +708,8 @@ class CompiledProgram(codegen.CompiledProgram):
         try:
             return cpp_wrapper.NativeWrapper.of(program, plan, self.native, self._library_of,
                                                 wrapper)
-        except BackendError as e:  # the runtime does not build here (no torch headers?)
-            if not _warned_runtime:
-                _warned_runtime.append(e)
-                warnings.warn(f"plait's C++ wrapper is off: {e}\nPrograms step through their "
-                              "kernels from Python instead (slower per call); set "
-                              "plait.config.cpp_wrapper = False to silence this.")
+        except BackendError as e:  # its memory library does not build (no torch headers?)
+            cpp_wrapper.warn_off(e)
             return wrapper
 
     def listing(self, wrapper_source: str) -> str:
@@ -748,7 +745,6 @@ class _KernelCall:
 
 
 _CPU = torch.device("cpu")
-_warned_runtime: list = []
 
 
 compile_program = CompiledProgram

@@ -19,8 +19,9 @@ memory]) with pointers:
   the wrapper adds a fraction of a second to its library's build.
 * Externs run natively where the runtime has them (``NATIVE``: matrix products,
   convolutions and their backward, attention and its backward). The runtime (``RUNTIME``) is
-  built once per torch version against torch's headers and libraries (8 s on 2 cores, when a
-  program first needs it); it calls the ATen operators the extern's Python implementation
+  built once per torch version against torch's headers and libraries (8 s on 2 cores), in
+  a background thread started when a program first needs it: until it is built, such a
+  program runs through its Python wrapper, so no compilation waits for it. It calls the ATen operators the extern's Python implementation
   calls, on ``from_blob`` views of the buffers (an operand's view steps become its strides),
   and writes into the step's own output buffers. Any other extern is a Python step: the
   wrapper calls back into Python with the step's pointers, and the callback runs the extern
@@ -37,10 +38,12 @@ wrapper's tensors). ``config.cpp_wrapper = False`` turns the C++ wrapper off.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 
 import attrs
@@ -257,6 +260,40 @@ def runtime():
     return library
 
 
+_building: list = []  # the Future of the runtime, once a program needed it
+_building_lock = threading.Lock()
+
+
+def runtime_future() -> concurrent.futures.Future:
+    """``runtime()`` building in a daemon thread, started on first need: a program calls its
+    Python wrapper meanwhile, so a cold compile never waits for it (NOTE [C++ wrapper])."""
+    with _building_lock:
+        if not _building:
+            future = concurrent.futures.Future()
+            _building.append(future)
+
+            def build():
+                try:
+                    future.set_result(runtime())
+                except BaseException as e:  # noqa: BLE001 - reported where it is used
+                    future.set_exception(e)
+
+            threading.Thread(target=build, name="plait-runtime", daemon=True).start()
+        return _building[0]
+
+
+_warned: list = []
+
+
+def warn_off(error: Exception) -> None:
+    """Once per process: the C++ wrapper is off because a library it needs does not build."""
+    if not _warned:
+        _warned.append(error)
+        warnings.warn(f"plait's C++ wrapper is off: {error}\nPrograms step through their "
+                      "kernels from Python instead (slower per call); set "
+                      "plait.config.cpp_wrapper = False to silence this.")
+
+
 # The runtime's functions every wrapper calls, at these positions of its table.
 _RESERVED = ("plait_alloc", "plait_free", "plait_alloc_result", "plait_drop_result")
 
@@ -368,10 +405,9 @@ class Generated:
     bodies: tuple
     n_entry: int
 
-    def libraries(self) -> list:
-        """The builders of the libraries it calls into (they build once, on first use)."""
-        return [memory, *([runtime] if any(kind == "runtime" and what not in _RESERVED
-                                            for kind, what in self.entries) else [])]
+    @property
+    def uses_runtime(self) -> bool:
+        return any(kind == "runtime" and what not in _RESERVED for kind, what in self.entries)
 
 
 def generate(program, plan, writers: dict) -> Generated:
@@ -645,11 +681,32 @@ class NativeWrapper:
         self.output_types = [TensorType(self._outputs[u][2], self._outputs[u][3])
                              for u in self._order]
         self._callback = _CALLBACK(self._python_step)
-        self._table = (ctypes.c_void_p * max(1, len(entries)))(
-            *[self._resolve(kind, what) for kind, what in entries])
+        self._entries, self._table, self._off = entries, None, False
+        memory()  # built with the kernels; a failure here turns the wrapper off at once
         self._run = library.cdll.plait_program
         self._run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._run.restype = ctypes.c_int
+
+    def _ready(self) -> bool:
+        """Are its table and its sub-programs' resolved? Not while the runtime it needs is
+        still building; never where that build failed (one warning)."""
+        if self._table is not None:
+            return True
+        if self._off:
+            return False
+        if any(kind == "runtime" and what not in _RESERVED for kind, what in self._entries):
+            future = runtime_future()
+            if not future.done():
+                return False
+            if future.exception() is not None:
+                self._off = True
+                warn_off(future.exception())
+                return False
+        if not all(body.wrapper._ready() for body in self._bodies):
+            return False
+        self._table = (ctypes.c_void_p * max(1, len(self._entries)))(
+            *[self._resolve(kind, what) for kind, what in self._entries])
+        return True
 
     def _resolve(self, kind: str, what) -> int:
         """The address a table entry holds."""
@@ -732,7 +789,7 @@ class NativeWrapper:
 
     def __call__(self, inputs: Sequence[torch.Tensor], device: torch.device,
                  constants: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-        if config.check_memory_plan:
+        if config.check_memory_plan or not self._ready():
             return self.fallback(inputs, device, constants)
         tensors = [*(t.contiguous() for t in inputs), *(t for _, t in constants)]
         pointers = (ctypes.c_void_p * max(1, len(tensors)))(*[t.data_ptr() for t in tensors])

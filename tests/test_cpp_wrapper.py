@@ -1,6 +1,7 @@
 """The cpp backend's wrapper generated as C++ (NOTE [C++ wrapper], NOTE [native loops]): one
 native call per program, externs through ATen or back into Python, scans as C++ loops; each
 against eager PyTorch, torch.func and the Python wrapper."""
+import concurrent.futures
 import pickle
 import sys
 
@@ -10,14 +11,16 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import plait
+from plait.backends import cpp_wrapper
 from plait.backends.cpp_wrapper import NativeWrapper
-from plait.errors import CheckError
+from plait.errors import BackendError, CheckError
 from test_control import rnn, rnn_args, rnn_ref
 
 
 @pytest.fixture(autouse=True)
 def cpp():
     plait.config.backend = "cpp"  # conftest's autouse fixture restores it
+    cpp_wrapper.runtime_future().result()  # built: every call below runs natively
 
 
 def _wrapper(lowered):
@@ -62,6 +65,29 @@ def test_a_training_step_is_one_native_call_and_matches_torch_func():
         for got, want in zip(torch.utils._pytree.tree_leaves(python(*args)),
                              torch.utils._pytree.tree_leaves((grads, loss))):
             assert_close(got, want, rtol=0, atol=0)  # the same kernels and library calls
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_calls_step_through_python_until_the_runtime_is_built(monkeypatch, fails):
+    """The ATen runtime builds in the background (NOTE [C++ wrapper]): meanwhile, and for good
+    where it cannot build (with one warning), a program needing it runs its Python wrapper."""
+    pending = concurrent.futures.Future()
+    monkeypatch.setattr(cpp_wrapper, "_building", [pending])
+    monkeypatch.setattr(cpp_wrapper, "_warned", [])
+    args = mlp_args()
+    step, _ = _step_matches_torch_func(lambda *a: mlp_loss(*a) * 2, lambda *a: mlp_loss(*a) * 2,
+                                       args, (0, 1))
+    wrapper = _wrapper(step.lower(*args))
+    assert isinstance(wrapper, NativeWrapper) and not wrapper._ready()
+    if fails:
+        pending.set_exception(BackendError("no torch headers"))
+        with pytest.warns(UserWarning, match="C\\+\\+ wrapper is off: no torch headers"):
+            step(*args)
+    else:
+        pending.set_result(cpp_wrapper.runtime())
+    _step_matches_torch_func(lambda *a: mlp_loss(*a) * 2, lambda *a: mlp_loss(*a) * 2, args,
+                             (0, 1))
+    assert wrapper._ready() != fails
 
 
 @pytest.mark.parametrize("shape", [((2, 3, 5, 4), (2, 3, 4, 6)), ((5, 4), (6, 4)),
