@@ -19,9 +19,9 @@ memory]) with pointers:
   the wrapper adds a fraction of a second to its library's build.
 * Externs run natively where the runtime has them (``NATIVE``: matrix products,
   convolutions and their backward, attention and its backward). The runtime (``RUNTIME``) is
-  built once per torch version against torch's headers and libraries (8 s on 2 cores), in
-  a background thread started when a program first needs it: until it is built, such a
-  program runs through its Python wrapper, so no compilation waits for it. It calls the ATen operators the extern's Python implementation
+  built once per torch version against torch's headers and libraries (8 s on 2 cores), by a
+  process started when a program first needs it (``runtime_future``): until it is built,
+  such a program runs through its Python wrapper, so no compilation waits for it. It calls the ATen operators the extern's Python implementation
   calls, on ``from_blob`` views of the buffers (an operand's view steps become its strides),
   and writes into the step's own output buffers. Any other extern is a Python step: the
   wrapper calls back into Python with the step's pointers, and the callback runs the extern
@@ -42,6 +42,8 @@ import concurrent.futures
 import ctypes
 import functools
 import os
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -265,8 +267,11 @@ _building_lock = threading.Lock()
 
 
 def runtime_future() -> concurrent.futures.Future:
-    """``runtime()`` building in a daemon thread, started on first need: a program calls its
-    Python wrapper meanwhile, so a cold compile never waits for it (NOTE [C++ wrapper])."""
+    """``runtime()``, started on first need: a program calls its Python wrapper meanwhile, so
+    a cold compile never waits for it (NOTE [C++ wrapper]). A process of its own builds it
+    into the disk cache, which outlives a short program that exits first (a thread's build
+    would die with it, and every run would start over); then this one loads it (or, where
+    that build failed, builds it here, for the compiler's message)."""
     with _building_lock:
         if not _building:
             future = concurrent.futures.Future()
@@ -274,6 +279,12 @@ def runtime_future() -> concurrent.futures.Future:
 
             def build():
                 try:
+                    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                               PLAIT_CACHE_DIR=config.cache_dir,
+                               PLAIT_CPP_COMPILER=config.cpp_compiler,
+                               PLAIT_CPP_FLAGS=config.cpp_flags)
+                    subprocess.run([sys.executable, "-c", f"import {__name__} as w; w.runtime()"],
+                                   env=env, capture_output=True, start_new_session=True)
                     future.set_result(runtime())
                 except BaseException as e:  # noqa: BLE001 - reported where it is used
                     future.set_exception(e)
