@@ -39,14 +39,14 @@ import torch
 import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
-from .backends import eager, get_backend, resolve_backend
+from .backends import compiled_body, resolve_backend
 from .config import config
 from .errors import ShapeError, TraceError, UnsupportedOpError
 from .graph import Graph, Provenance, TensorType, Value, extract
 from .passes import autodiff, batching
 from .passes.autodiff import differentiable, zeros
 from .passes.interpret import graph_of, inline, replay
-from .passes.simplify import simplify, with_carry_history
+from .passes.simplify import with_carry_history
 from .tracer.primitives import define, is_effectful
 from .tracer.trace import (TRACING_CONTEXTS, bind, current_trace, on_tracers, tracing_active,
                            user_source)
@@ -70,18 +70,10 @@ def _recorded(tensors: Sequence[torch.Tensor]) -> bool:
         or t.requires_grad and torch.is_grad_enabled() for t in tensors)
 
 
-_PROGRAMS: dict[tuple[str, str], Callable] = {}  # (body digest, backend) -> its program
-
-
 def _program(graph: Graph, tensors: Sequence[torch.Tensor]) -> Callable:
     """A body's program for these tensors (NOTE [control-flow primitives])."""
-    backend = "eager" if _recorded(tensors) else resolve_backend(config.backend, tensors)
-    program = _PROGRAMS.get((graph.digest, backend))
-    if program is None:
-        compile_graph = eager.compile_graph if backend == "eager" else \
-            get_backend(backend).factory
-        program = _PROGRAMS[graph.digest, backend] = compile_graph(simplify(graph))
-    return program
+    return compiled_body(graph, "eager" if _recorded(tensors) else
+                         resolve_backend(config.backend, tensors))
 
 
 def _bind_here(prim: str, *operands, **params) -> tuple:

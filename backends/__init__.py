@@ -62,6 +62,22 @@ def resolve_backend(name: str, tensors) -> str:
     return "cpp" if devices <= {"cpu"} else "triton" if devices == {"cuda"} else "eager"
 
 
+_BODIES: dict = {}  # (body digest, backend, settings) -> its compiled program
+
+
+def compiled_body(graph, backend: str):
+    """A control-flow body (or branch) as a program of its own on ``backend``: simplified and
+    compiled once per body, backend and settings (NOTE [control-flow primitives], NOTE [native
+    loops])."""
+    from ..config import config
+    from ..passes.simplify import simplify
+
+    key = (graph.digest, backend, config.cache_key())
+    if key not in _BODIES:
+        _BODIES[key] = get_backend(backend).factory(simplify(graph))
+    return _BODIES[key]
+
+
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
@@ -71,5 +87,5 @@ register_backend("cpp", cpp.compile_graph, keeps_programs=True)
 register_backend("loops", loopeval.compile_graph)  # the reference for lowering and fusion
 register_backend("triton", triton.compile_graph)
 
-__all__ = ["Backend", "available_backends", "get_backend", "register_backend",
+__all__ = ["Backend", "available_backends", "compiled_body", "get_backend", "register_backend",
            "resolve_backend"]

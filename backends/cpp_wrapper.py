@@ -345,8 +345,6 @@ def _native_params(k) -> tuple | None:
     return NATIVE[prim](dict(k.params))
 
 
-_SUB_PROGRAMS: dict = {}  # (body digest, config key) -> its runner
-
 # control-flow primitive -> the params holding its sub-programs (NOTE [native loops])
 BODIES = {"scan": ("body",), "while_loop": ("cond_graph", "body_graph"),
           "cond": ("true_branch", "false_branch")}
@@ -355,19 +353,12 @@ BODIES = {"scan": ("body",), "while_loop": ("cond_graph", "body_graph"),
 def _sub_programs(k, buffers) -> list | None:
     """NOTE [native loops]: the sub-programs of a control-flow extern, each a ``codegen.Runner``
     whose wrapper is native and writes every output into memory of its caller's; or None."""
-    from ..passes.simplify import simplify
-    from . import cpp
+    from . import compiled_body, cpp
 
     if _prim(k) not in BODIES or k.fenced or any(m != "reshape" for v in k.fn.views
                                                  for m, _ in v):
         return None
-    runners = []
-    for name in BODIES[_prim(k)]:
-        graph = dict(k.params)[name]
-        key = (graph.digest, config.cache_key())  # a body in several programs: compiled once
-        if key not in _SUB_PROGRAMS:
-            _SUB_PROGRAMS[key] = cpp.compile_graph(simplify(graph)).runner
-        runners.append(_SUB_PROGRAMS[key])
+    runners = [compiled_body(dict(k.params)[name], "cpp").runner for name in BODIES[_prim(k)]]
     if not all(isinstance(r.wrapper, NativeWrapper) and r.wrapper.loopable for r in runners):
         return None
     pred = {"cond": lambda: buffers[k.inputs[0]].type,
