@@ -285,7 +285,11 @@ class _Differentiable:
             joint = autodiff.joint(graph, wrt, self.seeded)
             if config.simplify:
                 joint = simplify(joint)
-            forward, backward = autodiff.split(joint, len(graph.inputs), self.n_outputs)
+            # a primal the call does not write is read by the backward where it is (a
+            # weight): returned by the forward, a CUDA graph would copy it out every call
+            forward, backward, self.read = autodiff.split(
+                joint, len(graph.inputs), self.n_outputs,
+                frozenset(range(len(graph.inputs))) - set(self.mutated))
         self._forward = Lowered(_program(forward), lowered.backend,
                                 stages=Stages(f"{name} (forward)"), simplified=True)
         self._backward = Lowered(_program(backward), lowered.backend,
@@ -294,7 +298,7 @@ class _Differentiable:
     def forward(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
         outs = self._forward.runner(tensors)
         results = _written_back(outs[:self.n_outputs], tensors, self.mutated, tensors)
-        return results, outs[self.n_outputs:]
+        return results, [tensors[i] for i in self.read] + outs[self.n_outputs:]
 
     def backward(self, residuals, cotangents) -> list:
         seeds = [cotangents[k].contiguous() for k in self.seeded]

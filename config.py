@@ -101,6 +101,9 @@ class Config:
     # Not in the cache key: it changes no generated code, only how kernels are launched.
     triton_autotune: bool = attrs.field(factory=lambda: _env("triton_autotune", False,
                                                              _to_bool))
+    # A compiled program on a CUDA device replays its launches as one CUDA graph from its third
+    # call (NOTE [CUDA graphs], backends/cuda_graphs.py). Read at each call.
+    cuda_graphs: bool = attrs.field(factory=lambda: _env("cuda_graphs", True, _to_bool))
     # Worker processes that compile Triton kernels for a GPU in parallel (NOTE [compile
     # workers], backends/compile_workers.py); 0 compiles in threads of this process only.
     compile_workers: int = attrs.field(factory=lambda: _env(

@@ -97,12 +97,13 @@ from ..graph.loops import (
     Load,
     LoopProgram,
     Reduce,
+    Wait,
     children,
     is_inner,
     loop_vars,
     walk,
 )
-from . import codegen, compile_workers
+from . import codegen, compile_workers, cuda_graphs
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, cache_folder, column_wise,
                       kernel_error, levels, reduces, with_error_codes, write_atomically)
 
@@ -1070,6 +1071,11 @@ class CompiledProgram(codegen.CompiledProgram):
         self._on_device: dict = {}  # device -> constants there
         self._error_flags: dict = {}  # device -> the flag checking kernels set
         super().__init__(program, plan, stages)
+        # NOTE [CUDA graphs]: not a program that communicates (every rank must issue its
+        # collectives itself, in one order)
+        self._graphed = None if self.plan.comm_pools or any(
+            isinstance(k, Wait) or getattr(k, "collective", False) for k in program.kernels) \
+            else cuda_graphs.Graphed(self._run, lambda d: [t for _, t in self._on_device[d]])
 
     def write(self, kernel: Kernel):
         w = _KernelWriter(kernel, self._types)
@@ -1212,12 +1218,17 @@ class CompiledProgram(codegen.CompiledProgram):
             with concurrent.futures.ThreadPoolExecutor(min(len(writers), 8)) as local:
                 list(local.map(lambda w: warm_up(w, in_workers.get(w.name)), writers))
 
+    def _run(self, inputs: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        return self._wrapper(inputs, device, self._on_device[device])
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         device = self._device(inputs)
         if device not in self._on_device:
             self.stages.run("device", self._compile_kernels, device, keep=False)
             self._on_device[device] = [(s, t.to(device)) for s, t in self._constants]
-        return self._wrapper(inputs, device, self._on_device[device])
+        if self._graphed is None or device.type != "cuda":
+            return self._run(inputs, device)
+        return self._graphed(inputs, device)
 
 
 compile_program = CompiledProgram

@@ -86,6 +86,33 @@ def gpt_batch(batch: int, seq: int, vocab: int, *, device="cpu", seed: int = 1):
 
 
 # -- the benchmark -------------------------------------------------------------------------
+def gpt_sizes(device: str) -> tuple[int, int, int, int, int]:
+    """dim, heads, vocab, batch, sequence: GPT-2 small's on a GPU, a small model's on the CPU."""
+    return (768, 12, 50304, 8, 1024) if device == "cuda" else (128, 2, 512, 4, 64)
+
+
+def gpt_steps(blocks: int, device: str, dtype=torch.float32):
+    """The training step (the loss and every parameter's gradient) three ways: eager,
+    ``torch.compile(gpt_loss)`` with autograd, ``plait.jit(plait.grad_and_value(gpt_loss))``;
+    and the plait step's arguments."""
+    import plait
+
+    dim, heads, vocab, batch, seq = gpt_sizes(device)
+    params = gpt_params(blocks, dim, vocab, seq, device=device, dtype=dtype)
+    tokens, targets = gpt_batch(batch, seq, vocab, device=device)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    compiled_loss = torch.compile(gpt_loss)
+    plait_step = plait.jit(plait.grad_and_value(gpt_loss), static_argnums=3)
+    steps = {
+        "eager": lambda: torch.autograd.grad(gpt_loss(leaves, tokens, targets, heads),
+                                             list(leaves.values())),
+        "torch.compile": lambda: torch.autograd.grad(
+            compiled_loss(leaves, tokens, targets, heads), list(leaves.values())),
+        "plait": lambda: list(plait_step(params, tokens, targets, heads)[0].values()),
+    }
+    return steps, plait_step, (params, tokens, targets, heads)
+
+
 def _timer(device: str):
     """Seconds per call of ``fn``: warmed up, then the median of ``repeat`` timed batches."""
     import statistics
@@ -115,8 +142,10 @@ def _timer(device: str):
     return measure
 
 
-def _peak_bytes(fn, device: str) -> int | None:
-    """Bytes one call allocates at its peak above what was allocated before it (CUDA)."""
+def _peak_bytes(fn, device: str, graphs: int = 0) -> int | None:
+    """Bytes one call allocates at its peak above what was allocated before it (CUDA), plus
+    ``graphs``: the bytes the CUDA graphs it replays hold (a replay allocates nothing: its
+    memory was set aside when it was captured, NOTE [CUDA graphs])."""
     if device != "cuda":
         return None
     torch.cuda.synchronize()
@@ -124,7 +153,7 @@ def _peak_bytes(fn, device: str) -> int | None:
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    return torch.cuda.max_memory_allocated() - before + graphs
 
 
 def main() -> None:
@@ -141,48 +170,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--blocks", type=int, default=None, help="default 2 (cpu), 12 (cuda)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--no-loop", action="store_true", help="skip the AdamW loop's table")
     args = parser.parse_args()
     cache = tempfile.mkdtemp()
     os.environ.update(PLAIT_CACHE_DIR=os.path.join(cache, "plait"),
                       TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                       TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-    import plait
+    from plait.backends.cuda_graphs import held_bytes
 
     device = args.device
-    dim, heads, vocab, batch, seq = ((768, 12, 50304, 8, 1024) if device == "cuda"
-                                     else (128, 2, 512, 4, 64))
+    dim, heads, vocab, batch, seq = gpt_sizes(device)
     blocks = args.blocks or (12 if device == "cuda" else 2)
-    params = gpt_params(blocks, dim, vocab, seq, device=device)
-    tokens, targets = gpt_batch(batch, seq, vocab, device=device)
-    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-    compiled_loss = torch.compile(gpt_loss)
-    plait_step = plait.jit(plait.grad_and_value(gpt_loss), static_argnums=3)
-    steps = {
-        "eager": lambda: torch.autograd.grad(gpt_loss(leaves, tokens, targets, heads),
-                                             list(leaves.values())),
-        "torch.compile": lambda: torch.autograd.grad(
-            compiled_loss(leaves, tokens, targets, heads), list(leaves.values())),
-        "plait": lambda: list(plait_step(params, tokens, targets, heads)[0].values()),
-    }
+    steps, _, (params, tokens, targets, heads) = gpt_steps(blocks, device,
+                                                          getattr(torch, args.dtype))
     measure = _timer(device)
     reference = None
     print(f"GPT training step: {blocks} blocks, d={dim}, {heads} heads, vocab {vocab}, "
-          f"{batch}x{seq} tokens, {device}")
+          f"{batch}x{seq} tokens, {args.dtype}, {device}")
     print(f"{'':>14} {'first call s':>12} {'step ms':>9} {'peak MB':>9} {'grad err':>9}")
     for name, step in steps.items():
+        graphs = held_bytes()
         start = time.perf_counter()
         grads = step()
         if device == "cuda":
             torch.cuda.synchronize()
         first = time.perf_counter() - start
+        seconds = measure(step)
+        peak = _peak_bytes(step, device, held_bytes() - graphs)
+        grads = [g.clone() for g in step()]  # a warm call's: replayed, where it is a graph
         reference = reference or grads
         error = max(((g.float() - r.float()).norm() / r.float().norm()).item()
                     for g, r in zip(grads, reference))
-        seconds = measure(step)
-        peak = _peak_bytes(step, device)
         print(f"{name:>14} {first:>12.2f} {seconds * 1e3:>9.2f} "
               f"{'-' if peak is None else f'{peak / 2**20:.0f}':>9} {error:>9.1e}", flush=True)
-    _training_loop(params, tokens, targets, heads, device, measure)
+    if not args.no_loop:
+        _training_loop(params, tokens, targets, heads, device, measure)
 
 
 def _training_loop(params, tokens, targets, heads: int, device: str, measure) -> None:
@@ -193,6 +216,7 @@ def _training_loop(params, tokens, targets, heads: int, device: str, measure) ->
     import time
 
     import plait
+    from plait.backends.cuda_graphs import held_bytes
 
     def ordinary(model, call):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -231,13 +255,14 @@ def _training_loop(params, tokens, targets, heads: int, device: str, measure) ->
     print(f"\nTraining step with AdamW, written the ordinary way ({device})")
     print(f"{'':>14} {'first call s':>12} {'step ms':>9} {'peak MB':>9} {'loss':>12}")
     for name, step in steps.items():
+        graphs = held_bytes()
         start = time.perf_counter()
         step()
         if device == "cuda":
             torch.cuda.synchronize()
         first = time.perf_counter() - start
         seconds = measure(step)
-        peak = _peak_bytes(step, device)
+        peak = _peak_bytes(step, device, held_bytes() - graphs)
         loss = step().item()  # after the same number of steps from the same weights
         print(f"{name:>14} {first:>12.2f} {seconds * 1e3:>9.2f} "
               f"{'-' if peak is None else f'{peak / 2**20:.0f}':>9} {loss:>12.6f}", flush=True)

@@ -233,9 +233,12 @@ def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
         return trace.builder.build([trace.value_of(x) for x in outs + grads])
 
 
-def split(joint_graph: Graph, n_primals: int, n_outputs: int) -> tuple[Graph, Graph]:
-    """The forward program (primals -> outputs, residuals) and the backward one (residuals,
-    seeds -> cotangents) of ``joint``'s graph (NOTE [forward and backward programs])."""
+def split(joint_graph: Graph, n_primals: int, n_outputs: int,
+          unchanged: frozenset[int] = frozenset()) -> tuple[Graph, Graph, tuple[int, ...]]:
+    """The forward program (primals -> outputs, residuals) and the backward one (primals
+    read, residuals, seeds -> cotangents) of ``joint``'s graph (NOTE [forward and backward
+    programs]), and which primals the backward reads. A primal in ``unchanged`` (one the
+    call does not write) is read by the backward where it is, not returned by the forward."""
     g = joint_graph
     tangent, pinned = set(g.inputs[n_primals:]), set(g.inputs[:n_primals])
     for n in g.order:
@@ -259,7 +262,10 @@ def split(joint_graph: Graph, n_primals: int, n_outputs: int) -> tuple[Graph, Gr
             stack += g.operands(v.node)
         else:
             residuals[v] = None
-    forward_outputs = list(g.outputs[:n_outputs]) + list(residuals)
+    position = {g.inputs[i]: i for i in unchanged}
+    read = [v for v in residuals if v.node in position]
+    saved = [v for v in residuals if v.node not in position]
+    forward_outputs = list(g.outputs[:n_outputs]) + saved
     in_forward: set[int] = set()
     stack = [v.node for v in forward_outputs] + [n for n in pinned if is_effectful(g.node(n))]
     while stack:
@@ -270,4 +276,5 @@ def split(joint_graph: Graph, n_primals: int, n_outputs: int) -> tuple[Graph, Gr
     primals = [Value(n, 0) for n in g.inputs[:n_primals]]
     seeds = [Value(n, 0) for n in g.inputs[n_primals:]]
     return (extract(g, in_forward, primals, forward_outputs),
-            extract(g, in_backward, list(residuals) + seeds, g.outputs[n_outputs:]))
+            extract(g, in_backward, read + saved + seeds, g.outputs[n_outputs:]),
+            tuple(position[v.node] for v in read))

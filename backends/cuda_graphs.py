@@ -1,0 +1,258 @@
+"""Replaying a compiled program's launches as one CUDA graph.
+
+NOTE [CUDA graphs]
+A compiled program launches hundreds of kernels and library calls per call, each through
+Python: on a GPT-2 training step, 680 launches took 50 ms of host time, twice the GPU's
+work. ``Graphed`` records a program's launches once as a CUDA graph and replays it with one
+call, so the host's share of a call is a few checks and copies.
+
+Capture. The first call compiles the kernels and warms the libraries (cuBLAS, cuDNN), the
+second shows which inputs keep their memory from call to call (parameters updated in place,
+a step's residuals in a graph's own memory); the third captures the program. Inputs that
+kept their address are *static*: the graph reads them where they are. The others are
+*dynamic*: each call copies them into buffers of the graph's own. Each graph captures into a
+memory pool of its own, which holds the program's peak memory between calls (``pool_bytes``).
+Before a replay every static input is checked: another address, or a layout no longer
+contiguous, captures again with it dynamic, up to ``MAX_CAPTURES`` times, after which the
+program runs launch by launch on that device. Anything a capture refuses (a host
+synchronisation in an extern, a collective) leaves the program uncaptured for good.
+
+Outputs. A replay writes the same memory every time, so an output handed to the caller
+must be dead before the next replay writes over it. Outputs are *lent* as new tensors on the
+graph's memory (a training step's residuals, read by its backward and then freed; gradients
+that the optimizer consumes and ``zero_grad`` drops) until one is found alive at the next
+call: its storage's use count is above the graph's own. That call then runs launch by launch
+into fresh memory, leaving the old results intact, and from then on that output is *copied*
+out of the graph's memory after each replay (a loss kept for logging, ``out = f(x)``, whose
+old ``out`` lives while the next call runs). An output sharing memory with an input or a
+constant is always copied. Nothing the caller holds is ever written by a replay.
+
+Randomness. torch registers its CUDA generator with each capture: a replay draws the
+numbers eager would draw from the generator's state at that call, and advances it as eager.
+
+Streams. A replay runs on the caller's current stream, ordered after the last replay of the
+same graph by an event (its memory is shared by every call), under a lock.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..config import config
+
+_log = logging.getLogger("plait.kernels")
+
+WARM_CALLS = 2     # calls before the capture: compilation and library warm-up, then addresses
+MAX_CAPTURES = 4   # captures per device before a program stays uncaptured there
+STEADY_CALLS = 2   # calls a dynamic input stays put before it is read in place
+
+_live: weakref.WeakSet = weakref.WeakSet()  # every _Capture not yet released
+
+
+def held_bytes(device: torch.device | None = None) -> int:
+    """Device memory the pools of live CUDA graphs hold (on ``device``, or on all)."""
+    return sum(c.pool_bytes for c in list(_live) if device is None or c.device == device)
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Capture:
+    """One captured graph of a program on a device: its static input mask, the buffers of
+    its dynamic inputs, its outputs and each output's storage use count with no caller
+    holding it."""
+
+    def __init__(self, run: Callable, inputs: Sequence[torch.Tensor], static: list[bool],
+                 constants: Sequence[torch.Tensor], device: torch.device, recorder):
+        self.device, self.static = device, static
+        before = recorder.reserved(device)
+        self.buffers = [t if s else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                        for t, s in zip(inputs, static)]
+        for b, t, s in zip(self.buffers, inputs, static):
+            if not s:
+                b.copy_(t)
+        self.graph, self.outputs = recorder.capture(run, self.buffers, device)
+        self.pool_bytes = recorder.reserved(device) - before
+        self.addresses = [t.data_ptr() if s else 0 for t, s in zip(inputs, static)]
+        storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+        ours = {storage(t) for t in (*(b for b, s in zip(self.buffers, static) if not s),
+                                     *constants)}
+        theirs = {storage(t) for t, s in zip(inputs, static) if s}
+        # an output on a static input is the caller's memory, which no replay writes (but
+        # for a donated input, given up by the caller): lent, never checked; one on a buffer
+        # of the graph's own or a constant is copied out
+        self.copied = [storage(o) in ours for o in self.outputs]
+        self.checked = [j for j, o in enumerate(self.outputs) if storage(o) not in theirs]
+        self.baseline = {j: _use_count(self.outputs[j]) for j in self.checked}
+        # the static inputs are the caller's: read where they are, never kept alive here
+        self.buffers = [None if s else b for b, s in zip(self.buffers, static)]
+        _live.add(self)
+
+    def moved(self, inputs: Sequence[torch.Tensor]) -> list[int]:
+        """The static inputs that are no longer where the graph reads them."""
+        return [i for i, (t, a) in enumerate(zip(inputs, self.addresses))
+                if a and (t.data_ptr() != a or not t.is_contiguous())]
+
+    def alive(self) -> list[int]:
+        """The outputs the caller still holds (their storage used beyond the graph's own)."""
+        return [j for j in self.checked if _use_count(self.outputs[j]) > self.baseline[j]]
+
+
+class _CudaRecorder:
+    """Captures and replays with torch.cuda's graphs."""
+
+    @staticmethod
+    def reserved(device) -> int:
+        """The device memory torch holds, its cache emptied (as a capture's start empties it)."""
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(device)
+
+    @staticmethod
+    def synchronizes(run, inputs, device) -> tuple[list, bool]:
+        """Run the program, and say whether it synchronized with the host (a capture would
+        fail, and a failed capture leaves torch's CUDA generator unusable)."""
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                outputs = run(inputs, device)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        found = [w for w in caught if "called a synchronizing" in str(w.message)]
+        if found:
+            _log.debug("CUDA graph: %s (%s:%d)", found[0].message, found[0].filename,
+                       found[0].lineno)
+        return outputs, bool(found)
+
+    @staticmethod
+    def capture(run, buffers, device):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = run(buffers, device)
+        return graph, outputs
+
+    @staticmethod
+    def replay(capture: _Capture, inputs) -> None:
+        capture.graph.replay()
+
+
+class Graphed:
+    """``run(inputs, device) -> outputs`` of a compiled program, replayed as a CUDA graph per
+    device once it is warm (NOTE [CUDA graphs]). ``constants(device)``: the tensors the
+    program reads besides its inputs there (an output on one of them is always copied).
+    ``recorder`` captures and replays (torch.cuda's graphs; the tests give one that reruns)."""
+
+    def __init__(self, run: Callable[[Sequence[torch.Tensor], torch.device], list],
+                 constants: Callable, recorder=_CudaRecorder):
+        self._run, self._constants, self._recorder = run, constants, recorder
+        self._state: dict = {}  # device -> _DeviceState
+        self._lock = threading.Lock()
+
+    def __call__(self, inputs: Sequence[torch.Tensor], device: torch.device) -> list:
+        if not config.cuda_graphs or (device.type == "cuda"
+                                      and torch.cuda.is_current_stream_capturing()):
+            return self._run(inputs, device)
+        state = self._state.setdefault(device, _DeviceState())
+        if state.refused:
+            return self._run(inputs, device)
+        with self._lock:
+            return state.call(self, inputs, device)
+
+
+class _DeviceState:
+    """A program's graph on one device, and what its calls showed."""
+
+    def __init__(self):
+        self.calls, self.captures, self.refused = 0, 0, False
+        self.addresses: list | None = None  # the inputs' addresses at the last call
+        self.dynamic: set[int] = set()
+        self.steady: dict[int, int] = {}  # dynamic input -> calls it has stayed where it is
+        self.copied: set[int] = set()  # outputs found alive once: copied out from then on
+        self.capture: _Capture | None = None
+        self.done = None  # the event after the last replay's copies
+
+    def call(self, owner: Graphed, inputs, device) -> list:
+        addresses = [t.data_ptr() for t in inputs]
+        previous, self.addresses = self.addresses, addresses
+        stayed = [a == b for a, b in zip(addresses, previous or [])]
+        self.calls += 1
+        if self.capture is None:
+            self.dynamic |= {i for i, kept in enumerate(stayed) if not kept}
+            if self.calls < WARM_CALLS:
+                return owner._run(inputs, device)
+            if self.calls == WARM_CALLS:
+                outputs, self.refused = owner._recorder.synchronizes(owner._run, inputs, device)
+                if self.refused:
+                    _log.debug("CUDA graph: the program synchronizes with the host: not "
+                               "captured")
+                return outputs
+            if not self._capture(owner, inputs, device):
+                return owner._run(inputs, device)
+        else:
+            self.steady = {i: self.steady.get(i, 0) + 1 if stayed[i] else 0
+                           for i in self.dynamic}
+            moved, alive = self.capture.moved(inputs), self.capture.alive()
+            # a dynamic input that stays put (a residual of a program whose graph now lends
+            # it) is read in place, once it has for STEADY_CALLS calls
+            settled = {i for i, n in self.steady.items()
+                       if n >= STEADY_CALLS and inputs[i].is_contiguous()}
+            if moved or alive or settled:
+                # a static input moved, the caller still holds results of the last replay
+                # (left to it, with the graph's memory under them), or a dynamic input
+                # settled: capture again, with those inputs copied in or read in place and
+                # those outputs copied out from now on
+                self.dynamic = (self.dynamic | set(moved)) - settled
+                self.copied |= set(alive)
+                _log.debug("CUDA graph: inputs %s moved, %s settled, outputs %s held: "
+                           "capturing again", moved, sorted(settled), alive)
+                self.capture = None
+                if not self._capture(owner, inputs, device):
+                    return owner._run(inputs, device)
+        capture = self.capture
+        if device.type == "cuda" and self.done is not None:
+            torch.cuda.current_stream(device).wait_event(self.done)
+        for i in self.dynamic:
+            capture.buffers[i].copy_(inputs[i])
+        owner._recorder.replay(capture, inputs)
+        outs = capture.outputs
+        copy = [j for j in range(len(outs)) if j in self.copied or capture.copied[j]]
+        results = [o.detach() for o in outs]  # lent: new tensors on the graph's memory
+        if copy:
+            fresh = [torch.empty_like(outs[j]) for j in copy]
+            torch._foreach_copy_(fresh, [outs[j] for j in copy])
+            for j, t in zip(copy, fresh):
+                results[j] = t
+        if device.type == "cuda":
+            if self.done is None:
+                self.done = torch.cuda.Event()
+            self.done.record(torch.cuda.current_stream(device))
+        return results
+
+    def _capture(self, owner: Graphed, inputs, device) -> bool:
+        """Capture the program (NOTE [CUDA graphs]); False where it cannot be."""
+        if self.captures >= MAX_CAPTURES or any(t.device != device for t in inputs):
+            _log.debug("CUDA graph: %d captures, or inputs on other devices: not captured "
+                       "again", self.captures)
+            self.refused = True
+            return False
+        self.captures += 1
+        self.dynamic |= {i for i, t in enumerate(inputs) if not t.is_contiguous()}
+        static = [i not in self.dynamic for i in range(len(inputs))]
+        try:
+            self.capture = _Capture(owner._run, inputs, static, owner._constants(device),
+                                    device, owner._recorder)
+        except Exception as e:  # a host synchronisation, a collective: no graph here
+            _log.debug("CUDA graph: capture failed, running launch by launch: %s", e)
+            self.refused = True
+            return False
+        return True

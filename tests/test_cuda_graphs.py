@@ -1,0 +1,276 @@
+"""CUDA graph replay of compiled programs (NOTE [CUDA graphs], backends/cuda_graphs.py).
+
+The bookkeeping (static and dynamic inputs, lent and copied outputs, captures again, refusals)
+is tested on the CPU with a recorder whose replay reruns the program and writes its results
+into the captured outputs' memory, as a graph's replay does. The tests at the end run real
+graphs and need a CUDA GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plait
+from plait.backends import cuda_graphs
+
+CPU = torch.device("cpu")
+
+
+class _Rerun:
+    """A stand-in for CUDA graphs: a capture runs the program once on its buffers, a replay
+    runs it again on the graph's buffers and the static inputs where they are (the caller's,
+    at the addresses the graph read) and copies the results into the captured outputs."""
+
+    def __init__(self, fail: bool = False, synchronizes: bool = False):
+        self.fail, self.syncs, self.captures, self.replays = fail, synchronizes, 0, 0
+
+    @staticmethod
+    def reserved(device) -> int:
+        return 0
+
+    def synchronizes(self, run, inputs, device):
+        return run(inputs, device), self.syncs
+
+    def capture(self, run, buffers, device):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captures += 1
+        outputs = run(buffers, device)
+        return (run, device), outputs
+
+    def replay(self, capture, inputs) -> None:
+        self.replays += 1
+        run, device = capture.graph
+        buffers = [x if b is None else b for b, x in zip(capture.buffers, inputs)]
+        for o, n in zip(capture.outputs, run(buffers, device)):
+            o.copy_(n)
+
+
+def _graphed(fn, recorder, constants=()):
+    calls = []
+
+    def run(inputs, device):
+        calls.append(1)
+        return [fn(*inputs)]
+
+    return cuda_graphs.Graphed(run, lambda device: list(constants), recorder), calls
+
+
+def test_static_inputs_are_read_in_place_and_dynamic_ones_copied():
+    recorder = _Rerun()
+    graphed, _ = _graphed(lambda w, x: w * 2 + x, recorder)
+    w = torch.randn(4)
+    for step in range(6):
+        x = torch.randn(4)  # a new tensor every call: dynamic
+        out = graphed([w, x], CPU)[0]
+        assert torch.equal(out, w * 2 + x)
+        del out  # the caller drops its result: the next replay may reuse its memory
+        w.add_(1.0)  # an optimizer's in-place update: the graph sees it
+    assert recorder.captures == 1 and recorder.replays == 4
+
+
+def test_results_kept_by_the_caller_are_never_overwritten():
+    recorder = _Rerun()
+    graphed, _ = _graphed(lambda x: x.sin(), recorder)
+    kept = []
+    for _ in range(8):
+        x = torch.randn(5)
+        kept.append((graphed([x], CPU)[0], x.sin()))
+    for out, want in kept:
+        assert torch.equal(out, want)
+    # the first replay's result is held for good: the next call captures again, with the
+    # result copied out of the graph's memory from then on
+    assert recorder.captures == 2 and recorder.replays == 6
+
+
+def test_the_last_result_held_while_the_next_call_runs():
+    """``out = f(x)``: the old result is alive while the next call runs; it is left intact,
+    and from then on results are copied out of the graph's memory."""
+    recorder = _Rerun()
+    graphed, calls = _graphed(lambda x: x.sin(), recorder)
+    out = want = None
+    for _ in range(8):
+        x = torch.randn(5)
+        new = graphed([x], CPU)[0]
+        if out is not None:
+            assert torch.equal(out, want)
+        out, want = new, x.sin()
+        assert torch.equal(out, want)
+    # calls 1-2 warm, 3 captured and replayed, 4 captured again (3's result alive) and
+    # replayed, copying out as 5-8 do
+    assert recorder.replays == 6 and len(calls) == 2 + 2 + 2 + 4
+
+
+def test_lent_outputs_are_the_graphs_memory():
+    recorder = _Rerun()
+    graphed, _ = _graphed(lambda x: x + 1, recorder)
+    x = torch.randn(3)
+    pointers = []
+    for _ in range(6):
+        out = graphed([x], CPU)[0]
+        assert torch.equal(out, x + 1)
+        pointers.append(out.data_ptr())
+        del out  # dropped before the next call: lent again, no copy
+    assert recorder.replays == 4 and len(set(pointers[2:])) == 1
+
+
+def test_an_output_on_an_input_is_always_copied():
+    recorder = _Rerun()
+    graphed, _ = _graphed(lambda x: x, recorder)  # the program returns its input
+    kept = []
+    for _ in range(6):
+        x = torch.randn(3)
+        kept.append((graphed([x], CPU)[0], x.clone()))
+    for out, want in kept:
+        assert torch.equal(out, want)
+    assert recorder.replays == 4
+
+
+def test_an_output_on_a_static_input_is_lent():
+    """A view of a parameter (read where it is, never written by a replay) is returned as a
+    view of it, and sees the caller's in-place updates."""
+    recorder = _Rerun()
+    graphed, _ = _graphed(lambda w, x: w, recorder)
+    w = torch.randn(3)
+    kept = []
+    for _ in range(6):
+        kept.append(graphed([w, torch.randn(3)], CPU)[0])
+    w.add_(1.0)
+    assert all(torch.equal(out, w) for out in kept) and recorder.captures == 1
+
+
+def test_moved_static_inputs_are_copied_in_after_a_new_capture():
+    recorder = _Rerun()
+    graphed, _ = _graphed(lambda w, x: w @ x, recorder)
+    w, x = torch.randn(3, 3), torch.randn(3)
+    for step in range(10):
+        if step >= 4:
+            w = torch.randn(3, 3)  # w moves from the fifth call, x at the seventh
+        if step == 6:
+            x = torch.randn(3)
+        out = graphed([w, x], CPU)[0]
+        assert torch.allclose(out, w @ x)
+        del out
+    # captured at the third call, again when w moved, again when x moved, and again once x
+    # had stayed put for two calls: read in place from then on
+    assert recorder.captures == 4 and graphed._state[CPU].dynamic == {0}
+
+
+def test_a_residual_lent_by_one_graph_is_read_in_place_by_the_next():
+    """A forward program's residual reaches the backward program at a new address while
+    the forward runs launch by launch, then at its graph's one address: the backward reads
+    it in place once it has stayed put."""
+    forward, _ = _graphed(lambda x: x.exp(), _Rerun())
+    backward, _ = _graphed(lambda r, g: r * g, _Rerun())
+    for _ in range(10):
+        x, g = torch.randn(4), torch.randn(4)
+        r = forward([x], CPU)[0]
+        assert torch.equal(backward([r, g], CPU)[0], x.exp() * g)
+        del r
+    assert backward._state[CPU].dynamic == {1}
+
+
+def test_inputs_that_keep_moving_give_up_graphs():
+    recorder = _Rerun()
+    graphed, calls = _graphed(lambda *ws: sum(ws), recorder)
+    ws = [torch.randn(2) for _ in range(5)]
+    for step in range(8):
+        if step >= 3:
+            ws[step - 3] = torch.randn(2)  # one more input moves at each call
+        out = graphed(ws, CPU)[0]
+        assert torch.allclose(out, sum(ws))
+        del out
+    assert recorder.captures == cuda_graphs.MAX_CAPTURES and graphed._state[CPU].refused
+
+
+@pytest.mark.parametrize("why", ["synchronizes", "capture fails"])
+def test_a_refused_capture_runs_launch_by_launch(why):
+    recorder = _Rerun(fail=why == "capture fails", synchronizes=why == "synchronizes")
+    graphed, calls = _graphed(lambda x: x * 3, recorder)
+    for _ in range(5):
+        x = torch.randn(2)
+        assert torch.equal(graphed([x], CPU)[0], x * 3)
+    assert graphed._state[CPU].refused and len(calls) == 5 and recorder.captures == 0
+
+
+def test_config_off_never_captures():
+    recorder = _Rerun()
+    graphed, calls = _graphed(lambda x: x * 3, recorder)
+    with plait.config.patch(cuda_graphs=False):
+        for _ in range(5):
+            x = torch.randn(2)
+            assert torch.equal(graphed([x], CPU)[0], x * 3)
+    assert recorder.captures == 0 and len(calls) == 5
+
+
+# -- on a GPU ----------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_a_training_loop_replays_graphs():
+    """plait.jit(model) under loss.backward() and an optimizer: forward and backward programs
+    replayed as graphs, the same losses as eager step after step."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),  # noqa: E731
+                                       torch.nn.Linear(64, 8)).cuda()
+    eager, compiled = make(), make()
+    compiled.load_state_dict(eager.state_dict())
+    run = plait.jit(compiled, backend="triton")
+    losses = {"eager": [], "plait": []}
+    for model, call, name in ((eager, eager, "eager"), (compiled, run, "plait")):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(8):
+            x = torch.randn(16, 32, device="cuda", generator=g)
+            loss = call(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss)
+    torch.testing.assert_close(torch.stack(losses["plait"]), torch.stack(losses["eager"]))
+    assert cuda_graphs.held_bytes() > 0
+
+
+@cuda
+def test_held_results_survive_later_replays_on_the_gpu():
+    f = plait.jit(lambda x, w: torch.softmax(x @ w, -1), backend="triton")
+    w = torch.randn(64, 64, device="cuda")
+    kept = []
+    for _ in range(8):
+        x = torch.randn(32, 64, device="cuda")
+        kept.append((f(x, w), torch.softmax(x @ w, -1)))
+    for out, want in kept:
+        torch.testing.assert_close(out, want)
+
+
+@cuda
+def test_a_program_that_synchronizes_is_not_captured():
+    """cholesky checks its input on the host: no capture is tried (a failed one would leave
+    torch's CUDA generator unusable), and random draws afterwards still work."""
+    f = plait.jit(lambda x: torch.linalg.cholesky(x @ x.mT + torch.eye(8, device=x.device)),
+                  backend="triton")
+    for _ in range(5):
+        x = torch.randn(8, 8, device="cuda")
+        torch.testing.assert_close(f(x), torch.linalg.cholesky(x @ x.mT + torch.eye(
+            8, device="cuda")))
+    torch.randn(3, device="cuda")
+
+
+@cuda
+def test_random_draws_under_a_graph_follow_the_generator():
+    """A replay draws what a launch-by-launch call draws from the generator's state, and
+    advances it: fresh numbers every call, the same ones after the same seed."""
+    def fn(x):
+        return torch.nn.functional.dropout(x, 0.5) * 2 + torch.rand_like(x)
+
+    graphed, plain = plait.jit(fn, backend="triton"), plait.jit(fn, backend="triton")
+    x = torch.randn(1000, device="cuda")
+    seen = []
+    for step in range(6):
+        torch.manual_seed(step)
+        got = graphed(x)
+        torch.manual_seed(step)
+        with plait.config.patch(cuda_graphs=False):
+            torch.testing.assert_close(got, plain(x))
+        seen.append(got)
+    assert not torch.equal(seen[-1], seen[-2])
