@@ -1241,4 +1241,4 @@ def compile_graph(graph, stages=None):
     if config.compile_workers and not interpreting() and torch.cuda.is_available():
         compile_workers.pool(config.compile_workers)  # they start while lowering runs
     return codegen.compile_graph(compile_program, graph, stages, supported_ops=supported_ops(),
-                                 supported_dtypes=TRITON_DTYPES)
+                                 supported_dtypes=TRITON_DTYPES, split_reductions=True)

@@ -9,6 +9,7 @@ memory plan. The stages are pure functions, run in this order:
   lower    primitive graph -> loop program (passes/lowering.py)
   fuse     kernels merged (passes/fusion.py)
   index    index expressions simplified with the loops' ranges (passes/indexing.py)
+  split    long reductions to few outputs in two kernels (passes/split.py; GPU targets)
   reuse    stores take over dead buffers in place    (passes/memory.py, ``config.inplace``)
   reorder  the kernel order of least peak memory     (``config.reorder``)
   overlap  collectives started early, waited late    (``config.overlap``)
@@ -101,17 +102,21 @@ class Stages:
                 f"{n} {s:.3f}" for n, s in self.seconds.items()))
 
 
-def schedule(graph, stages: Stages, *, supported_ops, supported_dtypes, comm_buffers=True):
+def schedule(graph, stages: Stages, *, supported_ops, supported_dtypes, comm_buffers=True,
+             split_reductions=False):
     """``graph`` lowered for a code generator, fused, and through the memory passes: the
-    loop program and its memory plan (NOTE [pipeline])."""
+    loop program and its memory plan (NOTE [pipeline]). ``split_reductions``: for a target
+    with many parallel processors (NOTE [split reductions])."""
     # imported here: a program loaded from the disk cache runs without the compiler proper
-    from . import fusion, indexing, lowering, memory
+    from . import fusion, indexing, lowering, memory, split
 
     graph = stages.run("inline", lowering.inline_checkpoints, graph)
     program = stages.run("lower", lowering.lower, graph, supported_ops=supported_ops,
                          supported_dtypes=supported_dtypes, comm_buffers=comm_buffers)
     program = stages.run("fuse", fusion.fuse, program)
     program = stages.run("index", indexing.simplify_indices, program)
+    program = stages.run("split", split.split_reductions if split_reductions else _same,
+                         program)
     program = stages.run("reuse", memory.reuse if config.inplace else _same, program)
     then = memory.overlap if config.overlap else None
     program = stages.run("reorder", memory.reorder if config.reorder else _same, program, then)

@@ -22,6 +22,7 @@ from plait.backends.triton import (
     supported_ops,
 )
 from plait.graph.loops import Extern, IndexValue, Kernel, Reduce, Store, loop_vars
+from plait.passes import split
 from test_cpp_backend import _check, ap, const, load, per_op_program, program
 from test_cpu_compiler import loop_ordering
 
@@ -370,8 +371,10 @@ def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
 
 def test_few_long_rows_take_the_biggest_chunks_and_more_warps(monkeypatch):
     """Fewer long rows than fill a GPU with programs (a mean over every row's loss): each
-    program keeps more loads in flight; many rows keep the default chunks."""
+    program keeps more loads in flight; many rows keep the default chunks. (Rows that split
+    do not get here: NOTE [split reductions].)"""
     monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
+    monkeypatch.setattr(split, "SPLIT_OUTPUTS", 0)
     few = jitted(lambda x: x.sum(1), torch.randn(3, 5000)).source
     many = jitted(lambda x: x.sum(1), torch.randn(triton_backend.FEW_ROWS, 50)).source
     assert (f"RBLOCK={triton_backend.TILE_MAX}, num_warps={triton_backend.FEW_ROWS_WARPS},"
@@ -548,3 +551,55 @@ def test_compile_workers_fill_tritons_cache_and_survive_failures(tmp_path, monke
     worker.kill()
     worker.wait()
     assert not pool.compile(job) and not pool.compile(job)  # no worker left, no hang
+
+
+# -- split reductions (NOTE [split reductions], passes/split.py) -----------------------------
+def _batch_norm_loss(x, g):
+    return (torch.nn.functional.batch_norm(x, None, None, training=True) * g).sum()
+
+
+@pytest.mark.parametrize("name, fn, args, kernels", [
+    # a column sum (a bias gradient): one pass, partial and final kernels
+    ("column sum", lambda g: g.sum(0), (torch.randn(4096, 24),), 2),
+    ("max", lambda x: x.amax(0), (torch.randn(4096, 3),), 2),
+    ("mean of all", lambda x: x.mean(), (torch.randn(8192),), 2),
+    # BatchNorm's statistics: the variance's pass after the mean's, each split
+    ("mean and variance", lambda x: torch.var_mean(x, (0, 2, 3)), (torch.randn(64, 4, 8, 8),),
+     4),
+    # bf16 sums: float32 partials, rounded once
+    ("bf16 sum", lambda x: x.sum((0, 1)), (torch.randn(64, 64, 5).bfloat16(),), 2),
+    # a row kernel: two passes split, then its stores over the rows' points
+    ("softmax of few rows", lambda x: x.softmax(1), (torch.randn(3, 4096),), 5),
+    # BatchNorm's backward: two sums per channel, then the input's gradient from them
+    ("batch norm backward", plait.grad(_batch_norm_loss), (torch.randn(64, 4, 8, 8),
+                                                           torch.randn(64, 4, 8, 8)), None),
+])
+def test_long_reductions_to_few_outputs_split(name, fn, args, kernels):
+    jitted = plait.jit(fn, backend="triton")
+    got, want = jitted(*args), (torch.func.grad(_batch_norm_loss) if name.startswith("batch")
+                                else fn)(*args)
+    for g, w in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want))):
+        # summed in another order: within the rounding of a 4096-term float32 sum
+        torch.testing.assert_close(g, w, **{"rtol": 1e-5, "atol": 1e-4} if w.dtype ==
+                                   torch.float32 else {})
+    stages = jitted.lower(*args).stages
+    before, after = len(stages["index"].kernels), len(stages["split"].kernels)
+    assert (before, after) == (1, kernels) if kernels else after > before
+
+
+@pytest.mark.parametrize("fn, x", [
+    (lambda x: x.argmax(0), torch.randn(4096, 3)),         # an index, not a combinable value
+    (lambda x: x.sum(1), torch.randn(4096, 4096 // 64)),   # outputs enough to fill a GPU
+    (lambda x: x.sum(0), torch.randn(512, 3)),             # rows too short to pay
+])
+def test_reductions_that_stay_whole(fn, x):
+    jitted = plait.jit(fn, backend="triton")
+    torch.testing.assert_close(jitted(x), fn(x))
+    stages = jitted.lower(x).stages
+    assert stages["split"] is stages["index"]
+
+
+def test_the_cpu_compiler_does_not_split():
+    x = torch.randn(4096, 24)
+    stages = plait.jit(lambda g: g.sum(0), backend="cpp").lower(x).stages
+    assert stages["split"] is stages["index"]

@@ -1,0 +1,168 @@
+"""Split reductions: a long reduction to few outputs becomes two kernels, so that a GPU has
+enough programs to run it on.
+
+NOTE [split reductions]
+A GPU kernel runs one program per output (or per few neighbouring outputs, for a column
+sum), and each program loops over its row. A reduction of many elements to few outputs (a
+bias gradient: 768 column sums of 8192 rows; BatchNorm's statistics: 64 channels of
+64x56x56 points) then runs on fewer programs than the GPU has multiprocessors, each walking
+a long row alone. ``split_reductions`` rewrites such a kernel into
+
+  * a *partial* kernel, whose outer loops gain a first loop over ``K`` chunks of the first
+    reduction loop (``r0 -> k * (R0 / K) + r0``), storing each reduction's partial result
+    per chunk into a new buffer ``[K, outputs...]``, and
+  * a *final* kernel over the original outer loops that reduces the ``K`` partials (sums
+    of sums, maxima of maxima) and computes the original stores from them.
+
+The chunk loop goes first, so the outer loop the outputs are contiguous along stays
+innermost: a column sum's chunks still read neighbouring columns together, and the final
+kernel reads the partials contiguously too. ``K`` is the smallest divisor of ``R0`` that gives
+at least ``SPLIT_OUTPUTS`` partial outputs, keeping each chunk ``MIN_CHUNK`` elements long or
+more. Only kernels whose reductions are sums, products, maxima or minima are split; partials of
+half-precision results are kept in float32, so the result is rounded once, as unsplit. A
+reduction whose body uses another (a variance, after its mean) splits pass by pass: each
+pass has its partial and final kernels, the final one storing the pass's results for the
+passes after it to load. A row kernel's stores inside its reduction loops (BatchNorm's
+backward: the input's gradient, after the two sums over each channel) move to a kernel of
+their own over the outer and row points, which loads the totals: it reads the rows once
+more, as the unsplit kernel's last pass did, with every point in parallel.
+"""
+from __future__ import annotations
+
+import math
+
+import attrs
+import sympy
+import torch
+
+from ..graph.loops import (Apply, Buffer, Kernel, Load, LoopProgram, Reduce, Store, children,
+                           is_inner, loop_vars, with_children)
+from ..graph.types import TensorType
+from .fusion import rename
+
+SPLIT_OUTPUTS = 4096   # outputs (times chunks) below which a long reduction is split
+MIN_CHUNK = 1024       # elements a chunk keeps at least
+_COMBINE = {"sum": "sum", "prod": "prod", "amax": "amax", "amin": "amin"}
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def split_reductions(program: LoopProgram) -> LoopProgram:
+    buffers, kernels = dict(program.buffers), []
+    for k in program.kernels:
+        chunks = _chunks(k) if isinstance(k, Kernel) else 1
+        if chunks == 1:
+            kernels.append(k)
+            continue
+        split, made = _split(k, chunks, buffers[k.writes[0]].type.device)
+        buffers.update(made)
+        kernels += split
+    if len(kernels) == len(program.kernels):
+        return program
+    return attrs.evolve(program, buffers=buffers, kernels=tuple(kernels))
+
+
+def _levels(k: Kernel) -> list[list[Reduce]] | None:
+    """The kernel's reductions by pass (a reduction whose body uses others comes after all
+    of them), if it is one that splits (NOTE [split reductions])."""
+    if k.fenced or not k.reduction_sizes:
+        return None
+    depth: dict = {}
+
+    def visit(e) -> int:
+        if e not in depth:
+            inner = [visit(c) for c in children(e)]
+            depth[e] = max(inner, default=-1) + isinstance(e, Reduce)
+        return depth[e]
+
+    for s in k.stores:
+        visit(s.value)
+    found = [e for e in depth if isinstance(e, Reduce)]
+    if any(r.op not in _COMBINE for r in found):
+        return None
+    return [[r for r in found if depth[r] == level]
+            for level in range(max(depth[r] for r in found) + 1)]
+
+
+def _chunks(k: Kernel) -> int:
+    """How many chunks to split ``k``'s reduction into (1: not split)."""
+    outputs, rows = math.prod(k.sizes), math.prod(k.reduction_sizes)
+    if outputs >= SPLIT_OUTPUTS or rows < 2 * MIN_CHUNK or _levels(k) is None:
+        return 1
+    first = k.reduction_sizes[0]
+    fits = [c for c in range(2, first + 1) if first % c == 0 and rows // c >= MIN_CHUNK]
+    return next((c for c in fits if outputs * c >= SPLIT_OUTPUTS), max(fits, default=1))
+
+
+def _split(k: Kernel, chunks: int, device: str) -> tuple[list[Kernel], dict]:
+    """The partial and final kernels of each pass of ``k``'s reductions (NOTE [split
+    reductions]), then a kernel for its stores inside the reduction loops, if any; and their
+    buffers. A pass's totals are stored for the kernels after it that read them; the last
+    pass's final kernel makes the original stores outside the reduction loops."""
+    n, outputs = len(k.sizes), math.prod(k.sizes)
+    xs, new_xs = loop_vars("x", n), loop_vars("x", n + 1)
+    r0 = loop_vars("r", 1)[0]
+    step = k.reduction_sizes[0] // chunks
+    # the partial kernels' loops: the chunk first, then the original outer loops
+    mapping = {**{x: new_xs[i + 1] for i, x in enumerate(xs)}, r0: new_xs[0] * step + r0}
+    flat_outer = _flat(xs, k.sizes)
+    levels = _levels(k)
+    made, kernels, done = {}, [], {}  # done: a reduction of an earlier pass -> its total's load
+    for level, reductions in enumerate(levels):
+        partials, totals = [], {}
+        for j, red in enumerate(reductions):
+            dtype = torch.float32 if red.dtype in _HALF and red.op in ("sum", "prod") \
+                else red.dtype
+            name = f"{k.name}_partial{level}_{j}"
+            made[name] = Buffer(name, TensorType((chunks, *k.sizes), dtype, device))
+            body = _replaced(red.body, done)
+            partials.append(Store(name, _flat(new_xs, (chunks, *k.sizes)),
+                                  rename(Reduce(red.op, body, dtype), mapping)))
+            total = Reduce(_COMBINE[red.op], Load(name, r0 * outputs + flat_outer, dtype),
+                           dtype)
+            totals[red] = total if dtype == red.dtype else \
+                Apply("convert", (total,), (("dtype", red.dtype),), red.dtype)
+        kernels.append(Kernel(f"{k.name}_partial{level}", (chunks, *k.sizes),
+                              (step, *k.reduction_sizes[1:]), tuple(partials),
+                              origins=k.origins))
+        last = level == len(levels) - 1
+        outer = [s for s in k.stores if not is_inner(s)]
+        stores = [Store(s.buffer, s.index, _replaced(s.value, {**done, **totals}))
+                  for s in outer] if last else []
+        if not last or len(outer) < len(k.stores):  # totals later kernels read
+            for j, red in enumerate(reductions):
+                name = f"{k.name}_total{level}_{j}"
+                made[name] = Buffer(name, TensorType(k.sizes, red.dtype, device))
+                stores.append(Store(name, flat_outer, totals[red]))
+                done[red] = Load(name, flat_outer, red.dtype)
+        kernels.append(Kernel(f"{k.name}_final{level}", k.sizes, (chunks,), tuple(stores),
+                              origins=k.origins))
+    inner = [s for s in k.stores if is_inner(s)]
+    if inner:  # the stores inside the reduction loops: a kernel over outer and row points
+        rs = loop_vars("r", len(k.reduction_sizes))
+        points = {r: x for r, x in zip(rs, loop_vars("x", n + len(rs))[n:])}
+        kernels.append(Kernel(f"{k.name}_rows", (*k.sizes, *k.reduction_sizes), (), tuple(
+            Store(s.buffer, rename(s.index, points), rename(_replaced(s.value, done), points))
+            for s in inner), origins=k.origins))
+    return kernels, made
+
+
+def _replaced(expr, table: dict):
+    """``expr`` with the nodes in ``table`` replaced, looking from the top: a replaced
+    reduction's body (which may hold other replaced ones) is not visited."""
+    memo: dict = {}
+
+    def go(e):
+        if e not in memo:
+            memo[e] = table[e] if e in table else with_children(e, tuple(map(go, children(e))))
+        return memo[e]
+
+    return go(expr)
+
+
+def _flat(variables, sizes) -> sympy.Expr:
+    """The row-major flat index of loop ``variables`` over ``sizes``."""
+    index, stride = sympy.Integer(0), 1
+    for v, size in zip(reversed(variables), reversed(sizes)):
+        index += v * stride
+        stride *= size
+    return index
