@@ -109,6 +109,10 @@ class Config:
     compile_workers: int = attrs.field(factory=lambda: _env(
         "compile_workers", min(16, os.cpu_count() or 1), int))
 
+    # On a GPU, a long reduction to few outputs runs as partial and final kernels (NOTE [split
+    # reductions], passes/split.py).
+    split_reductions: bool = attrs.field(factory=lambda: _env("split_reductions", True,
+                                                              _to_bool))
     # The memory passes of the compiling backends (passes/memory.py): kernels write into a
     # buffer they read where that is safe; kernels run in the order of least estimated peak;
     # intermediates share the slots of a per-call pool.
@@ -166,8 +170,8 @@ class Config:
 
 
 _KEYED = ("simplify", "fuse_attention", "fold_max_numel", "allow_opaque", "cpp_compiler",
-          "cpp_flags", "cpp_wrapper", "inplace", "reorder", "plan_memory", "overlap", "symm_mem_max_bytes",
-          "comm_pool_reuse")
+          "cpp_flags", "cpp_wrapper", "split_reductions", "inplace", "reorder", "plan_memory",
+          "overlap", "symm_mem_max_bytes", "comm_pool_reuse")
 _key = operator.attrgetter(*_KEYED)
 
 

@@ -234,6 +234,7 @@ MODELS = {"llama": llama, "vit": vit, "resnet": resnet, "convnext": convnext}
 
 def main() -> None:
     import argparse
+    import gc
     import os
     import statistics
     import tempfile
@@ -268,12 +269,14 @@ def main() -> None:
         want = {k: p.grad for k, p in reference.named_parameters()}
         for label, wrap in (("eager", lambda m: m), ("torch.compile", torch.compile),
                             ("plait.jit", plait.jit)):
+            gc.collect()  # the last column's compiled programs (and CUDA graphs) are gone
             torch.manual_seed(0)
             model = make().to(args.device)
             run = wrap(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
             def step():
+                opt.zero_grad(set_to_none=True)
                 run(*inputs).backward()
                 opt.step()
 
@@ -282,22 +285,31 @@ def main() -> None:
             step()
             sync()
             first = time.perf_counter() - start
-            error = max(((p.grad - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-6))
-                        .item() for k, p in model.named_parameters())
+            for _ in range(3):  # warm: plait captures its CUDA graphs at the third call
+                step()
             times = []
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
             for _ in range(args.repeat):
-                opt.zero_grad(set_to_none=True)
                 start = time.perf_counter()
                 step()
                 sync()
                 times.append((time.perf_counter() - start) * 1e3)
-            # a CUDA graph's replay allocates nothing: its memory was set aside at its capture
-            peak = (torch.cuda.max_memory_allocated() + held_bytes() - graphs) / 2 ** 20 \
-                if cuda else float("nan")
+            # the gradients of a warm step (replayed, where plait captured a graph)
+            error = max(((p.grad - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-6))
+                        .item() for k, p in model.named_parameters())
+            peak = float("nan")
+            if cuda:  # above the model's and the batch's memory; a CUDA graph's replay
+                # allocates nothing: its memory was set aside when it was captured
+                opt.zero_grad(set_to_none=True)
+                sync()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                sync()
+                peak = (torch.cuda.max_memory_allocated() - before + held_bytes() - graphs) \
+                    / 2 ** 20
             print(f"{name:>9} {label:>14} {first:>8.2f} {statistics.median(times):>9.2f} "
                   f"{peak:>8.0f} {error:>9.1e}", flush=True)
+            del model, run, opt
 
 
 if __name__ == "__main__":

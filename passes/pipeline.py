@@ -115,8 +115,8 @@ def schedule(graph, stages: Stages, *, supported_ops, supported_dtypes, comm_buf
                          supported_dtypes=supported_dtypes, comm_buffers=comm_buffers)
     program = stages.run("fuse", fusion.fuse, program)
     program = stages.run("index", indexing.simplify_indices, program)
-    program = stages.run("split", split.split_reductions if split_reductions else _same,
-                         program)
+    program = stages.run("split", split.split_reductions if split_reductions and
+                         config.split_reductions else _same, program)
     program = stages.run("reuse", memory.reuse if config.inplace else _same, program)
     then = memory.overlap if config.overlap else None
     program = stages.run("reorder", memory.reorder if config.reorder else _same, program, then)

@@ -22,10 +22,12 @@ more. Only kernels whose reductions are sums, products, maxima or minima are spl
 half-precision results are kept in float32, so the result is rounded once, as unsplit. A
 reduction whose body uses another (a variance, after its mean) splits pass by pass: each
 pass has its partial and final kernels, the final one storing the pass's results for the
-passes after it to load. A row kernel's stores inside its reduction loops (BatchNorm's
-backward: the input's gradient, after the two sums over each channel) move to a kernel of
-their own over the outer and row points, which loads the totals: it reads the rows once
-more, as the unsplit kernel's last pass did, with every point in parallel.
+passes after it to load. A row kernel's stores inside its reduction loops stay in the first
+partial kernel when they use no reduction (a GELU's gradient, summed for its bias's), and
+otherwise (BatchNorm's backward: the input's gradient, after the two sums over each
+channel) move to a kernel of their own over the outer and row points, in memory order,
+which loads the totals: it reads the rows once more, as the unsplit kernel's last pass did,
+with every point in parallel.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import sympy
 import torch
 
 from ..graph.loops import (Apply, Buffer, Kernel, Load, LoopProgram, Reduce, Store, children,
-                           is_inner, loop_vars, with_children)
+                           is_inner, loop_vars, walk, with_children)
 from ..graph.types import TensorType
 from .fusion import rename
 
@@ -106,9 +108,16 @@ def _split(k: Kernel, chunks: int, device: str) -> tuple[list[Kernel], dict]:
     mapping = {**{x: new_xs[i + 1] for i, x in enumerate(xs)}, r0: new_xs[0] * step + r0}
     flat_outer = _flat(xs, k.sizes)
     levels = _levels(k)
+    inner = [s for s in k.stores if is_inner(s)]
+    # row stores that use no reduction (a GELU's gradient, whose column sums are the bias's)
+    # are made where the first pass reads each point
+    early = [s for s in inner if not any(isinstance(e, Reduce) for e in walk(s.value))]
+    inner = [s for s in inner if s not in early]
     made, kernels, done = {}, [], {}  # done: a reduction of an earlier pass -> its total's load
     for level, reductions in enumerate(levels):
-        partials, totals = [], {}
+        partials = [Store(s.buffer, rename(s.index, mapping), rename(s.value, mapping))
+                    for s in early] if level == 0 else []
+        totals = {}
         for j, red in enumerate(reductions):
             dtype = torch.float32 if red.dtype in _HALF and red.op in ("sum", "prod") \
                 else red.dtype
@@ -128,7 +137,7 @@ def _split(k: Kernel, chunks: int, device: str) -> tuple[list[Kernel], dict]:
         outer = [s for s in k.stores if not is_inner(s)]
         stores = [Store(s.buffer, s.index, _replaced(s.value, {**done, **totals}))
                   for s in outer] if last else []
-        if not last or len(outer) < len(k.stores):  # totals later kernels read
+        if not last or inner:  # totals later kernels read
             for j, red in enumerate(reductions):
                 name = f"{k.name}_total{level}_{j}"
                 made[name] = Buffer(name, TensorType(k.sizes, red.dtype, device))
@@ -136,14 +145,27 @@ def _split(k: Kernel, chunks: int, device: str) -> tuple[list[Kernel], dict]:
                 done[red] = Load(name, flat_outer, red.dtype)
         kernels.append(Kernel(f"{k.name}_final{level}", k.sizes, (chunks,), tuple(stores),
                               origins=k.origins))
-    inner = [s for s in k.stores if is_inner(s)]
-    if inner:  # the stores inside the reduction loops: a kernel over outer and row points
-        rs = loop_vars("r", len(k.reduction_sizes))
-        points = {r: x for r, x in zip(rs, loop_vars("x", n + len(rs))[n:])}
-        kernels.append(Kernel(f"{k.name}_rows", (*k.sizes, *k.reduction_sizes), (), tuple(
-            Store(s.buffer, rename(s.index, points), rename(_replaced(s.value, done), points))
-            for s in inner), origins=k.origins))
+    if inner:  # the row stores that use reductions: a kernel over outer and row points
+        kernels.append(_rows_kernel(k, inner, done))
     return kernels, made
+
+
+def _rows_kernel(k: Kernel, stores: list[Store], totals: dict) -> Kernel:
+    """A kernel over ``k``'s outer and reduction points making its row ``stores`` from the
+    reductions' ``totals``. Its loops go in the order of the first store's strides, largest
+    first, so consecutive points are consecutive in memory (a column sum's rows are its
+    outer loop in memory: its gradient's points go row by row)."""
+    n = len(k.sizes)
+    old = loop_vars("x", n) + loop_vars("r", len(k.reduction_sizes))
+    sizes = k.sizes + k.reduction_sizes
+    index = sympy.expand(stores[0].index)
+    stride = [abs(index.coeff(v, 1)) if index.is_polynomial(v) else 0 for v in old]
+    order = sorted(range(len(old)), key=lambda i: -stride[i])
+    new = loop_vars("x", len(old))
+    mapping = {old[i]: new[place] for place, i in enumerate(order)}
+    return Kernel(f"{k.name}_rows", tuple(sizes[i] for i in order), (), tuple(
+        Store(s.buffer, rename(s.index, mapping), rename(_replaced(s.value, totals), mapping))
+        for s in stores), origins=k.origins)
 
 
 def _replaced(expr, table: dict):

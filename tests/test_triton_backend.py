@@ -568,6 +568,9 @@ def _batch_norm_loss(x, g):
      4),
     # bf16 sums: float32 partials, rounded once
     ("bf16 sum", lambda x: x.sum((0, 1)), (torch.randn(64, 64, 5).bfloat16(),), 2),
+    # a gradient and its column sums (a bias's): made and summed in one partial kernel
+    ("values and their column sums", lambda g, x: ((y := g * torch.sigmoid(x)), y.sum(0)),
+     (torch.randn(4096, 24), torch.randn(4096, 24)), 2),
     # a row kernel: two passes split, then its stores over the rows' points
     ("softmax of few rows", lambda x: x.softmax(1), (torch.randn(3, 4096),), 5),
     # BatchNorm's backward: two sums per channel, then the input's gradient from them
