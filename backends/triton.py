@@ -618,8 +618,9 @@ def _options(blocks: dict, warps: int) -> dict:
 class _KernelWriter:
     """One ``@triton.jit`` function for a Kernel, and how to launch it."""
 
-    def __init__(self, kernel: Kernel, buffer_types: dict):
+    def __init__(self, kernel: Kernel, buffer_types: dict, aliases: dict | None = None):
         self.kernel, self.name, self.types = kernel, KERNEL_NAME, buffer_types
+        self.aliases = aliases or {}  # in-place reuse: buffer -> the buffer it takes over
         self.count, self.checks_error = 0, False
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
         self.params = {b: f"ptr{n}" for n, b in enumerate(self.buffers)}
@@ -812,8 +813,7 @@ class _KernelWriter:
                 self.store(rows, s)
             return
         online = _online_pairs(passes)
-        # row stores that need no reduction are written in the first pass, not a last one
-        early = [s for s in inner if not reduces(s.value)]
+        early = self._early_stores(inner, passes, online)
         inner = [s for s in inner if s not in early]
         for level in passes:
             level = [red for red in level if red not in online.values()]
@@ -850,6 +850,26 @@ class _KernelWriter:
             for s in inner:
                 self.store(rows, s)
             lines += body
+
+    def _early_stores(self, inner: list, passes: list, online: dict) -> list:
+        """Row stores that need no reduction are written in the first pass, not a last one,
+        unless one writes in place over memory a later pass reads: in-place reuse lets a
+        store take over a buffer that its own pass reads at the store's index only (NOTE
+        [memory passes]), and the first pass is not the last one."""
+        def storage(b):
+            while b in self.aliases:
+                b = self.aliases[b]
+            return b
+
+        later = [red for level in passes[1:] for red in level if red not in online.values()]
+        early = [s for s in inner if not reduces(s.value)]
+        while True:
+            rest = [s.value for s in inner if s not in early]
+            read = {storage(e.buffer) for e in walk(*later, *rest) if isinstance(e, Load)}
+            kept = [s for s in early if storage(s.buffer) not in read]
+            if kept == early:
+                return early
+            early = kept
 
     def _loop(self, top: _Scope, body: list, ind: str, chunks: int = 1) -> Iterator[_Scope]:
         """The loop over the rows, ``chunks`` chunks of RBLOCK points a step: a scope per
@@ -1083,7 +1103,7 @@ class CompiledProgram(codegen.CompiledProgram):
             else cuda_graphs.Graphed(self._run, lambda d: [t for _, t in self._on_device[d]])
 
     def write(self, kernel: Kernel):
-        w = _KernelWriter(kernel, self._types)
+        w = _KernelWriter(kernel, self._types, self.program.aliases)
         return w, w.source()
 
     def load(self, texts: list[str]) -> str:
