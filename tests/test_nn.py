@@ -248,6 +248,31 @@ def test_addbmm():
     check(lambda x, b1, b2: torch.addbmm(x, b1, b2, beta=0), torch.full((3, 5), nan), b1, b2)
 
 
+@pytest.mark.parametrize("fn, shapes", [
+    (torch.addmm, [(5,), (3, 4), (4, 5)]),
+    (lambda x, a, b: torch.addmm(x, a, b, beta=0.5, alpha=2.0), [(5,), (3, 4), (4, 5)]),
+    (torch.addmv, [(3,), (3, 4), (4,)]),
+    (lambda x, a, b: torch.baddbmm(x, a, b, alpha=-1.0), [(2, 3, 5), (2, 3, 4), (2, 4, 5)]),
+    (lambda x, a, b: F.linear(a, b.mT, x), [(5,), (2, 3, 4), (4, 5)]),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_plus_keep_the_operands_dtype(fn, shapes, dtype):
+    """addmm and kin: the product in the operands' dtype (a bf16 GEMM, as eager's BLAS call),
+    not the float32 one of torch's decompositions; the sum rounded to bf16 once more than
+    eager's fused epilogue, so within a bf16 unit or two."""
+    x, a, b = (randn(*s).to(dtype) for s in shapes)
+    check(fn, x, a, b, **({} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}))
+    graph = plait.jit(fn).lower(x, a, b).graph
+    dots = [n for n in graph.nx.nodes if graph.node(n).prim == "dot_general"]
+    assert dots and all(t.dtype == dtype for n in dots for t in graph.node(n).out_types)
+
+
+def test_addmm_of_mixed_dtypes_is_refused():
+    x, a, b = randn(5).double(), randn(3, 4), randn(4, 5)
+    with pytest.raises(PlaitError, match="one dtype"):
+        plait.jit(torch.addmm)(x, a, b)
+
+
 @pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 3.5, float("inf")])
 @pytest.mark.parametrize("rows", [(4, 6), (30, 7)])  # eager uses a matmul past 25 rows
 def test_cdist_and_pdist(p, rows):
