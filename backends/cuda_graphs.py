@@ -65,13 +65,13 @@ def _use_count(t: torch.Tensor) -> int:
 
 
 class _Capture:
-    """One captured graph of a program on a device: its static input mask, the buffers of
-    its dynamic inputs, its outputs and each output's storage use count with no caller
-    holding it."""
+    """One captured graph of a program on a device: the addresses of its static inputs, the
+    buffers of its dynamic inputs, its outputs and each output's storage use count with no
+    caller holding it."""
 
     def __init__(self, run: Callable, inputs: Sequence[torch.Tensor], static: list[bool],
                  constants: Sequence[torch.Tensor], device: torch.device, recorder):
-        self.device, self.static = device, static
+        self.device = device
         before = recorder.reserved(device)
         self.buffers = [t if s else torch.empty(t.shape, dtype=t.dtype, device=t.device)
                         for t, s in zip(inputs, static)]
@@ -132,6 +132,9 @@ class _CudaRecorder:
         if found:
             _log.debug("CUDA graph: %s (%s:%d)", found[0].message, found[0].filename,
                        found[0].lineno)
+        for w in caught:  # the program's own warnings still reach the caller
+            if w not in found and "debug mode" not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return outputs, bool(found)
 
     @staticmethod
@@ -173,7 +176,7 @@ class _DeviceState:
     """A program's graph on one device, and what its calls showed."""
 
     def __init__(self):
-        self.calls, self.captures, self.refused = 0, 0, False
+        self.calls, self.captures, self.refused, self.vetted = 0, 0, False, False
         self.addresses: list | None = None  # the inputs' addresses at the last call
         self.dynamic: set[int] = set()
         self.steady: dict[int, int] = {}  # dynamic input -> calls it has stayed where it is
@@ -190,8 +193,9 @@ class _DeviceState:
             self.dynamic |= {i for i, kept in enumerate(stayed) if not kept}
             if self.calls < WARM_CALLS:
                 return owner._run(inputs, device)
-            if self.calls == WARM_CALLS:
+            if not self.vetted:  # (a call that raised is no answer: the next one asks again)
                 outputs, self.refused = owner._recorder.synchronizes(owner._run, inputs, device)
+                self.vetted = True
                 if self.refused:
                     _log.debug("CUDA graph: the program synchronizes with the host: not "
                                "captured")

@@ -21,13 +21,15 @@ class _Rerun:
     at the addresses the graph read) and copies the results into the captured outputs."""
 
     def __init__(self, fail: bool = False, synchronizes: bool = False):
-        self.fail, self.syncs, self.captures, self.replays = fail, synchronizes, 0, 0
+        self.fail, self.syncs, self.captures, self.replays, self.checks = \
+            fail, synchronizes, 0, 0, 0
 
     @staticmethod
     def reserved(device) -> int:
         return 0
 
     def synchronizes(self, run, inputs, device):
+        self.checks += 1
         return run(inputs, device), self.syncs
 
     def capture(self, run, buffers, device):
@@ -190,6 +192,25 @@ def test_a_refused_capture_runs_launch_by_launch(why):
         x = torch.randn(2)
         assert torch.equal(graphed([x], CPU)[0], x * 3)
     assert graphed._state[CPU].refused and len(calls) == 5 and recorder.captures == 0
+
+
+def test_a_call_that_raises_is_no_answer_to_the_synchronization_check():
+    recorder = _Rerun()
+
+    def fn(x):
+        if x.isnan().any():  # (the rerun recorder runs Python: a stand-in for a CheckError)
+            raise ValueError("bad input")
+        return x * 2
+
+    graphed, _ = _graphed(fn, recorder)
+    x = torch.randn(3)
+    graphed([x], CPU)
+    with pytest.raises(ValueError):
+        graphed([torch.full((3,), float("nan"))], CPU)
+    assert recorder.checks == 1 and recorder.captures == 0
+    for _ in range(3):
+        assert torch.equal(graphed([x], CPU)[0], x * 2)
+    assert recorder.checks == 2 and recorder.captures == 1
 
 
 def test_config_off_never_captures():
