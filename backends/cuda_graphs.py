@@ -70,7 +70,8 @@ class _Capture:
     caller holding it."""
 
     def __init__(self, run: Callable, inputs: Sequence[torch.Tensor], static: list[bool],
-                 constants: Sequence[torch.Tensor], device: torch.device, recorder):
+                 copied: set[int], constants: Sequence[torch.Tensor], device: torch.device,
+                 recorder):
         self.device = device
         before = recorder.reserved(device)
         self.buffers = [t if s else torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -87,18 +88,18 @@ class _Capture:
         theirs = {storage(t) for t, s in zip(inputs, static) if s}
         # an output on a static input is the caller's memory, which no replay writes (but
         # for a donated input, given up by the caller): lent, never checked; one on a buffer
-        # of the graph's own or a constant is copied out
-        self.copied = [storage(o) in ours for o in self.outputs]
+        # of the graph's own or a constant is copied out, as are those found held once
+        self.copy = [j for j, o in enumerate(self.outputs) if j in copied or storage(o) in ours]
         self.checked = [j for j, o in enumerate(self.outputs) if storage(o) not in theirs]
         self.baseline = {j: _use_count(self.outputs[j]) for j in self.checked}
         # the static inputs are the caller's: read where they are, never kept alive here
         self.buffers = [None if s else b for b, s in zip(self.buffers, static)]
         _live.add(self)
 
-    def moved(self, inputs: Sequence[torch.Tensor]) -> list[int]:
+    def moved(self, inputs: Sequence[torch.Tensor], addresses: list[int]) -> list[int]:
         """The static inputs that are no longer where the graph reads them."""
-        return [i for i, (t, a) in enumerate(zip(inputs, self.addresses))
-                if a and (t.data_ptr() != a or not t.is_contiguous())]
+        return [i for i, (t, now, then) in enumerate(zip(inputs, addresses, self.addresses))
+                if then and (now != then or not t.is_contiguous())]
 
     def alive(self) -> list[int]:
         """The outputs the caller still holds (their storage used beyond the graph's own)."""
@@ -205,7 +206,7 @@ class _DeviceState:
         else:
             self.steady = {i: self.steady.get(i, 0) + 1 if stayed[i] else 0
                            for i in self.dynamic}
-            moved, alive = self.capture.moved(inputs), self.capture.alive()
+            moved, alive = self.capture.moved(inputs, addresses), self.capture.alive()
             # a dynamic input that stays put (a residual of a program whose graph now lends
             # it) is read in place, once it has for STEADY_CALLS calls
             settled = {i for i, n in self.steady.items()
@@ -229,12 +230,11 @@ class _DeviceState:
             capture.buffers[i].copy_(inputs[i])
         owner._recorder.replay(capture, inputs)
         outs = capture.outputs
-        copy = [j for j in range(len(outs)) if j in self.copied or capture.copied[j]]
         results = [o.detach() for o in outs]  # lent: new tensors on the graph's memory
-        if copy:
-            fresh = [torch.empty_like(outs[j]) for j in copy]
-            torch._foreach_copy_(fresh, [outs[j] for j in copy])
-            for j, t in zip(copy, fresh):
+        if capture.copy:
+            fresh = [torch.empty_like(outs[j]) for j in capture.copy]
+            torch._foreach_copy_(fresh, [outs[j] for j in capture.copy])
+            for j, t in zip(capture.copy, fresh):
                 results[j] = t
         if device.type == "cuda":
             if self.done is None:
@@ -253,8 +253,8 @@ class _DeviceState:
         self.dynamic |= {i for i, t in enumerate(inputs) if not t.is_contiguous()}
         static = [i not in self.dynamic for i in range(len(inputs))]
         try:
-            self.capture = _Capture(owner._run, inputs, static, owner._constants(device),
-                                    device, owner._recorder)
+            self.capture = _Capture(owner._run, inputs, static, self.copied,
+                                    owner._constants(device), device, owner._recorder)
         except Exception as e:  # a host synchronisation, a collective: no graph here
             _log.debug("CUDA graph: capture failed, running launch by launch: %s", e)
             self.refused = True

@@ -655,8 +655,8 @@ class _KernelWriter:
             # rows: a persistent tile of long rows has too few (a [4, 1024] tile of a split
             # bias gradient ran 5x slower on an H100 than [8, 512] chunks)
             columns = column_wise(k, mixed=True)
-            self.persistent = self.rnumel <= min(PERSISTENT_MAX,
-                                                 LOOPED_RBLOCK if columns else PERSISTENT_MAX)
+            limit = min(PERSISTENT_MAX, LOOPED_RBLOCK) if columns else PERSISTENT_MAX
+            self.persistent = self.rnumel <= limit
             if self.persistent:
                 rblock = _pow2(self.rnumel)
                 rows = max(1, TILE_MAX // rblock)

@@ -142,7 +142,7 @@ def _timer(device: str):
     return measure
 
 
-def _peak_bytes(fn, device: str, graphs: int = 0) -> int | None:
+def peak_bytes(fn, device: str, graphs: int = 0) -> int | None:
     """Bytes one call allocates at its peak above what was allocated before it (CUDA), plus
     ``graphs``: the bytes the CUDA graphs it replays hold (a replay allocates nothing: its
     memory was set aside when it was captured, NOTE [CUDA graphs])."""
@@ -197,7 +197,7 @@ def main() -> None:
             torch.cuda.synchronize()
         first = time.perf_counter() - start
         seconds = measure(step)
-        peak = _peak_bytes(step, device, held_bytes() - graphs)
+        peak = peak_bytes(step, device, held_bytes() - graphs)
         grads = [g.clone() for g in step()]  # a warm call's: replayed, where it is a graph
         reference = reference or grads
         error = max(((g.float() - r.float()).norm() / r.float().norm()).item()
@@ -262,7 +262,7 @@ def _training_loop(params, tokens, targets, heads: int, device: str, measure) ->
             torch.cuda.synchronize()
         first = time.perf_counter() - start
         seconds = measure(step)
-        peak = _peak_bytes(step, device, held_bytes() - graphs)
+        peak = peak_bytes(step, device, held_bytes() - graphs)
         loss = step().item()  # after the same number of steps from the same weights
         print(f"{name:>14} {first:>12.2f} {seconds * 1e3:>9.2f} "
               f"{'-' if peak is None else f'{peak / 2**20:.0f}':>9} {loss:>12.6f}", flush=True)

@@ -245,6 +245,7 @@ def main() -> None:
                       TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                       TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     import plait
+    from models import peak_bytes
     from plait.backends.cuda_graphs import held_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -296,17 +297,9 @@ def main() -> None:
             # the gradients of a warm step (replayed, where plait captured a graph)
             error = max(((p.grad - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-6))
                         .item() for k, p in model.named_parameters())
-            peak = float("nan")
-            if cuda:  # above the model's and the batch's memory; a CUDA graph's replay
-                # allocates nothing: its memory was set aside when it was captured
-                opt.zero_grad(set_to_none=True)
-                sync()
-                before = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                sync()
-                peak = (torch.cuda.max_memory_allocated() - before + held_bytes() - graphs) \
-                    / 2 ** 20
+            opt.zero_grad(set_to_none=True)  # above the model's and the batch's memory
+            peak = peak_bytes(step, args.device, held_bytes() - graphs)
+            peak = float("nan") if peak is None else peak / 2 ** 20
             print(f"{name:>9} {label:>14} {first:>8.2f} {statistics.median(times):>9.2f} "
                   f"{peak:>8.0f} {error:>9.1e}", flush=True)
             del model, run, opt

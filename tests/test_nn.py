@@ -254,6 +254,7 @@ def test_addbmm():
     (torch.addmv, [(3,), (3, 4), (4,)]),
     (lambda x, a, b: torch.baddbmm(x, a, b, alpha=-1.0), [(2, 3, 5), (2, 3, 4), (2, 4, 5)]),
     (lambda x, a, b: F.linear(a, b.mT, x), [(5,), (2, 3, 4), (4, 5)]),
+    (torch._addmm_activation, [(5,), (3, 4), (4, 5)]),  # addmm then relu (inductor's op)
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_products_plus_keep_the_operands_dtype(fn, shapes, dtype):

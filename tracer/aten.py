@@ -844,14 +844,14 @@ def _vdot(a, b):  # the first operand conjugated
     return _dot(bind("conj", a) if type_of(a).dtype.is_complex else a, b)
 
 
-def _product_plus(product):
+def _product_plus(name: str, product):
     """``beta * x + alpha * product(a, b)`` (addmm, addmv, baddbmm). torch's decompositions
     compute these in float32 for bfloat16 and float16 operands (``pw_cast_for_opmath``), so a
     linear layer's matrix product ran as a float32 GEMM, six times slower on a GPU than
     eager's: the product here keeps the operands' dtype (accumulating in float32, as eager's
     BLAS call does) and only the additions compute in float32."""
     def handler(x, a, b, *, beta=1, alpha=1):
-        _matmul_dtypes(product.__name__, x, a)
+        _matmul_dtypes(name, x, a)
         if not type_of(x).dtype.is_floating_point and not type_of(x).dtype.is_complex:
             beta, alpha = int(beta), int(alpha)
         out = product(a, b)
@@ -864,9 +864,9 @@ def _product_plus(product):
     return handler
 
 
-HANDLERS[aten.addmm.default] = _product_plus(torch.mm)
-HANDLERS[aten.addmv.default] = _product_plus(torch.mv)
-HANDLERS[aten.baddbmm.default] = _product_plus(torch.bmm)
+HANDLERS[aten.addmm.default] = _product_plus("addmm", torch.mm)
+HANDLERS[aten.addmv.default] = _product_plus("addmv", torch.mv)
+HANDLERS[aten.baddbmm.default] = _product_plus("baddbmm", torch.bmm)
 
 
 @handles(aten._addmm_activation.default)
