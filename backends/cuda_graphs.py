@@ -35,7 +35,6 @@ same graph by an event (its memory is shared by every call), under a lock.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import warnings
@@ -111,8 +110,9 @@ class _CudaRecorder:
 
     @staticmethod
     def reserved(device) -> int:
-        """The device memory torch holds, its cache emptied (as a capture's start empties it)."""
-        gc.collect()
+        """The device memory torch holds, its cache emptied (as a capture's start empties it).
+        No garbage collection: with a large heap (torch.compile's caches, say) each one
+        takes hundreds of milliseconds, and torch's own capture stopped collecting for that."""
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(device)
