@@ -20,7 +20,6 @@ import collections
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -61,11 +60,11 @@ def gpt_module_steps(args, device, dtype):
     dim, heads, vocab, batch, seq = gpt_sizes(device)
     params = gpt_params(args.blocks, dim, vocab, seq, device=device, dtype=dtype)
     tokens, targets = gpt_batch(batch, seq, vocab, device=device)
-    steps = {}
+    steps, jitted = {}, {}
     for label, wrap in (("eager", lambda m: m), ("torch.compile", torch.compile),
                         ("plait", plait.jit)):
         model = GPT(params, heads)
-        run = wrap(model)
+        run = jitted[label] = wrap(model)
 
         def step(run=run, model=model):
             run(tokens, targets).backward()
@@ -74,7 +73,7 @@ def gpt_module_steps(args, device, dtype):
         steps[label] = step
     title = (f"GPT module, loss.backward(): {args.blocks} blocks, d={dim}, vocab {vocab}, "
              f"{batch}x{seq} tokens, {dtype}, {device}")
-    return title, steps, lambda: []
+    return title, steps, lambda: autograd_programs(jitted["plait"])
 
 
 def zoo_steps(args, device, dtype):
@@ -100,7 +99,15 @@ def zoo_steps(args, device, dtype):
                 p.grad = None
             return grads
         steps[label] = step
-    return f"{args.model} training step, {dtype}, {device}", steps, lambda: []
+    return (f"{args.model} training step, {dtype}, {device}", steps,
+            lambda: autograd_programs(jitted["plait"]))
+
+
+def autograd_programs(module) -> list:
+    """The forward and backward programs ``plait.jit(module)`` runs under torch.autograd
+    (NOTE [jit under torch.autograd])."""
+    return [p for compiled in module.jitted._cache.values()
+            for d in compiled._programs.values() for p in (d._forward, d._backward)]
 
 
 def kernel_descriptions(lowered: list) -> dict[str, str]:
@@ -128,10 +135,9 @@ def main() -> None:
                         help="also list the ops (with their callers) that launch the kernels "
                              "whose name contains TEXT")
     args = parser.parse_args()
-    cache = tempfile.mkdtemp()
-    os.environ.update(PLAIT_CACHE_DIR=os.path.join(cache, "plait"),
-                      TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                      TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+    from models import fresh_caches
+
+    fresh_caches(args.device)
     device, dtype = args.device, getattr(torch, args.dtype)
     make = {"gpt": gpt_function_steps, "gpt-module": gpt_module_steps}.get(args.model,
                                                                           zoo_steps)

@@ -235,24 +235,22 @@ MODELS = {"llama": llama, "vit": vit, "resnet": resnet, "convnext": convnext}
 def main() -> None:
     import argparse
     import gc
-    import os
     import statistics
-    import tempfile
     import time
-
-    cache = tempfile.mkdtemp()  # empty caches of this run's own, before the compilers load
-    os.environ.update(PLAIT_CACHE_DIR=os.path.join(cache, "plait"),
-                      TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                      TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-    import plait
-    from models import peak_bytes
-    from plait.backends.cuda_graphs import held_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="timed steps (default 5 on a GPU, 25 on the CPU)")
     args = parser.parse_args()
+    from models import fresh_caches, peak_bytes
+
+    fresh_caches(args.device)
+    import plait
+    from plait.backends.cuda_graphs import held_bytes
+
+    args.repeat = args.repeat or (5 if args.device == "cuda" else 25)
     cuda = args.device == "cuda"
 
     def sync():

@@ -60,13 +60,16 @@ def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
             (n - 1) * d + 1 for n, d in zip(lhs.shape[2:], lhs_dilation)))
         dilated[(..., *(slice(None, None, d) for d in lhs_dilation))] = lhs
         lhs = dilated
+    zeros = [0] * len(window_strides)
+    if all(lo == hi >= 0 for lo, hi in padding):  # the library pads (F.pad would copy)
+        return torch.convolution(lhs, rhs, None, window_strides, [lo for lo, _ in padding],
+                                 rhs_dilation, False, zeros, feature_group_count)
     # Negative padding crops (as in some transposed convolutions and in the VJP), possibly
     # into the other side's padding, which F.pad cannot: pad first, then crop.
     lhs = torch.nn.functional.pad(lhs, [max(p, 0) for lo, hi in reversed(padding)
                                         for p in (lo, hi)])
     lhs = lhs[(..., *(slice(max(-lo, 0), n - max(-hi, 0))
                       for n, (lo, hi) in zip(lhs.shape[2:], padding)))]
-    zeros = [0] * len(window_strides)
     return torch.convolution(lhs, rhs, None, window_strides, zeros, rhs_dilation, False,
                              zeros, feature_group_count)
 
