@@ -196,6 +196,40 @@ def test_max_pool_ties_nan_and_inf_like_eager():
     check(lambda x: F.adaptive_max_pool2d(x, (1, 4), return_indices=True), x)
 
 
+@pytest.mark.parametrize("pool", [
+    lambda x: F.max_pool2d(x, 3, stride=2, padding=1),
+    lambda x: F.max_pool2d(x, 2, stride=1, dilation=2, ceil_mode=True),
+    lambda x: F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False),
+    lambda x: F.adaptive_max_pool2d(x, (4, 3)),
+    lambda x: F.max_pool1d(x.flatten(2), 5, stride=3),
+], ids=["max3s2p1", "max_dilated_ceil", "avg", "adaptive_max", "max1d"])
+def test_pooling_gradients_gather_back(pool):
+    """A pooling's gradient equals torch.autograd's, and gathers the windows' cotangents
+    back through the inverse of its static window tables: no scatter."""
+    x = randn(2, 3, 11, 9)
+    loss = lambda x: (pool(x) * torch.arange(1.0, 2.0, 1 / pool(x).shape[-1])).sum()
+    leaf = x.clone().requires_grad_()
+    want, = torch.autograd.grad(loss(leaf), leaf)
+    grad = plait.jit(plait.grad(loss))
+    assert_close(grad(x), want)
+    graph = grad.lower(x).traced.graph
+    assert "scatter" not in {graph.node(n).prim for n in graph.order}
+
+
+def test_gather_back_keeps_scatter_for_many_readers():
+    """A static table where one position has more readers than the gather-back limit keeps
+    the scatter (a gather back would read every position that many times)."""
+    x = randn(3, 4)
+    table = torch.tensor([0] * 20 + [1, 2])
+    loss = lambda x: (x.index_select(0, table) * torch.arange(22.0)[:, None]).sum()
+    leaf = x.clone().requires_grad_()
+    want, = torch.autograd.grad(loss(leaf), leaf)
+    grad = plait.jit(plait.grad(loss))
+    assert_close(grad(x), want)
+    graph = grad.lower(x).traced.graph
+    assert "scatter" in {graph.node(n).prim for n in graph.order}
+
+
 @pytest.mark.parametrize("size", [1, 3, (2, 5), 4])
 def test_adaptive_pools(size):
     x = randn(2, 3, 7, 9)

@@ -902,7 +902,65 @@ def _gather_vjp(cts, x, index, *, outs, dim):
                           device=str(x.device))
         picked = positions.reshape([-1 if d == dim else 1 for d in range(x.ndim)]) == index
         return torch.where(picked, cts[0], torch.zeros((), dtype=x.dtype, device=x.device)), None
+    table = _selected_positions(index, x, dim)
+    if table is not None:
+        inverse = _readers(table, x.shape[dim])
+        if inverse is not None:
+            return _gathered_back(cts[0], dim, *inverse), None
     return torch.zeros_like(x).scatter_add(dim, index, cts[0]), None
+
+
+# A static gather's VJP gathers back where each position has at most this many readers.
+GATHERED_BACK_MAX_READERS = 8
+
+
+def _selected_positions(index, x, dim: int) -> torch.Tensor | None:
+    """The positions along ``dim`` that a gather picks, where ``index`` is a table built at
+    trace time (index_select by a constant, as pooling's window tables are) broadcast along
+    the other dims, each as long as x's; else None."""
+    from .trace import current_trace  # the tracer builds on this module
+
+    trace = current_trace()
+    if getattr(index, "_trace", None) is not trace:  # not this trace's own value
+        return None
+    node, operands = trace.defining(index)
+    if node.prim != "broadcast_in_dim" or node.kwargs["broadcast_dimensions"] != (dim,) or \
+            any(i != n for d, (i, n) in enumerate(zip(index.shape, x.shape)) if d != dim):
+        return None
+    while True:
+        node, inner = trace.defining(operands[0])
+        if node.prim == "constant":
+            return node.kwargs["value"].tensor.reshape(-1)
+        if node.prim != "reshape":
+            return None
+        operands = inner
+
+
+def _readers(table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The inverse of the positions ``table`` picks among ``n``: for each position, the
+    entries of ``table`` that picked it ([n, r], padded) and which of those are real; None
+    where a position has more than GATHERED_BACK_MAX_READERS readers."""
+    table = table.cpu()
+    counts = torch.bincount(table, minlength=n)
+    readers = int(counts.max()) if n else 0
+    if table.numel() == 0 or not 0 < readers <= GATHERED_BACK_MAX_READERS:
+        return None
+    order = torch.argsort(table, stable=True)
+    slot = torch.arange(readers)
+    first = torch.cumsum(counts, 0) - counts
+    inverse = order[(first[:, None] + slot).clamp(max=table.numel() - 1)]
+    return inverse, slot < counts[:, None]
+
+
+def _gathered_back(ct, dim: int, inverse: torch.Tensor, real: torch.Tensor):
+    """The cotangent of x.index_select(dim, table) as a gather: each position sums the
+    cotangents of the entries that read it (``_readers``). Elementwise and a short sum, it
+    fuses with what computes ``ct``; a scatter writes a zeroed buffer with atomic adds."""
+    n, readers = inverse.shape
+    picked = ct.index_select(dim, inverse.reshape(-1).to(ct.device)).unflatten(dim, (n, readers))
+    mask = real.reshape((n, readers) + (1,) * (ct.ndim - dim - 1)).to(ct.device)
+    return torch.where(mask, picked, torch.zeros((), dtype=ct.dtype, device=ct.device)) \
+        .sum(dim + 1)
 
 
 def _scatter_infer(x, index, src, *, dim, reduce, include_self):

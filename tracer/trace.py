@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
                       UnsupportedDtypeError, UnsupportedOpError)
-from ..graph import Constant, GraphBuilder, Provenance, TensorType, Value
+from ..graph import Constant, GraphBuilder, Node, Provenance, TensorType, Value
 from .primitives import OperandSlot, get_primitive, is_effectful
 
 aten = torch.ops.aten
@@ -258,6 +258,12 @@ class Trace:
 
     def type_of(self, x: Any) -> TensorType:
         return self.builder.type_of(self.value_of(x))
+
+    def defining(self, x: Any) -> tuple[Node, tuple[Value, ...]]:
+        """The node that computes tracer (or graph value) ``x`` in this trace, and its
+        operands: for a rule that reads a table the trace built (NOTE [nn ops])."""
+        value = x if isinstance(x, Value) else self.value_of(x)
+        return self.builder.node(value.node), self.builder.operands(value.node)
 
     def bind(self, prim_name: str, *operands: Any, **params: Any):
         """Add one primitive node; return its result tracer(s)."""
