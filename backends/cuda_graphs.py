@@ -13,7 +13,9 @@ kept their address are *static*: the graph reads them where they are. The others
 *dynamic*: each call copies them into buffers of the graph's own. Each graph captures into a
 memory pool of its own, which holds the program's peak memory between calls (``pool_bytes``).
 Before a replay every static input is checked: another address, or a layout no longer
-contiguous, captures again with it dynamic, up to ``MAX_CAPTURES`` times, after which the
+contiguous, captures again, reading it at its new address the first time it moves (the
+backward's residuals, once the forward was captured again) and copying it in from its second
+move on (dynamic), up to ``MAX_CAPTURES`` times, after which the
 program runs launch by launch on that device. Anything a capture refuses (a host
 synchronisation in an extern, a collective) leaves the program uncaptured for good.
 
@@ -84,13 +86,19 @@ class _Capture:
         storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
         ours = {storage(t) for t in (*(b for b, s in zip(self.buffers, static) if not s),
                                      *constants)}
-        theirs = {storage(t) for t, s in zip(inputs, static) if s}
+        theirs = {storage(t): i for i, (t, s) in enumerate(zip(inputs, static)) if s}
         # an output on a static input is the caller's memory, which no replay writes (but
         # for a donated input, given up by the caller): lent, never checked; one on a buffer
         # of the graph's own or a constant is copied out, as are those found held once
         self.copy = [j for j, o in enumerate(self.outputs) if j in copied or storage(o) in ours]
         self.checked = [j for j, o in enumerate(self.outputs) if storage(o) not in theirs]
         self.baseline = {j: _use_count(self.outputs[j]) for j in self.checked}
+        # ... and is rebuilt on that input at each replay rather than kept here: kept, it
+        # would hold the caller's memory, and the program that lent it (a forward program,
+        # whose residual a backward's gradient views) would find it held by its caller
+        self.views = {j: (theirs[storage(o)], tuple(o.shape), o.stride(), o.storage_offset())
+                      for j, o in enumerate(self.outputs) if storage(o) in theirs}
+        self.outputs = [None if j in self.views else o for j, o in enumerate(self.outputs)]
         # the static inputs are the caller's: read where they are, never kept alive here
         self.buffers = [None if s else b for b, s in zip(self.buffers, static)]
         _live.add(self)
@@ -181,6 +189,7 @@ class _DeviceState:
         self.addresses: list | None = None  # the inputs' addresses at the last call
         self.dynamic: set[int] = set()
         self.steady: dict[int, int] = {}  # dynamic input -> calls it has stayed where it is
+        self.moved: set[int] = set()  # static inputs that have moved once
         self.copied: set[int] = set()  # outputs found alive once: copied out from then on
         self.capture: _Capture | None = None
         self.done = None  # the event after the last replay's copies
@@ -215,8 +224,12 @@ class _DeviceState:
                 # a static input moved, the caller still holds results of the last replay
                 # (left to it, with the graph's memory under them), or a dynamic input
                 # settled: capture again, with those inputs copied in or read in place and
-                # those outputs copied out from now on
-                self.dynamic = (self.dynamic | set(moved)) - settled
+                # those outputs copied out from now on. A static input that moves for the
+                # first time is read in place at its new address (a residual of a program
+                # captured again, which stays there); one that moves again is copied in.
+                again = set(moved) & self.moved
+                self.moved |= set(moved)
+                self.dynamic = (self.dynamic | again) - settled
                 self.copied |= set(alive)
                 _log.debug("CUDA graph: inputs %s moved, %s settled, outputs %s held: "
                            "capturing again", moved, sorted(settled), alive)
@@ -230,7 +243,9 @@ class _DeviceState:
             capture.buffers[i].copy_(inputs[i])
         owner._recorder.replay(capture, inputs)
         outs = capture.outputs
-        results = [o.detach() for o in outs]  # lent: new tensors on the graph's memory
+        results = [o.detach() if o is not None else  # lent: new tensors on the graph's memory
+                   inputs[capture.views[j][0]].detach().as_strided(*capture.views[j][1:])
+                   for j, o in enumerate(outs)]
         if capture.copy:
             fresh = [torch.empty_like(outs[j]) for j in capture.copy]
             torch._foreach_copy_(fresh, [outs[j] for j in capture.copy])

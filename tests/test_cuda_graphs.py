@@ -44,7 +44,8 @@ class _Rerun:
         run, device = capture.graph
         buffers = [x if b is None else b for b, x in zip(capture.buffers, inputs)]
         for o, n in zip(capture.outputs, run(buffers, device)):
-            o.copy_(n)
+            if o is not None:  # None: an output on a static input, rebuilt on it
+                o.copy_(n)
 
 
 def _graphed(fn, recorder, constants=()):
@@ -145,8 +146,9 @@ def test_moved_static_inputs_are_copied_in_after_a_new_capture():
         out = graphed([w, x], CPU)[0]
         assert torch.allclose(out, w @ x)
         del out
-    # captured at the third call, again when w moved, again when x moved, and again once x
-    # had stayed put for two calls: read in place from then on
+    # captured at the third call; again when w moved (read at its new address), again when
+    # it moved a second time (copied in from then on), and again when x moved (read in place
+    # at its new address, where it stays)
     assert recorder.captures == 4 and graphed._state[CPU].dynamic == {0}
 
 
@@ -162,6 +164,23 @@ def test_a_residual_lent_by_one_graph_is_read_in_place_by_the_next():
         assert torch.equal(backward([r, g], CPU)[0], x.exp() * g)
         del r
     assert backward._state[CPU].dynamic == {1}
+
+
+def test_a_backward_viewing_its_residual_leaves_the_forward_graph_alone():
+    """A backward whose result is a view of a residual it reads in place (a gradient that is
+    a reshape of a saved value) does not keep that residual alive: the forward does not
+    find its output held and captures once, and the backward reads the residual in place."""
+    forward_recorder, backward_recorder = _Rerun(), _Rerun()
+    forward, _ = _graphed(lambda x: x.exp(), forward_recorder)
+    backward, _ = _graphed(lambda r, g: r.view(2, 2), backward_recorder)
+    for _ in range(10):
+        x = torch.randn(4)
+        r = forward([x], CPU)[0]
+        grad = backward([r, torch.randn(4)], CPU)[0]
+        assert torch.equal(grad, x.exp().view(2, 2))
+        del r, grad
+    assert forward_recorder.captures == 1 and not forward._state[CPU].copied
+    assert 0 not in backward._state[CPU].dynamic
 
 
 def test_inputs_that_keep_moving_give_up_graphs():
