@@ -284,7 +284,8 @@ def main() -> None:
             step()
             sync()
             first = time.perf_counter() - start
-            for _ in range(3):  # warm: plait captures its CUDA graphs at the third call
+            for _ in range(6):  # warm: plait captures its CUDA graphs from the third call,
+                # again once the backward's residuals settle (NOTE [CUDA graphs])
                 step()
             times = []
             for _ in range(args.repeat):
