@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.plait-installed
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test test-slow bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -19,7 +19,11 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -c tests/pytest.ini -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -c tests/pytest.ini -q -m "not slow" tests $(PYTEST_ARGS)
+
+# The heavy sweeps `make test` leaves out (tests marked slow); CI runs both.
+test-slow: $(STAMP)
+	$(PY) -m pytest -c tests/pytest.ini -q -m slow tests $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

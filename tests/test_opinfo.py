@@ -9,6 +9,8 @@ import pytest
 
 from opinfo_sweep import sweep
 
+pytestmark = pytest.mark.slow  # about nine minutes on two cores: `make test-slow`, and CI
+
 MATCH_FLOOR = 0.97
 OPAQUE_CEILING = 0.10
 
