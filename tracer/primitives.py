@@ -941,9 +941,11 @@ def _readers(table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] |
     entries of ``table`` that picked it ([n, r], padded) and which of those are real; None
     where a position has more than GATHERED_BACK_MAX_READERS readers."""
     table = table.cpu()
+    if table.numel() == 0 or n == 0 or int(table.min()) < 0 or int(table.max()) >= n:
+        return None  # (out of range: left to the scatter, as before)
     counts = torch.bincount(table, minlength=n)
-    readers = int(counts.max()) if n else 0
-    if table.numel() == 0 or not 0 < readers <= GATHERED_BACK_MAX_READERS:
+    readers = int(counts.max())
+    if readers > GATHERED_BACK_MAX_READERS:
         return None
     order = torch.argsort(table, stable=True)
     slot = torch.arange(readers)
