@@ -26,8 +26,10 @@ that the optimizer consumes and ``zero_grad`` drops) until one is found alive at
 call: its storage's use count is above the graph's own. That call then runs launch by launch
 into fresh memory, leaving the old results intact, and from then on that output is *copied*
 out of the graph's memory after each replay (a loss kept for logging, ``out = f(x)``, whose
-old ``out`` lives while the next call runs). An output sharing memory with an input or a
-constant is always copied. Nothing the caller holds is ever written by a replay.
+old ``out`` lives while the next call runs). An output on a dynamic input's buffer or on a
+constant is always copied; one on a static input is the caller's own memory, lent (a view
+of that input, rebuilt at each replay, where it lies within it). Nothing the caller holds
+is ever written by a replay.
 
 Randomness. torch registers its CUDA generator with each capture: a replay draws the
 numbers eager would draw from the generator's state at that call, and advances it as eager.
@@ -50,7 +52,7 @@ from ..config import config
 _log = logging.getLogger("plait.kernels")
 
 WARM_CALLS = 2     # calls before the capture: compilation and library warm-up, then addresses
-MAX_CAPTURES = 4   # captures per device before a program stays uncaptured there
+MAX_CAPTURES = 6   # captures per device before a program stays uncaptured there
 STEADY_CALLS = 2   # calls a dynamic input stays put before it is read in place
 
 _live: weakref.WeakSet = weakref.WeakSet()  # every _Capture not yet released
@@ -86,18 +88,20 @@ class _Capture:
         storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
         ours = {storage(t) for t in (*(b for b, s in zip(self.buffers, static) if not s),
                                      *constants)}
-        theirs = {storage(t): i for i, (t, s) in enumerate(zip(inputs, static)) if s}
+        theirs = {storage(t) for t, s in zip(inputs, static) if s}
         # an output on a static input is the caller's memory, which no replay writes (but
         # for a donated input, given up by the caller): lent, never checked; one on a buffer
         # of the graph's own or a constant is copied out, as are those found held once
-        self.copy = [j for j, o in enumerate(self.outputs) if j in copied or storage(o) in ours]
         self.checked = [j for j, o in enumerate(self.outputs) if storage(o) not in theirs]
         self.baseline = {j: _use_count(self.outputs[j]) for j in self.checked}
-        # ... and is rebuilt on that input at each replay rather than kept here: kept, it
-        # would hold the caller's memory, and the program that lent it (a forward program,
-        # whose residual a backward's gradient views) would find it held by its caller
-        self.views = {j: (theirs[storage(o)], tuple(o.shape), o.stride(), o.storage_offset())
-                      for j, o in enumerate(self.outputs) if storage(o) in theirs}
+        # ... and, where it lies within one static input, is rebuilt on that input at each
+        # replay rather than kept here: kept, it would hold the caller's memory, and the
+        # program that lent it (a forward, whose residual a backward's result views) would
+        # find it held by its caller
+        self.views = {j: v for j, o in enumerate(self.outputs) if storage(o) in theirs
+                      and (v := _within(o, inputs, static)) is not None}
+        self.copy = [j for j, o in enumerate(self.outputs) if j not in self.views
+                     and (j in copied or storage(o) in ours)]
         self.outputs = [None if j in self.views else o for j, o in enumerate(self.outputs)]
         # the static inputs are the caller's: read where they are, never kept alive here
         self.buffers = [None if s else b for b, s in zip(self.buffers, static)]
@@ -111,6 +115,19 @@ class _Capture:
     def alive(self) -> list[int]:
         """The outputs the caller still holds (their storage used beyond the graph's own)."""
         return [j for j in self.checked if _use_count(self.outputs[j]) > self.baseline[j]]
+
+
+def _within(o: torch.Tensor, inputs: Sequence[torch.Tensor], static: list[bool]):
+    """(input, shape, strides, offset from the input's first element) of output ``o`` where
+    its elements lie within one static (contiguous) input of its dtype; else None."""
+    size = o.element_size()
+    span = (sum((n - 1) * st for n, st in zip(o.shape, o.stride())) + 1) * size if o.numel() else 0
+    for i, (t, s) in enumerate(zip(inputs, static)):
+        start = t.data_ptr()
+        if s and t.dtype == o.dtype and start <= o.data_ptr() and \
+                o.data_ptr() + span <= start + t.numel() * size and all(st >= 0 for st in o.stride()):
+            return i, tuple(o.shape), o.stride(), (o.data_ptr() - start) // size
+    return None
 
 
 class _CudaRecorder:
@@ -181,6 +198,13 @@ class Graphed:
             return state.call(self, inputs, device)
 
 
+def _rebuilt(inputs, i: int, shape: tuple, strides: tuple, offset: int) -> torch.Tensor:
+    """An output on static input ``i`` (``_within``), on the input at this call (at the
+    address the graph read: the static inputs were checked)."""
+    t = inputs[i].detach()
+    return t.as_strided(shape, strides, t.storage_offset() + offset)
+
+
 class _DeviceState:
     """A program's graph on one device, and what its calls showed."""
 
@@ -243,9 +267,8 @@ class _DeviceState:
             capture.buffers[i].copy_(inputs[i])
         owner._recorder.replay(capture, inputs)
         outs = capture.outputs
-        results = [o.detach() if o is not None else  # lent: new tensors on the graph's memory
-                   inputs[capture.views[j][0]].detach().as_strided(*capture.views[j][1:])
-                   for j, o in enumerate(outs)]
+        results = [o.detach() if o is not None else _rebuilt(inputs, *capture.views[j])
+                   for j, o in enumerate(outs)]  # lent: new tensors on the graph's memory
         if capture.copy:
             fresh = [torch.empty_like(outs[j]) for j in capture.copy]
             torch._foreach_copy_(fresh, [outs[j] for j in capture.copy])

@@ -154,10 +154,18 @@ def fresh_caches(device: str) -> None:
     os.environ.update(PLAIT_CACHE_DIR=os.path.join(cache, "plait"),
                       TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                       TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-    if device == "cpu":
+    from plait.config import config
+
+    if device == "cpu" and config.cpp_wrapper:
+        import warnings
+
         from plait.backends import cpp_wrapper
 
-        cpp_wrapper.runtime_future().result()
+        try:
+            cpp_wrapper.runtime_future().result()
+        except Exception as e:  # noqa: BLE001 - plait runs its Python wrapper instead
+            warnings.warn(f"plait's C++ runtime did not build ({e}); timing the Python "
+                          "wrapper")
 
 
 def peak_bytes(fn, device: str, graphs: int = 0) -> int | None:

@@ -183,13 +183,26 @@ def test_a_backward_viewing_its_residual_leaves_the_forward_graph_alone():
     assert 0 not in backward._state[CPU].dynamic
 
 
+def test_an_output_within_a_static_input_follows_the_input_at_its_address():
+    """An output viewing a static input is rebuilt on the input of each call, counted from
+    that input's own first element: another tensor at the same address (another storage, or
+    another offset in its storage) gives the same elements."""
+    graphed, _ = _graphed(lambda r: r.view(2, 2), _Rerun())
+    base = torch.arange(16.0)
+    for _ in range(5):
+        assert torch.equal(graphed([base[4:8]], CPU)[0], base[4:8].view(2, 2))
+    other = torch.from_numpy(base.numpy()[4:])[:4]  # base[4:8]'s address, another storage
+    assert other.data_ptr() == base[4:8].data_ptr() and other.storage_offset() == 0
+    assert torch.equal(graphed([other], CPU)[0], base[4:8].view(2, 2))
+
+
 def test_inputs_that_keep_moving_give_up_graphs():
     recorder = _Rerun()
     graphed, calls = _graphed(lambda *ws: sum(ws), recorder)
     ws = [torch.randn(2) for _ in range(5)]
-    for step in range(8):
+    for step in range(16):
         if step >= 3:
-            ws[step - 3] = torch.randn(2)  # one more input moves at each call
+            ws[step % 5] = torch.randn(2)  # an input moves at each call, each every 5 calls
         out = graphed(ws, CPU)[0]
         assert torch.allclose(out, sum(ws))
         del out

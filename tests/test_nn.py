@@ -207,7 +207,7 @@ def test_pooling_gradients_gather_back(pool):
     """A pooling's gradient equals torch.autograd's, and gathers the windows' cotangents
     back through the inverse of its static window tables: no scatter."""
     x = randn(2, 3, 11, 9)
-    loss = lambda x: (pool(x) * torch.arange(1.0, 2.0, 1 / pool(x).shape[-1])).sum()
+    loss = lambda x: (pool(x) * (1 + torch.arange(pool(x).shape[-1]) / 8)).sum()
     leaf = x.clone().requires_grad_()
     want, = torch.autograd.grad(loss(leaf), leaf)
     grad = plait.jit(plait.grad(loss))
@@ -228,6 +228,23 @@ def test_gather_back_keeps_scatter_for_many_readers():
     assert_close(grad(x), want)
     graph = grad.lower(x).traced.graph
     assert "scatter" in {graph.node(n).prim for n in graph.order}
+
+
+def test_gather_back_needs_a_table_as_long_as_the_index():
+    """A one-entry table broadcast along the gathered dim picks that entry at every
+    position: its cotangents all land there (the scatter), not just the first one's."""
+    from plait.tracer.trace import bind
+
+    x, w = randn(5, 3), torch.arange(1.0, 13.0).reshape(4, 3)
+
+    def loss(x):
+        one = bind("reshape", torch.tensor([[2]]), shape=(1,))
+        index = bind("broadcast_in_dim", one, shape=(4, 3), broadcast_dimensions=(0,))
+        return (bind("gather", x, index, dim=0) * w).sum()
+
+    want = torch.zeros(5, 3)
+    want[2] = w.sum(0)
+    assert_close(plait.grad(loss)(x), want)
 
 
 @pytest.mark.parametrize("size", [1, 3, (2, 5), 4])

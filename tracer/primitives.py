@@ -895,7 +895,9 @@ define("gather", _gather_infer, lambda x, index, *, dim: torch.gather(x, dim, in
 def _gather_vjp(cts, x, index, *, outs, dim):
     """The cotangents scattered back and added. Where the index picks one position per row
     of ``dim`` (nll_loss's target), a select instead: elementwise, so it fuses into what
-    consumes it, where a scatter writes a buffer of x's size (a logits-sized one)."""
+    consumes it, where a scatter writes a buffer of x's size (a logits-sized one). Where it
+    is a table built at trace time (pooling's windows), a gather through its inverse
+    (``_gathered_back``)."""
     if index.shape[dim] == 1 and all(index.shape[d] == x.shape[d]
                                      for d in range(x.ndim) if d != dim):
         positions = _bind("iota", length=x.shape[dim], start=0, step=1, dtype=index.dtype,
@@ -930,7 +932,9 @@ def _selected_positions(index, x, dim: int) -> torch.Tensor | None:
     while True:
         node, inner = trace.defining(operands[0])
         if node.prim == "constant":
-            return node.kwargs["value"].tensor.reshape(-1)
+            table = node.kwargs["value"].tensor.reshape(-1)
+            # (a one-entry table broadcast along dim picks that entry at every position)
+            return table if table.numel() == index.shape[dim] else None
         if node.prim != "reshape":
             return None
         operands = inner
@@ -939,10 +943,12 @@ def _selected_positions(index, x, dim: int) -> torch.Tensor | None:
 def _readers(table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The inverse of the positions ``table`` picks among ``n``: for each position, the
     entries of ``table`` that picked it ([n, r], padded) and which of those are real; None
-    where a position has more than GATHERED_BACK_MAX_READERS readers."""
+    where a position has more than GATHERED_BACK_MAX_READERS readers, or the table is much
+    shorter than ``n`` (the inverse would be mostly padding)."""
     table = table.cpu()
-    if table.numel() == 0 or n == 0 or int(table.min()) < 0 or int(table.max()) >= n:
-        return None  # (out of range: left to the scatter, as before)
+    if table.numel() == 0 or n > 4 * table.numel() or int(table.min()) < 0 or \
+            int(table.max()) >= n:
+        return None  # (a table much shorter than the dim, or out of range: the scatter)
     counts = torch.bincount(table, minlength=n)
     readers = int(counts.max())
     if readers > GATHERED_BACK_MAX_READERS:
