@@ -121,11 +121,11 @@ def _within(o: torch.Tensor, inputs: Sequence[torch.Tensor], static: list[bool])
     """(input, shape, strides, offset from the input's first element) of output ``o`` where
     its elements lie within one static (contiguous) input of its dtype; else None."""
     size = o.element_size()
-    span = (sum((n - 1) * st for n, st in zip(o.shape, o.stride())) + 1) * size if o.numel() else 0
+    last = sum((n - 1) * st for n, st in zip(o.shape, o.stride())) + 1 if o.numel() else 0
     for i, (t, s) in enumerate(zip(inputs, static)):
         start = t.data_ptr()
         if s and t.dtype == o.dtype and start <= o.data_ptr() and \
-                o.data_ptr() + span <= start + t.numel() * size and all(st >= 0 for st in o.stride()):
+                o.data_ptr() + last * size <= start + t.numel() * size:
             return i, tuple(o.shape), o.stride(), (o.data_ptr() - start) // size
     return None
 
@@ -213,7 +213,7 @@ class _DeviceState:
         self.addresses: list | None = None  # the inputs' addresses at the last call
         self.dynamic: set[int] = set()
         self.steady: dict[int, int] = {}  # dynamic input -> calls it has stayed where it is
-        self.moved: set[int] = set()  # static inputs that have moved once
+        self.moved_once: set[int] = set()  # static inputs that have moved
         self.copied: set[int] = set()  # outputs found alive once: copied out from then on
         self.capture: _Capture | None = None
         self.done = None  # the event after the last replay's copies
@@ -251,8 +251,8 @@ class _DeviceState:
                 # those outputs copied out from now on. A static input that moves for the
                 # first time is read in place at its new address (a residual of a program
                 # captured again, which stays there); one that moves again is copied in.
-                again = set(moved) & self.moved
-                self.moved |= set(moved)
+                again = set(moved) & self.moved_once
+                self.moved_once |= set(moved)
                 self.dynamic = (self.dynamic | again) - settled
                 self.copied |= set(alive)
                 _log.debug("CUDA graph: inputs %s moved, %s settled, outputs %s held: "
