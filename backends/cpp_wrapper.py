@@ -98,6 +98,7 @@ extern "C" void plait_drop_result(void* handle) { plait_delete(static_cast<DLMan
 RUNTIME = r"""// plait's C++ runtime: externs through ATen (backends/cpp_wrapper.py, NOTE [C++ wrapper]).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <limits>
 #include <string>
 
 struct plait_view { void* data; int64_t ndim; const int64_t* sizes; const int64_t* strides;
@@ -193,36 +194,59 @@ extern "C" int plait_conv_backward(const plait_view* v, const int64_t* p, const 
 }
 
 // attention and attention_backward: torch's fused attention on 4-D operands (other ranks
-// folded into batch and heads, as the Python implementation does); the backward is autograd's
-// of it. ints: causal; doubles: scale.
+// folded into batch and heads, as the Python implementation does). attention writes the
+// output and each row's log-sum-exp, which the backward reads (tracer/nn.py). Where torch
+// would not pick its fused CPU kernel, the statistics come from the scores and the backward
+// is autograd's. ints: causal; doubles: scale.
 static at::Tensor four_d(const at::Tensor& x) {
   return x.dim() == 4 ? x : x.reshape({-1, 1, x.size(-2), x.size(-1)});
 }
 
-static at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+static bool fused_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          bool causal, double scale) {
-  auto out = at::scaled_dot_product_attention(four_d(q), four_d(k), four_d(v), {}, 0.0, causal,
-                                              scale);
-  if (q.dim() == 4) return out;
-  auto shape = q.sizes().vec();
-  shape.back() = v.size(-1);
-  return out.reshape(shape);
+  constexpr int64_t flash = 1;  // sdp::SDPBackend::flash_attention
+  return at::_fused_sdp_choice(q, k, v, {}, 0.0, causal, scale) == flash;
 }
 
 extern "C" int plait_attention(const plait_view* v, const int64_t* p, const double* f) {
   return guarded([&] {
-    tensor(&v[3]).copy_(attend(tensor(&v[0]), tensor(&v[1]), tensor(&v[2]), p[0], f[0]));
+    auto q = four_d(tensor(&v[0])), k = four_d(tensor(&v[1])), val = four_d(tensor(&v[2]));
+    at::Tensor out, lse;
+    if (fused_kernel(q, k, val, p[0], f[0])) {
+      std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, val, 0.0, p[0],
+                                                                           {}, f[0]);
+    } else {
+      out = at::scaled_dot_product_attention(q, k, val, {}, 0.0, p[0], f[0]);
+      auto wide = tensor(&v[4]).scalar_type();
+      auto s = at::matmul(q.to(wide), k.to(wide).transpose(-2, -1)) * f[0];
+      if (p[0]) s = s.masked_fill(at::ones({s.size(-2), s.size(-1)}, s.options().dtype(at::kBool))
+                                      .tril().logical_not(), -std::numeric_limits<double>::infinity());
+      lse = s.logsumexp(-1);
+    }
+    tensor(&v[3]).copy_(out.reshape(tensor(&v[3]).sizes()));
+    tensor(&v[4]).copy_(lse.reshape(tensor(&v[4]).sizes()));
   });
 }
 
 extern "C" int plait_attention_backward(const plait_view* v, const int64_t* p, const double* f) {
   return guarded([&] {
-    at::AutoGradMode grad_mode(true);
-    std::vector<at::Tensor> leaves;
-    for (int j = 1; j < 4; ++j) leaves.push_back(tensor(&v[j]).detach().requires_grad_(true));
-    auto out = attend(leaves[0], leaves[1], leaves[2], p[0], f[0]);
-    auto grads = torch::autograd::grad({out}, leaves, {tensor(&v[0])});
-    for (int j = 0; j < 3; ++j) tensor(&v[4 + j]).copy_(grads[j]);
+    auto ct = four_d(tensor(&v[0])), q = four_d(tensor(&v[1])), k = four_d(tensor(&v[2])),
+         val = four_d(tensor(&v[3])), out = four_d(tensor(&v[4]));
+    std::vector<at::Tensor> grads;
+    if (fused_kernel(q, k, val, p[0], f[0])) {
+      auto lse = tensor(&v[5]).reshape({q.size(0), q.size(1), q.size(2)});
+      auto g = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          ct, q, k, val, out, lse, 0.0, p[0], {}, f[0]);
+      grads = {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
+    } else {
+      at::AutoGradMode grad_mode(true);
+      std::vector<at::Tensor> leaves;
+      for (auto& x : {q, k, val}) leaves.push_back(x.detach().requires_grad_(true));
+      auto again = at::scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], {}, 0.0,
+                                                    p[0], f[0]);
+      grads = torch::autograd::grad({again}, leaves, {ct});
+    }
+    for (int j = 0; j < 3; ++j) tensor(&v[6 + j]).copy_(grads[j].reshape(tensor(&v[6 + j]).sizes()));
   });
 }
 """

@@ -263,8 +263,10 @@ def fuse_attention(graph: Graph) -> Graph:
         q, k, v = _batched(b, [q, _unswapped(b, k, k_swap, provenance),
                                _unswapped(b, v, v_swap, provenance)], t.shape[:-2], provenance)
         shape = (*b.type_of(q).shape[:-1], b.type_of(v).shape[-1])
-        (result,) = b.add_node("attention", (q, k, v), {"scale": scale, "causal": causal},
-                               (attrs.evolve(t, shape=shape),), provenance)
+        statistic = get_primitive("attention").infer(
+            *(b.type_of(x) for x in (q, k, v)), scale=scale, causal=causal)[1]
+        result, _ = b.add_node("attention", (q, k, v), {"scale": scale, "causal": causal},
+                               (attrs.evolve(t, shape=shape), statistic), provenance)
         if shape == t.shape:
             return [result]
         return b.add_node("reshape", (result,), {"shape": t.shape}, (t,), provenance)
@@ -299,7 +301,7 @@ def _graph_for(ct, q, k, v, scale, causal) -> Graph:
     return _backward_graph(tuple(trace.type_of(x) for x in (q, k, v)), scale, causal)
 
 
-def _backward_vjp(cts, ct, q, k, v, *, outs, scale, causal=False):
+def _backward_vjp(cts, ct, q, k, v, out, lse, *, outs, scale, causal=False):
     from .autodiff import vjp, zeros
 
     graph = _graph_for(ct, q, k, v, scale, causal)
@@ -308,13 +310,15 @@ def _backward_vjp(cts, ct, q, k, v, *, outs, scale, causal=False):
     seeds = [zeros(graph.output_types[0]),
              *(c if c is not None else torch.zeros_like(x) for c, x in zip(cts, (q, k, v)))]
     gq, gk, gv, gct = inline(second, [q, k, v, ct, *seeds])[4:]
-    return [gct, gq, gk, gv]
+    # none for out and lse: they are functions of q, k and v, whose cotangents above are
+    # the written-out form's, which reads no out or lse
+    return [gct, gq, gk, gv, None, None]
 
 
 def _backward_jvp(operands, tangents, outs, *, scale, causal=False):
     from .autodiff import jvp
 
-    ct, q, k, v = operands
+    ct, q, k, v = operands[:4]  # (out and lse: as in _backward_vjp)
     graph = _graph_for(ct, q, k, v, scale, causal)
     given = [tangents[1], tangents[2], tangents[3], tangents[0]]  # in the graph's input order
     wrt = [i for i, t in enumerate(given) if t is not None]

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.testing import assert_close
 
 import plait
@@ -86,8 +87,10 @@ def test_half_precision(dtype):
 def test_no_score_matrix_is_stored():
     q, k, v = _qkv(2, 2, 64, 16)
     lowered = plait.jit(attention, backend="cpp").lower(q, k, v)
-    assert [(k.reads, len(k.writes)) for k in lowered.kernels] == [(("in0", "in1", "in2"), 1)]
-    assert lowered.stats["peak_bytes"] == 4 * q.nbytes  # the inputs and the result
+    # the result and each row's log-sum-exp (for a backward)
+    assert [(k.reads, len(k.writes)) for k in lowered.kernels] == [(("in0", "in1", "in2"), 2)]
+    rows = q.numel() // q.shape[-1]
+    assert lowered.stats["peak_bytes"] == 4 * q.nbytes + 4 * rows  # the inputs and results
     with plait.config.patch(fuse_attention=False):
         unfused = plait.jit(attention, backend="cpp").lower(q, k, v)
     assert unfused.stats["peak_bytes"] >= 4 * q.nbytes + _scores_bytes(q, k)
@@ -183,12 +186,91 @@ def test_gradients_of_attention_run_the_fused_backward(fn):
     jitted = plait.jit(plait.grad(loss, argnums=(0, 1, 2)), backend="cpp")
     prims = _prims(jitted.lower(q, k, v).graph)
     assert "attention_backward" in prims and "exp" not in prims
-    assert jitted.lower(q, k, v).stats["peak_bytes"] < 6 * q.nbytes + _scores_bytes(q, k)
+    # the inputs, the result (the backward reads it), its cotangent, each row's log-sum-exp
+    # and the three gradients: no score matrix
+    rows = q.numel() // q.shape[-1]
+    assert jitted.lower(q, k, v).stats["peak_bytes"] <= 8 * q.nbytes + 4 * rows
     # torch.func cannot differentiate SDPA's fused kernel on the CPU: the written-out form
     reference = CAUSAL["masked_fill"] if fn is CAUSAL["sdpa"] else fn
     theirs = torch.func.grad(lambda q, k, v: reference(q, k, v).square().sum(),
                              argnums=(0, 1, 2))(q, k, v)
     assert_close(jitted(q, k, v), theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value_dim", [8, 4], ids=["fused_kernel", "math"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_backward_reads_the_forward_statistics(value_dim, causal):
+    """The attention primitive returns each row's log-sum-exp beside its result, and its
+    backward reads both rather than running the forward again: torch's fused CPU kernel
+    where torch picks it, else (v's head dim not q's) statistics from the scores and
+    autograd's backward. Both implementations (Python, and the C++ wrapper's) match eager."""
+    from plait.tracer.nn import _attention, _attention_backward
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 12, 8, generator=g) for _ in range(2))
+    v, ct = (torch.randn(2, 3, 12, value_dim, generator=g) for _ in range(2))
+    scale = 0.3
+    out, lse = _attention(q, k, v, scale=scale, causal=causal)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    scores = leaves[0] @ leaves[1].mT * scale
+    if causal:
+        scores = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
+    expected = scores.softmax(-1) @ leaves[2]
+    assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(expected, leaves, ct)
+    assert_close(_attention_backward(ct, q, k, v, out, lse, scale=scale, causal=causal), grads,
+                 atol=1e-5, rtol=1e-5)
+
+    def loss(q, k, v):
+        return (F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale) * ct).sum()
+    for wrapper in (True, False):
+        with plait.config.patch(cpp_wrapper=wrapper):
+            jitted = plait.jit(plait.grad_and_value(loss, argnums=(0, 1, 2)), backend="cpp")
+            prims = _prims(jitted.lower(q, k, v).graph)
+            assert prims.count("attention") == 1 and prims.count("attention_backward") == 1
+            ours, value = jitted(q, k, v)
+        assert_close(value, (expected * ct).sum(), atol=1e-4, rtol=1e-5)
+        assert_close(ours, grads, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA attention kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
+def test_cuda_kernels_statistics_and_backward(kernel, dtype, causal, monkeypatch):
+    """On CUDA the statistics come from torch's flash, memory-efficient (padded to 32 rows)
+    or cuDNN kernel, whose backward reads them: eager's gradients, within the precision of
+    the kernels, operands laid out as a projection leaves them ([batch, tokens, heads, dim]
+    transposed) or not."""
+    from plait.tracer import nn as plait_nn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, ct = (torch.randn(2, 100, 4, 64, generator=g, device="cuda", dtype=dtype)
+                   .transpose(1, 2) for _ in range(4))
+    q, ct = q.contiguous(), ct.contiguous()
+    picked = plait_nn._fused_kernel(*(plait_nn._four_d(x) for x in (q, k, v)), causal, 0.125)
+    assert picked != "math"
+    with torch.nn.attention.sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
+                                         "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                                         "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]):
+        try:
+            torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=0.125)
+        except RuntimeError:  # "No available kernel"
+            pytest.skip(f"torch's {kernel} kernel does not take these operands")
+    monkeypatch.setattr(plait_nn, "_fused_kernel", lambda *args: kernel)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(
+            *(x.float() for x in leaves), is_causal=causal, scale=0.125)
+        grads = torch.autograd.grad(expected, leaves, ct.float())
+    out, lse = plait_nn._attention(q, k, v, scale=0.125, causal=causal)
+    tolerance = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else \
+        {"atol": 1e-3, "rtol": 1e-3}
+    assert_close(out.float(), expected.to(out.dtype).float(), **tolerance)
+    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+    assert_close(plait_nn._attention_backward(ct, q, k, v, out, lse, scale=0.125, causal=causal),
+                 grads, **tolerance)
 
 
 def test_attention_derivatives_of_every_order():

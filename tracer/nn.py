@@ -27,7 +27,7 @@ from ..graph import TensorType
 from .aten import handles, type_of
 from .primitives import _check, define, vjp_rule
 from ..config import config
-from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, on_tracers
+from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, current_trace, on_tracers
 
 aten = torch.ops.aten
 
@@ -100,31 +100,103 @@ define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 # leading dim a batch dim. ``scaled_dot_product_attention`` traces to it, and the attention
 # fusion pass makes it from the written-out forms, before differentiation, so a training
 # step's forward and backward both run torch's fused kernels and never store the scores.
-# Its VJP is ``attention_backward``, whose implementation runs the fused forward again (for
-# the row statistics it does not keep) and torch's fused backward; its JVP is written out
-# (forward mode stores the scores). ``attention_backward``'s own derivatives differentiate
-# the written-out form (passes/attention.py: they need the graph passes).
+# Its second result is each row's log-sum-exp of the scaled scores (float32; float64 for
+# float64 operands), which the fused kernels compute anyway: ``attention_backward`` reads it
+# with the output, so the backward runs torch's fused backward alone, not the forward again.
+# Its JVP is written out (forward mode stores the scores). ``attention_backward``'s own
+# derivatives differentiate the written-out form (passes/attention.py: they need the graph
+# passes).
 def _attention_infer(q, k, v, *, scale, causal=False):
     ok = (q.ndim == k.ndim == v.ndim >= 2 and q.dtype == k.dtype == v.dtype
           and q.dtype.is_floating_point and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
           and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2])
     _check(ok, "attention", "expected q [..., M, E], k [..., N, E], v [..., N, Ev]", q, k, v)
-    return (TensorType((*q.shape[:-1], v.shape[-1]), q.dtype, q.device),)
+    return (TensorType((*q.shape[:-1], v.shape[-1]), q.dtype, q.device),
+            TensorType(q.shape[:-1], _row_statistic_dtype(q.dtype), q.device))
+
+
+def _row_statistic_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _four_d(x):
+    """torch's fused kernels take only 4-D operands (others silently take its path that
+    stores the scores): the batch dims become one, heads one."""
+    return x if x.ndim == 4 else x.reshape(-1, 1, *x.shape[-2:])
+
+
+def _scores(q, k, scale: float, causal: bool):
+    s = q @ k.mT * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _fused_kernel(q, k, v, causal: bool, scale: float) -> str:
+    """Which of torch's fused attention kernels runs these 4-D operands, as
+    ``scaled_dot_product_attention`` would pick it: "flash", "efficient" or "cudnn" (the last
+    two CUDA only), else "math" (whose row statistics plait computes itself)."""
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale)
+    return {1: "flash", 2: "efficient", 3: "cudnn"}.get(choice, "math") \
+        if choice == 1 or q.device.type == "cuda" else "math"
 
 
 def _attention(q, k, v, *, scale, causal=False):
-    """torch's fused attention, whose fused kernels take only 4-D operands (others silently
-    take its path that stores the scores): the batch dims become one, heads one."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        *[x if x.ndim == 4 else x.reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v)],
-        scale=scale, is_causal=causal)
-    return out if q.ndim == 4 else out.reshape(*q.shape[:-1], v.shape[-1])
+    q4, k4, v4 = (_four_d(x) for x in (q, k, v))
+    kernel = _fused_kernel(q4, k4, v4, causal, scale)
+    if kernel == "flash" and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, causal, scale=scale)
+    elif kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q4, k4, v4, 0.0, causal, False, scale=scale)[:2]
+    elif kernel == "efficient":  # its statistics are padded to a multiple of 32 rows
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q4, k4, v4, None, True, 0.0, causal, scale=scale)[:2]
+        lse = lse[..., :q4.shape[-2]]
+    elif kernel == "cudnn":  # its statistics are [..., M, 1]
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q4, k4, v4, None, True, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, scale=scale,
+                                                               is_causal=causal)
+        lse = _scores(q4.to(_row_statistic_dtype(q.dtype)), k4.to(_row_statistic_dtype(q.dtype)),
+                      scale, causal).logsumexp(-1)
+    return (out.reshape(*q.shape[:-1], v.shape[-1]),
+            lse.to(_row_statistic_dtype(q.dtype)).reshape(q.shape[:-1]))
 
 
-def _attention_backward(ct, q, k, v, *, scale, causal=False):
-    with torch.enable_grad():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        return torch.autograd.grad(_attention(*leaves, scale=scale, causal=causal), leaves, ct)
+def _attention_backward(ct, q, k, v, out, lse, *, scale, causal=False):
+    q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
+    lse = lse.reshape(q4.shape[:-1])
+    kernel = _fused_kernel(q4, k4, v4, causal, scale)
+    if kernel == "flash" and q.device.type == "cpu":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            ct4, q4, k4, v4, out4, lse, 0.0, causal, scale=scale)
+    elif kernel == "flash":  # (no dropout: the random state is never read)
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            ct4, q4, k4, v4, out4, lse, None, None, q4.shape[-2], k4.shape[-2], 0.0, causal,
+            unused, unused, scale=scale)
+    elif kernel == "efficient":
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        padded = torch.nn.functional.pad(lse, (0, -q4.shape[-2] % 32))
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            ct4, q4, k4, v4, None, out4, padded, unused, unused, 0.0,
+            [True, True, True, False], causal, scale=scale)[:3]
+    elif kernel == "cudnn":
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            ct4, q4, k4, v4, out4, lse.unsqueeze(-1), unused, unused, None, None, None,
+            q4.shape[-2], k4.shape[-2], 0.0, causal, scale=scale)
+    else:
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q4, k4, v4)]
+            again = torch.nn.functional.scaled_dot_product_attention(*leaves, scale=scale,
+                                                                     is_causal=causal)
+            grads = torch.autograd.grad(again, leaves, ct4)
+    return tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
 
 
 def _batched_attention(prim: str):
@@ -141,25 +213,40 @@ def _batched_attention(prim: str):
 def _attention_jvp(operands, tangents, outs, *, scale, causal=False):
     q, k, v = operands
     dq, dk, dv = (t if t is not None else torch.zeros_like(x) for t, x in zip(tangents, operands))
-    s = q @ k.mT * scale
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    p = s.softmax(-1)
+    p = _scores(q, k, scale, causal).softmax(-1)
     ds = (dq @ k.mT + q @ dk.mT) * scale
-    dp = p * (ds - (p * ds).sum(-1, keepdim=True))
-    return [dp @ v + p @ dv]
+    expected = (p * ds).sum(-1, keepdim=True)
+    return [(p * (ds - expected)) @ v + p @ dv, expected.squeeze(-1).to(outs[1].dtype)]
 
 
-define("attention", _attention_infer, _attention, jvp=_attention_jvp,
+define("attention", _attention_infer, _attention, jvp=_attention_jvp, multiple_results=True,
        batch=_batched_attention("attention"))
-define("attention_backward", lambda ct, q, k, v, **_: (q, k, v), _attention_backward,
+define("attention_backward", lambda ct, q, k, v, out, lse, **_: (q, k, v), _attention_backward,
        multiple_results=True, batch=_batched_attention("attention_backward"))
+
+
+def _zero_fill(ct) -> bool:
+    """Is the cotangent none, or the zeros autodiff gives an unused result of a node?"""
+    if ct is None:
+        return True
+    node, _ = current_trace().defining(ct)
+    return node.prim == "full" and node.kwargs["value"] == 0
 
 
 @vjp_rule("attention")
 def _attention_vjp(cts, q, k, v, *, outs, scale, causal=False):
-    return bind("attention_backward", cts[0], q, k, v, scale=scale, causal=causal)
+    ct, ct_lse = cts
+    out, lse = outs
+    grads = [None] * 3
+    if ct is not None:
+        grads = list(bind("attention_backward", ct, q, k, v, out, lse, scale=scale,
+                          causal=causal))
+    if not _zero_fill(ct_lse):  # d lse = softmax(S) . dS: the statistic is the backward's
+        # alone, so only a derivative of a derivative might ask
+        ds = _scores(q, k, scale, causal).softmax(-1) * ct_lse.unsqueeze(-1).to(q.dtype) * scale
+        more = [ds @ k, ds.mT @ q, None]
+        grads = [g if m is None else m if g is None else g + m for g, m in zip(grads, more)]
+    return grads
 
 
 def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -188,7 +275,7 @@ def _attention_traced(q, k, v, groups: int, scale: float, causal: bool):
     if groups > 1:  # key and value head j serves query heads j * groups ... (j+1) * groups - 1
         k, v = (x.unsqueeze(-3).expand(*x.shape[:-2], groups, *x.shape[-2:]).reshape(
             *x.shape[:-3], x.shape[-3] * groups, *x.shape[-2:]) for x in (k, v))
-    return bind("attention", q, k, v, scale=scale, causal=causal)
+    return bind("attention", q, k, v, scale=scale, causal=causal)[0]
 
 
 FUNCTION_HANDLERS[torch.nn.functional.scaled_dot_product_attention] = \
