@@ -61,6 +61,9 @@ class Config:
     # Softmax attention written out (softmax(q @ k.T * scale) @ v) runs as one fused attention
     # kernel that never stores the scores (NOTE [attention fusion], passes/attention.py).
     fuse_attention: bool = attrs.field(factory=lambda: _env("fuse_attention", True, _to_bool))
+    # Which devices' convolutions run on channels-last values: cuda, all or none (NOTE
+    # [channels-last convolutions], passes/layout.py).
+    channels_last: str = attrs.field(factory=lambda: _env("channels_last", "cuda", str))
     # Constant folding evaluates nodes whose result has at most this many elements.
     fold_max_numel: int = attrs.field(factory=lambda: _env("fold_max_numel", 4096, int))
     # ATen ops with no decomposition run as opaque nodes that call torch; False raises instead.
@@ -169,7 +172,7 @@ class Config:
         return _Patch(self, changes)
 
 
-_KEYED = ("simplify", "fuse_attention", "fold_max_numel", "allow_opaque", "cpp_compiler",
+_KEYED = ("simplify", "fuse_attention", "channels_last", "fold_max_numel", "allow_opaque", "cpp_compiler",
           "cpp_flags", "cpp_wrapper", "split_reductions", "inplace", "reorder", "plan_memory",
           "overlap", "symm_mem_max_bytes", "comm_pool_reuse")
 _key = operator.attrgetter(*_KEYED)

@@ -352,8 +352,9 @@ def _lists(*lists) -> list[int]:
 
 
 def _conv_ints(p: dict) -> list[int] | None:
-    if any(lo != hi for lo, hi in p["padding"]) or max(p["lhs_dilation"]) > 1:
-        return None  # the Python implementation pads, crops or dilates first
+    if any(lo != hi for lo, hi in p["padding"]) or max(p["lhs_dilation"]) > 1 or \
+            p.get("channels_last"):
+        return None  # the Python implementation pads, crops, dilates or moves channels first
     return _lists(p["window_strides"], [lo for lo, _ in p["padding"]], p["rhs_dilation"]) + \
         [p["feature_group_count"]]
 
@@ -363,7 +364,8 @@ def _conv_ints(p: dict) -> list[int] | None:
 NATIVE = {
     "dot_general": lambda p: (_lists(*p["contracting"], *p["batch"]), ()),
     "conv": lambda p: None if (ints := _conv_ints(p)) is None else (ints, ()),
-    "conv_backward": lambda p: None if (ints := _conv_ints(p)) is None else (ints, ()),
+    "conv_backward": lambda p: None if (ints := _conv_ints(p)) is None or not p.get(
+        "lhs_grad", True) else (ints, ()),
     "attention": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
     "attention_backward": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
 }

@@ -35,6 +35,7 @@ from ..graph import Graph, GraphBuilder, TensorType, Value, extract
 from ..tracer.primitives import COMPLEX_RULES, ELEMENTWISE, get_primitive, is_effectful
 from ..tracer.trace import Trace, bind, tracing
 from .attention import fuse_attention
+from .layout import channels_last
 from .interpret import inline, replay
 
 
@@ -214,8 +215,9 @@ def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
     """(inputs, one seed per output in ``seeded``) -> (outputs, cotangents of inputs ``wrt``);
     seeds of outputs that are not floating point are ignored (NOTE [autodiff]). Attention
     written out is fused first, to differentiate by its fused rule (NOTE [attention
-    fusion])."""
-    graph = fuse_attention(graph)
+    fusion]), and convolutions made channels-last, so their backward is too (NOTE
+    [channels-last convolutions])."""
+    graph = channels_last(fuse_attention(graph))
     trace = Trace()
     with tracing(trace):
         primals = [trace.new_input(t) for t in graph.input_types]

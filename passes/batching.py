@@ -106,4 +106,5 @@ def _written_out(form):
 
 
 get_primitive("conv_backward").batch = _written_out(
-    lambda ct, lhs, rhs, **params: conv_vjp_written([ct], lhs, rhs, **params))
+    lambda ct, lhs, rhs, lhs_grad=True, **params:
+    conv_vjp_written([ct], lhs, rhs, **params)[not lhs_grad:])

@@ -16,6 +16,7 @@ from ..config import config
 from ..graph import Constant, Graph, GraphBuilder, Node, TensorType, Value, extract, rewrite
 from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
 from .attention import fuse_attention
+from .layout import channels_last
 
 
 MARKERS = ("stop_gradient", "no_grad", "no_fwd_grad")
@@ -69,6 +70,25 @@ def unread_ys(graph: Graph) -> Graph:
         new = iter(b.add_node("scan", operands, node.kwargs | {"body": body},
                               [node.out_types[i] for i in kept], node.provenance, after=preds))
         return [None if i in dropped else next(new) for i in range(len(node.out_types))]
+
+    return rewrite(graph, visit)
+
+
+def unread_input_grads(graph: Graph) -> Graph:
+    """A ``conv_backward`` whose input gradient nothing reads computes the kernel's alone
+    (NOTE [convolution backward])."""
+    read = {*graph.outputs, *(v for n in graph.order for v in graph.operands(n))}
+    pruned = {n for n in graph.order if graph.node(n).prim == "conv_backward"
+              and graph.node(n).kwargs.get("lhs_grad", True) and Value(n, 0) not in read}
+    if not pruned:
+        return graph
+
+    def visit(b, n, operands, preds):
+        if n not in pruned:
+            return None
+        node = graph.node(n)
+        return [None, *b.add_node("conv_backward", operands, node.kwargs | {"lhs_grad": False},
+                                  node.out_types[1:], node.provenance, after=preds)]
 
     return rewrite(graph, visit)
 
@@ -337,18 +357,20 @@ def algebra(graph: Graph) -> Graph:
 
 PASSES: dict[str, Callable[[Graph], Graph]] = {
     "erase_markers": erase_markers, "dce": dce, "cse": cse, "fold_constants": fold_constants,
-    "algebra": algebra, "fuse_attention": fuse_attention, "unread_ys": unread_ys,
+    "algebra": algebra, "fuse_attention": fuse_attention, "channels_last": channels_last,
+    "unread_ys": unread_ys, "unread_input_grads": unread_input_grads,
 }
 
 
-PIPELINE = ("erase_markers", "dce", "fold_constants", "fuse_attention", "algebra", "cse", "dce",
-            "unread_ys")
+PIPELINE = ("erase_markers", "dce", "fold_constants", "fuse_attention", "channels_last",
+            "algebra", "cse", "dce", "unread_ys", "unread_input_grads")
 
 
 def simplify(graph: Graph, on_pass: Callable[[str, Graph], None] | None = None) -> Graph:
     """The default pipeline: derivative markers erased and DCE first (less to look at), then
-    fold, fuse attention, algebraic identities, CSE, and DCE again (the rewrites leave the
-    nodes they bypass dead).
+    fold, fuse attention, channels-last convolutions, algebraic identities, CSE, and DCE
+    again (the rewrites leave the nodes they bypass dead); last, the results of scans and
+    convolution backwards that nothing reads are not computed.
 
     ``on_pass(name, graph)`` sees the graph after each pass (the debug report draws them)."""
     for name in PIPELINE:

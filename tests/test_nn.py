@@ -113,6 +113,33 @@ def test_conv_grad_of_grad():
                  rtol=1e-4, atol=1e-5)
 
 
+def test_conv_backward_without_the_input_gradient():
+    """A first layer's input gradient (its images') is not computed: the conv_backward that
+    nothing reads d_lhs of computes the kernel's alone, whose own derivatives are still
+    eager's."""
+    from plait.tracer.trace import bind
+
+    x, w, ct, v = (t.double() for t in (randn(2, 3, 8, 8), randn(4, 3, 3, 3),
+                                        randn(2, 4, 8, 8), randn(4, 3, 3, 3)))
+    loss = lambda w, x: F.conv2d(x, w, padding=1).tanh().sum()  # noqa: E731
+    jitted = plait.jit(plait.grad(loss))
+    graph = jitted.lower(w, x).graph
+    (node,) = [graph.node(n) for n in graph.order if graph.node(n).prim == "conv_backward"]
+    assert node.kwargs["lhs_grad"] is False and len(node.out_types) == 1
+    assert_close(jitted(w, x), torch.func.grad(loss)(w, x))
+
+    def projected(w, x, ct):  # the kernel's gradient alone, projected on v
+        (d_rhs,) = bind("conv_backward", ct, x, w, window_strides=(1, 1),
+                        padding=((1, 1), (1, 1)), lhs_dilation=(1, 1), rhs_dilation=(1, 1),
+                        feature_group_count=1, lhs_grad=False)
+        return (d_rhs * v).sum()
+
+    def projected_eager(w, x, ct):
+        return (torch.func.grad(lambda w: (F.conv2d(x, w, padding=1) * ct).sum())(w) * v).sum()
+    assert_close(plait.grad(projected, argnums=(0, 1, 2))(w, x, ct),
+                 torch.func.grad(projected_eager, argnums=(0, 1, 2))(w, x, ct))
+
+
 def test_conv_primitive_vjp_all_params():
     """Input dilation, negative padding and groups together, which the torch front ends
     never emit at once: the rule against autograd through the primitive's implementation."""

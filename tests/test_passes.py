@@ -7,8 +7,8 @@ from torch.testing import assert_close
 
 import plait
 from plait.graph import Graph
-from plait.passes import (PASSES, algebra, cse, dce, erase_markers, fold_constants, fuse_attention,
-                          simplify, unread_ys)
+from plait.passes import (PASSES, algebra, channels_last, cse, dce, erase_markers,
+                          fold_constants, fuse_attention, simplify, unread_input_grads, unread_ys)
 
 
 def prim_count(graph: Graph, prim: str) -> int:
@@ -28,7 +28,8 @@ def _run(graph: Graph, *inputs):
 def test_registry():
     assert PASSES == {"erase_markers": erase_markers, "dce": dce, "cse": cse,
                       "fold_constants": fold_constants, "algebra": algebra,
-                      "fuse_attention": fuse_attention, "unread_ys": unread_ys}
+                      "fuse_attention": fuse_attention, "channels_last": channels_last,
+                      "unread_ys": unread_ys, "unread_input_grads": unread_input_grads}
 
 
 # ---------------------------------------------------------------------------------------

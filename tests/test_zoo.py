@@ -29,9 +29,13 @@ def _train(model, call, inputs, steps=2):
     return losses, grads
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_model_trains_as_in_eager(name):
+@pytest.mark.parametrize("name,layout", [(name, "none") for name in sorted(MODELS)] +
+                         [(name, "all") for name in ("convnext", "resnet", "vit")])
+def test_model_trains_as_in_eager(name, layout):
+    """layout "all": the convolutions channels-last, as on a GPU (NOTE [channels-last
+    convolutions])."""
     plait.config.backend = "cpp"  # the autouse fixture restores it
+    plait.config.channels_last = layout
     make, batch = MODELS[name](small=True)
     inputs = batch("cpu")
     torch.manual_seed(0)

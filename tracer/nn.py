@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import math
 
+import attrs
+
 import torch
 
 from ..errors import ShapeError, UnsupportedOpError
@@ -35,8 +37,17 @@ aten = torch.ops.aten
 # ---------------------------------------------------------------------------------------
 # The conv primitive
 # ---------------------------------------------------------------------------------------
+def _to_channels_first(t: TensorType) -> TensorType:
+    return attrs.evolve(t, shape=(t.shape[0], t.shape[-1], *t.shape[1:-1]))
+
+
 def _conv_infer(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
-                feature_group_count):
+                feature_group_count, channels_last=False):
+    if channels_last:  # lhs and result [N, *spatial, C] (NOTE [channels-last convolutions])
+        (out,) = _conv_infer(_to_channels_first(lhs), rhs, window_strides=window_strides,
+                             padding=padding, lhs_dilation=lhs_dilation,
+                             rhs_dilation=rhs_dilation, feature_group_count=feature_group_count)
+        return (attrs.evolve(out, shape=(out.shape[0], *out.shape[2:], out.shape[1])),)
     nd, g = lhs.ndim - 2, feature_group_count
     ok = (nd >= 1 and rhs.ndim == lhs.ndim and lhs.dtype == rhs.dtype and g >= 1
           and len(window_strides) == len(padding) == len(lhs_dilation) == len(rhs_dilation)
@@ -54,7 +65,11 @@ def _conv_infer(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation
 
 
 def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
-               feature_group_count):
+               feature_group_count, channels_last=False):
+    if channels_last:  # the library's channels-last kernels, on a channels-last view
+        return _conv_impl(lhs.movedim(-1, 1), rhs, window_strides=window_strides,
+                          padding=padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+                          feature_group_count=feature_group_count).movedim(1, -1).contiguous()
     if max(lhs_dilation) > 1:  # interleave zeros between input elements
         dilated = lhs.new_zeros(lhs.shape[:2] + tuple(
             (n - 1) * d + 1 for n, d in zip(lhs.shape[2:], lhs_dilation)))
@@ -74,10 +89,15 @@ def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
                              zeros, feature_group_count)
 
 
-def _conv_batch(operands, batched, axis_size, *, feature_group_count, **params):
+def _conv_batch(operands, batched, axis_size, *, feature_group_count, channels_last=False,
+                **params):
     """The batch joins the examples (a batched input alone) or, with a batched kernel, the
     channels: example b's channels and kernels form groups of their own."""
     (lhs, rhs), b = operands, axis_size
+    if channels_last:  # as a channels-first convolution, moved back
+        (out,), _ = _conv_batch((lhs.movedim(-1, 2 if batched[0] else 1), rhs), batched,
+                                axis_size, feature_group_count=feature_group_count, **params)
+        return [out.movedim(2, -1)], [True]
     if not batched[1]:
         out = bind("conv", lhs.flatten(0, 1), rhs, feature_group_count=feature_group_count,
                    **params)
@@ -301,17 +321,25 @@ def _flipped_transpose(w, groups: int):
 # being conv's adjoints in each operand, so its JVP is conv_backward(t_ct, lhs, rhs) +
 # conv_backward(ct, t_lhs, t_rhs), and its VJP for cotangents (g_l, g_r) is conv(g_l, rhs) +
 # conv(lhs, g_r) for ct, and conv_backward(ct, g_l, g_r) for (lhs, rhs). vmap batches the
-# written-out form (passes/batching.py).
+# written-out form (passes/batching.py). Where nothing reads d_lhs (the gradient of a first
+# layer's images), simplification sets ``lhs_grad=False`` and the node computes d_rhs alone
+# (``passes.simplify.unread_input_grads``): ResNet-50's stem spent 1 ms a step on it.
 def _library_backward(padding, lhs_dilation) -> bool:
     return all(lo == hi for lo, hi in padding) and all(d == 1 for d in lhs_dilation)
 
 
 def _conv_backward_impl(ct, lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
-                        feature_group_count):
+                        feature_group_count, channels_last=False, lhs_grad=True):
     nd = len(window_strides)
+    if channels_last:  # ct, lhs and d_lhs [N, *spatial, C]: channels-last views
+        ct, lhs = ct.movedim(-1, 1), lhs.movedim(-1, 1)
     d_lhs, d_rhs, _ = torch.ops.aten.convolution_backward(
         ct, lhs, rhs, None, list(window_strides), [lo for lo, _ in padding],
-        list(rhs_dilation), False, [0] * nd, feature_group_count, [True, True, False])
+        list(rhs_dilation), False, [0] * nd, feature_group_count, [lhs_grad, True, False])
+    if not lhs_grad:
+        return (d_rhs.contiguous(),)
+    if channels_last:
+        return d_lhs.movedim(1, -1).contiguous(), d_rhs.contiguous()
     return d_lhs, d_rhs
 
 
@@ -323,14 +351,17 @@ def _conv_backward_jvp(operands, tangents, outs, **params):
     return [a + b for a, b in zip(first, second)]
 
 
-def _conv_backward_vjp(cts, ct, lhs, rhs, *, outs, **params):
+def _conv_backward_vjp(cts, ct, lhs, rhs, *, outs, lhs_grad=True, **params):
+    if not lhs_grad:  # the full node's, with no cotangent for the input's gradient
+        cts, outs = [None, *cts], [lhs, *outs]
     g_lhs, g_rhs = (c if c is not None else torch.zeros_like(o) for c, o in zip(cts, outs))
     d_ct = bind("conv", g_lhs, rhs, **params) + bind("conv", lhs, g_rhs, **params)
     return [d_ct, *bind("conv_backward", ct, g_lhs, g_rhs, **params)]
 
 
-define("conv_backward", lambda ct, lhs, rhs, **_: (lhs, rhs), _conv_backward_impl,
-       multiple_results=True, jvp=_conv_backward_jvp, vjp=_conv_backward_vjp)
+define("conv_backward", lambda ct, lhs, rhs, *, lhs_grad=True, **_: (lhs, rhs)[not lhs_grad:],
+       _conv_backward_impl, multiple_results=True, jvp=_conv_backward_jvp,
+       vjp=_conv_backward_vjp)
 
 
 @vjp_rule("conv")
@@ -342,15 +373,22 @@ def _conv_vjp(cts, lhs, rhs, *, outs, **params):
 
 
 def conv_vjp_written(cts, lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
-                      feature_group_count):
+                      feature_group_count, channels_last=False):
     """Per spatial dim, output o reads padded input position o*s + j*rd through kernel tap j,
     where the padded input holds input i at lo + i*ld. Both cotangents are convolutions:
     - input: the cotangent dilated by s and correlated with the flipped kernel (span K) sees
       position p when padded by K-1 low; stepping by ld from lo reads the input positions;
     - kernel: the input (channels as batch, batch as features, kept apart per group)
       correlated with the cotangent dilated by s, stepping by rd over the taps.
-    r is the high padding no window reaches (it is cropped from both)."""
+    r is the high padding no window reaches (it is cropped from both). Channels-last
+    operands are moved channels-first, and the input's cotangent back."""
     ct, g = cts[0], feature_group_count
+    if channels_last:
+        d_lhs, d_rhs = conv_vjp_written(
+            [ct.movedim(-1, 1)], lhs.movedim(-1, 1), rhs, window_strides=window_strides,
+            padding=padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+            feature_group_count=g)
+        return d_lhs.movedim(1, -1), d_rhs
     (n, c, *size), (_, _, *k) = type_of(lhs).shape, type_of(rhs).shape
     span = [(kk - 1) * rd + 1 for kk, rd in zip(k, rhs_dilation)]
     r = [((nn - 1) * ld + 1 + lo + hi - kk) % s for nn, ld, (lo, hi), kk, s in zip(

@@ -1,0 +1,107 @@
+"""Channels-last convolutions (NOTE [channels-last convolutions], passes/layout.py): the
+convolutions of a graph run on [N, *spatial, C] values, the transposes between them sink
+away, and every result and gradient stays eager's."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import plait
+from plait.errors import PlaitError
+from plait.passes.layout import channels_last
+
+
+def _conv_bn_relu_conv(x, w1, w2, scale, shift):
+    y = F.conv2d(x, w1, padding=1)
+    y = F.batch_norm(y, None, None, scale, shift, training=True)
+    return F.conv2d(F.relu(y) + y.mean((2, 3), keepdim=True), w2, stride=2, padding=1)
+
+
+def _args(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 3, 8, 8, generator=g), torch.randn(6, 3, 3, 3, generator=g),
+            torch.randn(4, 6, 3, 3, generator=g), torch.rand(6, generator=g) + 0.5,
+            torch.randn(6, generator=g))
+
+
+def _prims(graph) -> list[str]:
+    return [graph.node(n).prim for n in graph.order]
+
+
+def test_no_transpose_between_the_convolutions():
+    args = _args()
+    with plait.config.patch(channels_last="all"):
+        graph = plait.jit(_conv_bn_relu_conv).lower(*args).graph
+    convs = [graph.node(n) for n in graph.order if graph.node(n).prim == "conv"]
+    assert len(convs) == 2 and all(c.kwargs["channels_last"] for c in convs)
+    # the input moved channels-last and the result back; between them only broadcast
+    # statistics and constants are transposed (lowering reads them through the transpose)
+    read = [graph.node(graph.operands(n)[0].node).prim for n in graph.order
+            if graph.node(n).prim == "transpose"]
+    assert read[0] == "input" and read[-1] == "conv"
+    assert set(read[1:-1]) <= {"broadcast_in_dim", "full"}
+    with plait.config.patch(channels_last="all"):
+        assert_close(plait.jit(_conv_bn_relu_conv)(*args), _conv_bn_relu_conv(*args),
+                     atol=1e-5, rtol=1e-5)
+
+
+def test_off_the_gpu_by_default():
+    graph = plait.jit(_conv_bn_relu_conv).lower(*_args()).graph
+    assert "transpose" not in _prims(graph)
+    assert not any(graph.node(n).kwargs.get("channels_last") for n in graph.order)
+
+
+CONVS = {
+    "strided": lambda x, w: F.conv2d(x, w, stride=2, padding=1),
+    "dilated": lambda x, w: F.conv2d(x, w, padding=2, dilation=2),
+    "1d": lambda x, w: F.conv1d(x.flatten(2), w[..., 0], padding=1),
+    "3d": lambda x, w: F.conv3d(x.unsqueeze(2), w.unsqueeze(2), padding=(0, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_gradients_match_eager(name, backend):
+    """conv_backward on channels-last cotangents."""
+    fn = CONVS[name]
+    x, w = _args()[:2]
+
+    def loss(x, w):
+        return (fn(x, w).sin() * fn(x, w).shape[1]).sum()
+    want = torch.func.grad(loss, argnums=(0, 1))(x, w)
+    with plait.config.patch(channels_last="all"):
+        jitted = plait.jit(plait.grad(loss, argnums=(0, 1)), backend=backend)
+        graph = jitted.lower(x, w).graph
+        got = jitted(x, w)
+    assert {graph.node(n).kwargs.get("channels_last") for n in graph.order
+            if graph.node(n).prim in ("conv", "conv_backward")} == {True}
+    assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_second_derivatives_match_eager():
+    """The written-out VJP of conv_backward, vmapped by the Hessian's forward mode."""
+    x, w = (t.double() for t in _args()[:2])
+
+    def loss(x):
+        return F.conv2d(x, w, padding=1).tanh().sum()
+    with plait.config.patch(channels_last="all"):
+        got = plait.jit(plait.hessian(loss))(x)
+    assert_close(got, torch.func.hessian(loss)(x))
+
+
+def test_a_grouped_convolution_keeps_the_graph_channels_first():
+    x, w1, w2, scale, shift = _args()
+
+    def fn(x):
+        y = F.conv2d(x, w1, padding=1)
+        return F.conv2d(y, w1[:, :1], padding=1, groups=6)
+    with plait.config.patch(channels_last="all"):
+        graph = plait.jit(fn).lower(x).graph
+    assert "transpose" not in _prims(graph)
+    assert not any(graph.node(n).kwargs.get("channels_last") for n in graph.order)
+
+
+def test_an_unknown_choice_is_refused():
+    graph = plait.jit(_conv_bn_relu_conv).lower(*_args()).graph
+    with plait.config.patch(channels_last="yes"), pytest.raises(PlaitError, match="cuda, all"):
+        channels_last(graph)
