@@ -25,6 +25,8 @@ The transposes then sink through the graph rather than stay: each value is carri
     a transpose of a transposed value is one transpose (none, when they cancel: the
         ``permute(0, 2, 3, 1)`` around ConvNeXt's LayerNorm);
     a convolution of a transposed-to-[N, C, H, W] value reads the value itself;
+    a ``custom_vjp`` whose rule follows the layout (BatchNorm's, tracer/aten.py) takes the
+        untransposed operands and a rule told the permutation;
 
 and anything else (a reshape, a gather, a matrix product, a graph output) reads the transpose,
 which lowering computes where it is read (an index remap) or stores where it must. A ResNet's
@@ -158,6 +160,9 @@ class _Rewrite:
             return [(v, perm) for v in outs]
         if node.prim in REDUCTIONS and perms:
             return [self._reduction(node, *carried[0])]
+        if node.prim == "custom_vjp" and len(perms) == 1 and carried[-1][1] is not None \
+                and hasattr(node.kwargs["rule"], "permuted"):
+            return self._custom(node, operands, carried)
         args = [self.plain(v, node.provenance) for v in operands]
         return [(v, None) for v in b.add_node(node.prim, args, node.kwargs, node.out_types,
                                                 node.provenance, after=preds)]
@@ -175,6 +180,24 @@ class _Rewrite:
                                  (attrs.evolve(t, shape=tuple(t.shape[i] for i in to_last)),),
                                  node.provenance, after=preds)
         return [(out, _inverse(to_last))]
+
+    def _custom(self, node, operands, carried) -> list:
+        """A custom VJP whose rule follows its operands' layout (BatchNorm's: ``permuted``):
+        its operands of the result's shape untransposed, the rule told the permutation."""
+        perm = carried[-1][1]
+        shape = node.out_types[0].shape
+        if any(p != (perm if self.graph.type_of(v).shape == shape else None)
+               for v, (_, p) in zip(operands, carried)):
+            args = [self.plain(v, node.provenance) for v in operands]
+            return [(v, None) for v in self.b.add_node(node.prim, args, node.kwargs,
+                                                        node.out_types, node.provenance)]
+        t = node.out_types[0]
+        (out,) = self.b.add_node(
+            node.prim, [new for new, _ in carried],
+            {**node.kwargs, "rule": node.kwargs["rule"].permuted(perm)},
+            (attrs.evolve(t, shape=tuple(t.shape[i] for i in _inverse(perm))),),
+            node.provenance)
+        return [(out, perm)]
 
     def _reduction(self, node, new: Value, perm: tuple[int, ...]):
         """reduce(transpose(x, perm), dims) = transpose(reduce(x, perm[dims]), q), where q

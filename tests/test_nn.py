@@ -305,6 +305,42 @@ def test_group_norm(affine):
     check(lambda x, w, b: torch.native_group_norm(x, w, b, 3, 6, 20, 2, 1e-5), x, w, b)
 
 
+@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 5), (2, 4, 3, 5), (2, 4, 3, 2, 2)])
+@pytest.mark.parametrize("affine", [False, True])
+def test_batch_norm_training_gradients(shape, affine):
+    """Training-mode BatchNorm differentiates by PyTorch's formula (aten.BatchNormRule),
+    first and second derivatives, with and without weight and bias."""
+    x = randn(*shape).double()
+    w, b = (randn(shape[1]).double() + 2, randn(shape[1]).double()) if affine else (None, None)
+    fn = lambda x, w=None, b=None: F.batch_norm(x, None, None, w, b, training=True)  # noqa: E731
+    check_grad(fn, x, *((w, b) if affine else ()))
+    ct = randn(*shape).double()
+    loss = lambda x: (fn(x, w, b).sin() * ct).sum()  # noqa: E731
+    assert_close(plait.hessian(loss)(x), torch.func.hessian(loss)(x))
+
+
+def test_batch_norm_backward_reads_its_input_twice():
+    """Two kernels: the statistics then the cotangent's two sums (one reduction kernel), and
+    the input's gradient (the relu's mask recomputed in both); differentiating the
+    decomposition summed the mean's zero share through the variance in a third. Half
+    precision is computed at float32, as eager does."""
+    x, g = randn(4, 16, 12, 12), randn(4, 16, 12, 12)
+    w, b = randn(16) + 2, randn(16)
+
+    def loss(x, w, b):
+        return (F.relu(F.batch_norm(x, None, None, w, b, training=True)) * g).sum()
+    lowered = plait.jit(plait.grad(loss, argnums=(0, 1, 2)), backend="cpp").lower(x, w, b)
+    assert lowered.stats["kernels"] == 2
+    assert_close(plait.jit(plait.grad(loss, argnums=(0, 1, 2)), backend="cpp")(x, w, b),
+                 torch.func.grad(loss, argnums=(0, 1, 2))(x, w, b), rtol=1e-4, atol=1e-4)
+    for half in (torch.bfloat16, torch.float16):
+        xh = x.to(half)
+        got = plait.jit(plait.grad(loss, argnums=(0, 1, 2)))(xh, w, b)
+        want = torch.func.grad(loss, argnums=(0, 1, 2))(xh, w, b)
+        assert got[0].dtype == half
+        assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_local_response_norm():
     check(lambda x: F.local_response_norm(x, 3), randn(2, 6, 5, 4))
     check(lambda x: F.local_response_norm(x, 2, k=2.0), randn(2, 6, 5, 4, 3))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 
+import attrs
 import torch
 import torch._prims  # noqa: F401  (registers every torch.ops.prims op before handlers bind)
 import torch._refs.nn.functional
@@ -568,11 +569,71 @@ def statistics_without_gradient(compute):
     return handler
 
 
-for _op in (aten.native_layer_norm.default, aten.native_batch_norm.default,
-            aten._native_batch_norm_legit.default,
-            aten._native_batch_norm_legit_no_training.default,
-            aten._native_batch_norm_legit_functional.default):
-    HANDLERS[_op] = statistics_without_gradient(torch._decomp.decomposition_table[_op])
+@attrs.frozen
+class BatchNormRule:
+    """The VJP of batch normalization's output in training mode (a ``custom_vjp`` rule, NOTE
+    [custom functions]): PyTorch's formula, two per-channel sums of the cotangent and one
+    elementwise pass, computed at float32 or wider. Differentiating the decomposition
+    instead also sums the mean's share through the variance, which is zero but costs a
+    pass over the input: a BatchNorm's backward read its input three times, not two."""
+
+    has_weight: bool
+    has_bias: bool
+    channel: int = 1  # the input's channel dim (the last, NOTE [channels-last convolutions])
+
+    def permuted(self, perm: tuple[int, ...]) -> BatchNormRule:
+        """The rule of the same normalization of transpose(x, perm)'s data laid out as x."""
+        return attrs.evolve(self, channel=perm[self.channel])
+
+    def backward(self, ct, output: int, operands: tuple) -> list:
+        x, *affine, mean, rstd, _ = operands
+        weight = affine[0] if self.has_weight else None
+        wide = torch.promote_types(x.dtype, torch.float32)
+        dims = [d for d in range(x.ndim) if d != self.channel]
+        shape = [-1 if d == self.channel else 1 for d in range(x.ndim)]
+        n = x.numel() // x.shape[self.channel]
+        xhat = (x.to(wide) - mean.view(shape)) * rstd.view(shape)
+        ct = ct.to(wide)
+        sum_ct, sum_ct_xhat = ct.sum(dims), (ct * xhat).sum(dims)
+        scale = rstd if weight is None else rstd * weight.to(wide)
+        dx = (ct - (sum_ct / n).view(shape) - xhat * (sum_ct_xhat / n).view(shape)) * \
+            scale.view(shape)
+        grads = [dx.to(x.dtype)]
+        if self.has_weight:
+            grads.append(sum_ct_xhat.to(weight.dtype))
+        if self.has_bias:
+            grads.append(sum_ct.to(affine[-1].dtype))
+        return grads + [None] * (len(operands) - len(grads))
+
+
+def batch_norm_differentiated_as_a_whole(compute, training_position: int):
+    """Wrap a batch normalization handler: in training mode its output takes the VJP of
+    ``BatchNormRule`` (the statistics it saves are the batch's mean and 1/std)."""
+    def handler(*args, **kwargs):
+        out, *stats = compute(*args, **kwargs)
+        x, weight, bias = args[:3]
+        training = args[training_position] if len(args) > training_position \
+            else kwargs["training"]
+        if training and type_of(x).dtype.is_floating_point and x.ndim >= 2:
+            affine = [t for t in (weight, bias) if t is not None]
+            out = bind("custom_vjp", x, *affine, stats[0], stats[1], out,
+                       rule=BatchNormRule(weight is not None, bias is not None), output=0)
+        return (out, *stats)
+
+    return handler
+
+
+_decompositions = torch._decomp.decomposition_table
+HANDLERS[aten.native_layer_norm.default] = statistics_without_gradient(
+    _decompositions[aten.native_layer_norm.default])
+HANDLERS[aten._native_batch_norm_legit_no_training.default] = statistics_without_gradient(
+    _decompositions[aten._native_batch_norm_legit_no_training.default])
+for _op, _training in ((aten.native_batch_norm.default, 5),
+                       (aten._native_batch_norm_legit.default, 5),
+                       (aten._native_batch_norm_legit.no_stats, 3),
+                       (aten._native_batch_norm_legit_functional.default, 5)):
+    HANDLERS[_op] = statistics_without_gradient(
+        batch_norm_differentiated_as_a_whole(_decompositions[_op], _training))
 
 
 @handles(aten.alias.default, aten.lift_fresh.default,
