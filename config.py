@@ -172,9 +172,9 @@ class Config:
         return _Patch(self, changes)
 
 
-_KEYED = ("simplify", "fuse_attention", "channels_last", "fold_max_numel", "allow_opaque", "cpp_compiler",
-          "cpp_flags", "cpp_wrapper", "split_reductions", "inplace", "reorder", "plan_memory",
-          "overlap", "symm_mem_max_bytes", "comm_pool_reuse")
+_KEYED = ("simplify", "fuse_attention", "channels_last", "fold_max_numel", "allow_opaque",
+          "cpp_compiler", "cpp_flags", "cpp_wrapper", "split_reductions", "inplace", "reorder",
+          "plan_memory", "overlap", "symm_mem_max_bytes", "comm_pool_reuse")
 _key = operator.attrgetter(*_KEYED)
 
 

@@ -141,8 +141,8 @@ class _Rewrite:
         perms = {perm for _, perm in carried if perm is not None}
         if n in self.convs:
             return self._conv(node, operands, preds)
-        if n in self.ordered:
-            perms = set()
+        if n in self.ordered:  # copied as it is, below: the branches between see no
+            perms = set()      # control edges (nor need ``ids`` to name a node of theirs)
         if node.prim == "transpose" and perms:
             new, inner = carried[0]
             perm = tuple(inner[i] for i in node.kwargs["permutation"])

@@ -235,22 +235,25 @@ def test_the_backward_reads_the_forward_statistics(value_dim, causal):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA attention kernels")
+@pytest.mark.parametrize("rows,keys,value_dim", [(100, 100, 64), (37, 100, 64), (100, 37, 64),
+                                                 (100, 100, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
-def test_cuda_kernels_statistics_and_backward(kernel, dtype, causal, monkeypatch):
-    """On CUDA the statistics come from torch's flash, memory-efficient (padded to 32 rows)
-    or cuDNN kernel, whose backward reads them: eager's gradients, within the precision of
-    the kernels, operands laid out as a projection leaves them ([batch, tokens, heads, dim]
-    transposed) or not."""
+def test_cuda_kernels_statistics_and_backward(kernel, causal, dtype, rows, keys, value_dim,
+                                              monkeypatch):
+    """On CUDA the result and statistics come from torch's flash, memory-efficient (padded
+    to 32 rows) or cuDNN kernel; the backward, given them stored contiguously as a compiled
+    program stores them, gives the gradients of the math reference within the kernels'
+    precision, with operands laid out as a projection leaves them ([batch, tokens, heads,
+    dim] transposed)."""
     from plait.tracer import nn as plait_nn
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, ct = (torch.randn(2, 100, 4, 64, generator=g, device="cuda", dtype=dtype)
-                   .transpose(1, 2) for _ in range(4))
-    q, ct = q.contiguous(), ct.contiguous()
-    picked = plait_nn._fused_kernel(*(plait_nn._four_d(x) for x in (q, k, v)), causal, 0.125)
-    assert picked != "math"
+    q, ct = (torch.randn(2, rows, 4, d, generator=g, device="cuda", dtype=dtype).transpose(1, 2)
+             for d in (64, value_dim))
+    k, v = (torch.randn(2, keys, 4, d, generator=g, device="cuda", dtype=dtype).transpose(1, 2)
+            for d in (64, value_dim))
     with torch.nn.attention.sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
                                          "efficient": SDPBackend.EFFICIENT_ATTENTION,
                                          "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]):
@@ -261,16 +264,22 @@ def test_cuda_kernels_statistics_and_backward(kernel, dtype, causal, monkeypatch
     monkeypatch.setattr(plait_nn, "_fused_kernel", lambda *args: kernel)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     with torch.nn.attention.sdpa_kernel(SDPBackend.MATH):
-        expected = F.scaled_dot_product_attention(
-            *(x.float() for x in leaves), is_causal=causal, scale=0.125)
-        grads = torch.autograd.grad(expected, leaves, ct.float())
+        wide = [x.double() for x in leaves]
+        expected = F.scaled_dot_product_attention(*wide, is_causal=causal, scale=0.125)
+        grads = torch.autograd.grad(expected, leaves, ct.double())
+    scores = wide[0] @ wide[1].mT * 0.125
+    if causal:
+        scores = scores.masked_fill(~torch.ones(rows, keys, dtype=torch.bool,
+                                                device="cuda").tril(), float("-inf"))
     out, lse = plait_nn._attention(q, k, v, scale=0.125, causal=causal)
     tolerance = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else \
         {"atol": 1e-3, "rtol": 1e-3}
-    assert_close(out.float(), expected.to(out.dtype).float(), **tolerance)
+    assert_close(out.double(), expected.to(out.dtype).double(), **tolerance)
     assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
-    assert_close(plait_nn._attention_backward(ct, q, k, v, out, lse, scale=0.125, causal=causal),
-                 grads, **tolerance)
+    assert_close(lse.double(), scores.logsumexp(-1).detach(), atol=1e-3, rtol=1e-3)
+    stored = [x.contiguous() for x in (ct, q, k, v, out, lse)]
+    assert_close(plait_nn._attention_backward(*stored, scale=0.125, causal=causal), grads,
+                 **tolerance)
 
 
 def test_attention_derivatives_of_every_order():

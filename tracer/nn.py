@@ -121,8 +121,9 @@ define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 # fusion pass makes it from the written-out forms, before differentiation, so a training
 # step's forward and backward both run torch's fused kernels and never store the scores.
 # Its second result is each row's log-sum-exp of the scaled scores (float32; float64 for
-# float64 operands), which the fused kernels compute anyway: ``attention_backward`` reads it
-# with the output, so the backward runs torch's fused backward alone, not the forward again.
+# float64 operands), which the fused kernels compute anyway: on the CPU ``attention_backward``
+# reads it with the output, so the backward runs torch's fused backward alone, not the
+# forward again (on CUDA it still runs the forward again: ``_attention_backward``).
 # Its JVP is written out (forward mode stores the scores). ``attention_backward``'s own
 # derivatives differentiate the written-out form (passes/attention.py: they need the graph
 # passes).
@@ -158,8 +159,9 @@ def _fused_kernel(q, k, v, causal: bool, scale: float) -> str:
     ``scaled_dot_product_attention`` would pick it: "flash", "efficient" or "cudnn" (the last
     two CUDA only), else "math" (whose row statistics plait computes itself)."""
     choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale)
-    return {1: "flash", 2: "efficient", 3: "cudnn"}.get(choice, "math") \
-        if choice == 1 or q.device.type == "cuda" else "math"
+    if q.device.type == "cuda":
+        return {1: "flash", 2: "efficient", 3: "cudnn"}.get(choice, "math")
+    return "flash" if q.device.type == "cpu" and choice == 1 else "math"
 
 
 def _attention(q, k, v, *, scale, causal=False):
@@ -188,28 +190,16 @@ def _attention(q, k, v, *, scale, causal=False):
 
 
 def _attention_backward(ct, q, k, v, out, lse, *, scale, causal=False):
+    """On the CPU, torch's fused backward reading the forward's output and statistics.
+    Elsewhere autograd's backward of the fused forward run again: torch's CUDA backward
+    kernels, called directly, gave wrong gradients wherever the output, its cotangent or the
+    statistics were not laid out as their own forward left them (a compiled program stores
+    them its own way), and cuDNN's for causal attention of M != N rows and for v's head dim
+    not q's; autograd hands them their forward's own tensors."""
     q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
-    lse = lse.reshape(q4.shape[:-1])
-    kernel = _fused_kernel(q4, k4, v4, causal, scale)
-    if kernel == "flash" and q.device.type == "cpu":
+    if q.device.type == "cpu" and _fused_kernel(q4, k4, v4, causal, scale) == "flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            ct4, q4, k4, v4, out4, lse, 0.0, causal, scale=scale)
-    elif kernel == "flash":  # (no dropout: the random state is never read)
-        unused = torch.empty((), dtype=torch.int64, device=q.device)
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            ct4, q4, k4, v4, out4, lse, None, None, q4.shape[-2], k4.shape[-2], 0.0, causal,
-            unused, unused, scale=scale)
-    elif kernel == "efficient":
-        unused = torch.empty((), dtype=torch.int64, device=q.device)
-        padded = torch.nn.functional.pad(lse, (0, -q4.shape[-2] % 32))
-        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            ct4, q4, k4, v4, None, out4, padded, unused, unused, 0.0,
-            [True, True, True, False], causal, scale=scale)[:3]
-    elif kernel == "cudnn":
-        unused = torch.empty((), dtype=torch.int64, device=q.device)
-        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            ct4, q4, k4, v4, out4, lse.unsqueeze(-1), unused, unused, None, None, None,
-            q4.shape[-2], k4.shape[-2], 0.0, causal, scale=scale)
+            ct4, q4, k4, v4, out4, lse.reshape(q4.shape[:-1]), 0.0, causal, scale=scale)
     else:
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q4, k4, v4)]
