@@ -234,6 +234,33 @@ def test_the_backward_reads_the_forward_statistics(value_dim, causal):
         assert_close(ours, grads, atol=1e-5, rtol=1e-5)
 
 
+def test_cuda_flash_pads_head_dims_to_eight(monkeypatch):
+    """The CUDA flash kernel takes head dims that are multiples of 8 only: plait pads them
+    as scaled_dot_product_attention does (checked on the CPU, the CUDA kernel played by the
+    CPU's)."""
+    from plait.tracer import nn as plait_nn
+
+    dims = []
+
+    def cuda_flash(q, k, v, dropout, causal, debug, *, scale):
+        dims.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout, causal, scale=scale)
+        return out, lse, *[None] * 7
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", cuda_flash)
+    q, k, v = _qkv(2, 3, 10, 36)
+    for causal in (False, True):
+        out, lse = plait_nn._cuda_flash(q, k, v, causal, 0.2)
+        scores = q @ k.mT * 0.2
+        if causal:
+            scores = scores.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(),
+                                        float("-inf"))
+        assert_close(out, scores.softmax(-1) @ v, atol=1e-5, rtol=1e-5)
+        assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    assert dims == [(40, 40, 40)] * 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA attention kernels")
 @pytest.mark.parametrize("rows,keys,value_dim", [(100, 100, 64), (37, 100, 64), (100, 37, 64),
                                                  (100, 100, 32)])

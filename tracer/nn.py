@@ -164,6 +164,17 @@ def _fused_kernel(q, k, v, causal: bool, scale: float) -> str:
     return "flash" if q.device.type == "cpu" and choice == 1 else "math"
 
 
+def _cuda_flash(q, k, v, causal: bool, scale: float):
+    """torch's CUDA flash kernel, whose head dims must be multiples of 8: padded with zeros
+    as ``scaled_dot_product_attention`` pads them (a zero column changes no score and adds
+    a zero column to the result, which is cut off)."""
+    size = v.shape[-1]
+    q, k, v = (torch.nn.functional.pad(x, (0, -x.shape[-1] % 8)) for x in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out[..., :size], lse
+
+
 def _attention(q, k, v, *, scale, causal=False):
     q4, k4, v4 = (_four_d(x) for x in (q, k, v))
     kernel = _fused_kernel(q4, k4, v4, causal, scale)
@@ -171,8 +182,7 @@ def _attention(q, k, v, *, scale, causal=False):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q4, k4, v4, 0.0, causal, scale=scale)
     elif kernel == "flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q4, k4, v4, 0.0, causal, False, scale=scale)[:2]
+        out, lse = _cuda_flash(q4, k4, v4, causal, scale)
     elif kernel == "efficient":  # its statistics are padded to a multiple of 32 rows
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q4, k4, v4, None, True, 0.0, causal, scale=scale)[:2]
