@@ -165,11 +165,12 @@ extern "C" int plait_dot_general(const plait_view* v, const int64_t* p, const do
 }
 
 // conv and conv_backward with symmetric padding and no input dilation, as ATen's own
-// convolution takes them. ints: window strides, padding, kernel dilation (each a list), groups.
+// convolution takes them. ints: window strides, padding, kernel dilation (each a list), groups;
+// conv_backward's then whether it computes the input's gradient (else the kernel's alone).
 struct conv_params { std::vector<int64_t> stride, padding, dilation; int64_t groups; };
-static conv_params conv_of(const int64_t* p) {
+static conv_params conv_of(const int64_t*& p) {
   auto stride = take(p), padding = take(p), dilation = take(p);
-  return {stride, padding, dilation, *p};
+  return {stride, padding, dilation, *p++};
 }
 
 extern "C" int plait_conv(const plait_view* v, const int64_t* p, const double*) {
@@ -185,11 +186,12 @@ extern "C" int plait_conv_backward(const plait_view* v, const int64_t* p, const 
   return guarded([&] {
     auto c = conv_of(p);
     std::vector<int64_t> zeros(c.stride.size(), 0);
+    bool lhs_grad = *p;
     auto grads = at::convolution_backward(tensor(&v[0]), tensor(&v[1]), tensor(&v[2]),
                                           c10::nullopt, c.stride, c.padding, c.dilation, false,
-                                          zeros, c.groups, {true, true, false});
-    tensor(&v[3]).copy_(std::get<0>(grads));
-    tensor(&v[4]).copy_(std::get<1>(grads));
+                                          zeros, c.groups, {lhs_grad, true, false});
+    if (lhs_grad) tensor(&v[3]).copy_(std::get<0>(grads));
+    tensor(&v[3 + lhs_grad]).copy_(std::get<1>(grads));
   });
 }
 
@@ -364,8 +366,8 @@ def _conv_ints(p: dict) -> list[int] | None:
 NATIVE = {
     "dot_general": lambda p: (_lists(*p["contracting"], *p["batch"]), ()),
     "conv": lambda p: None if (ints := _conv_ints(p)) is None else (ints, ()),
-    "conv_backward": lambda p: None if (ints := _conv_ints(p)) is None or not p.get(
-        "lhs_grad", True) else (ints, ()),
+    "conv_backward": lambda p: None if (ints := _conv_ints(p)) is None else (
+        ints + [int(p.get("lhs_grad", True))], ()),
     "attention": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
     "attention_backward": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
 }
