@@ -221,8 +221,10 @@ extern "C" int plait_attention(const plait_view* v, const int64_t* p, const doub
       out = at::scaled_dot_product_attention(q, k, val, {}, 0.0, p[0], f[0]);
       auto wide = tensor(&v[4]).scalar_type();
       auto s = at::matmul(q.to(wide), k.to(wide).transpose(-2, -1)) * f[0];
-      if (p[0]) s = s.masked_fill(at::ones({s.size(-2), s.size(-1)}, s.options().dtype(at::kBool))
-                                      .tril().logical_not(), -std::numeric_limits<double>::infinity());
+      if (p[0]) {  // causal: each row's later keys masked
+        auto later = at::ones({s.size(-2), s.size(-1)}, s.options().dtype(at::kBool)).triu(1);
+        s = s.masked_fill(later, -std::numeric_limits<double>::infinity());
+      }
       lse = s.logsumexp(-1);
     }
     tensor(&v[3]).copy_(out.reshape(tensor(&v[3]).sizes()));
@@ -248,7 +250,9 @@ extern "C" int plait_attention_backward(const plait_view* v, const int64_t* p, c
                                                     p[0], f[0]);
       grads = torch::autograd::grad({again}, leaves, {ct});
     }
-    for (int j = 0; j < 3; ++j) tensor(&v[6 + j]).copy_(grads[j].reshape(tensor(&v[6 + j]).sizes()));
+    for (int j = 0; j < 3; ++j) {
+      tensor(&v[6 + j]).copy_(grads[j].reshape(tensor(&v[6 + j]).sizes()));
+    }
   });
 }
 """

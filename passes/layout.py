@@ -41,6 +41,7 @@ libraries run channels-first convolutions as fast), "all" (tests run it on the C
 from __future__ import annotations
 
 import attrs
+import torch
 
 from ..config import config
 from ..errors import PlaitError
@@ -61,10 +62,6 @@ def _is_identity(perm) -> bool:
     return tuple(perm) == tuple(range(len(perm)))
 
 
-def _kind(device) -> str:
-    return str(device).split(":")[0]
-
-
 def _eligible(node) -> bool:
     p = node.kwargs
     return (node.out_types[0].ndim >= 3 and p["feature_group_count"] == 1
@@ -79,7 +76,7 @@ def channels_last(graph: Graph) -> Graph:
                          f"{', '.join(CHOICES)}")
     kinds = {"cuda": ("cuda",), "all": ("cuda", "cpu"), "none": ()}[config.channels_last]
     convs = [n for n in graph.order if graph.node(n).prim == "conv"
-             and _kind(graph.node(n).out_types[0].device) in kinds]
+             and torch.device(graph.node(n).out_types[0].device).type in kinds]
     if not convs or not all(_eligible(graph.node(n)) and not graph.node(n).kwargs.get(
             "channels_last") for n in convs):
         return graph
@@ -163,9 +160,14 @@ class _Rewrite:
         if node.prim == "custom_vjp" and len(perms) == 1 and carried[-1][1] is not None \
                 and hasattr(node.kwargs["rule"], "permuted"):
             return self._custom(node, operands, carried)
+        return self._copied(node, operands, preds)
+
+    def _copied(self, node, operands, preds=()) -> list:
+        """The node as it was, on its operands untransposed."""
         args = [self.plain(v, node.provenance) for v in operands]
-        return [(v, None) for v in b.add_node(node.prim, args, node.kwargs, node.out_types,
-                                                node.provenance, after=preds)]
+        return [(v, None) for v in self.b.add_node(node.prim, args, node.kwargs,
+                                                     node.out_types, node.provenance,
+                                                     after=preds)]
 
     def _conv(self, node, operands, preds) -> list:
         lhs, rhs = operands
@@ -188,9 +190,7 @@ class _Rewrite:
         shape = node.out_types[0].shape
         if any(p != (perm if self.graph.type_of(v).shape == shape else None)
                for v, (_, p) in zip(operands, carried)):
-            args = [self.plain(v, node.provenance) for v in operands]
-            return [(v, None) for v in self.b.add_node(node.prim, args, node.kwargs,
-                                                        node.out_types, node.provenance)]
+            return self._copied(node, operands)
         t = node.out_types[0]
         (out,) = self.b.add_node(
             node.prim, [new for new, _ in carried],

@@ -266,14 +266,13 @@ def test_cuda_flash_pads_head_dims_to_eight(monkeypatch):
                                                  (100, 100, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
-def test_cuda_kernels_statistics_and_backward(kernel, causal, dtype, rows, keys, value_dim,
+def test_cuda_kernels_statistics_and_backward(causal, dtype, rows, keys, value_dim,
                                               monkeypatch):
     """On CUDA the result and statistics come from torch's flash, memory-efficient (padded
-    to 32 rows) or cuDNN kernel; the backward, given them stored contiguously as a compiled
-    program stores them, gives the gradients of the math reference within the kernels'
-    precision, with operands laid out as a projection leaves them ([batch, tokens, heads,
-    dim] transposed)."""
+    to 32 rows) or cuDNN kernel, each that takes these operands (the one torch picks among
+    them), or from the scores; the backward, given them stored contiguously as a compiled program stores
+    them, gives the gradients of the math reference within the kernels' precision, with
+    operands laid out as a projection leaves them ([batch, tokens, heads, dim] transposed)."""
     from plait.tracer import nn as plait_nn
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -281,14 +280,6 @@ def test_cuda_kernels_statistics_and_backward(kernel, causal, dtype, rows, keys,
              for d in (64, value_dim))
     k, v = (torch.randn(2, keys, 4, d, generator=g, device="cuda", dtype=dtype).transpose(1, 2)
             for d in (64, value_dim))
-    with torch.nn.attention.sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
-                                         "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                                         "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]):
-        try:
-            torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=0.125)
-        except RuntimeError:  # "No available kernel"
-            pytest.skip(f"torch's {kernel} kernel does not take these operands")
-    monkeypatch.setattr(plait_nn, "_fused_kernel", lambda *args: kernel)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     with torch.nn.attention.sdpa_kernel(SDPBackend.MATH):
         wide = [x.double() for x in leaves]
@@ -298,15 +289,28 @@ def test_cuda_kernels_statistics_and_backward(kernel, causal, dtype, rows, keys,
     if causal:
         scores = scores.masked_fill(~torch.ones(rows, keys, dtype=torch.bool,
                                                 device="cuda").tril(), float("-inf"))
-    out, lse = plait_nn._attention(q, k, v, scale=0.125, causal=causal)
     tolerance = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else \
         {"atol": 1e-3, "rtol": 1e-3}
-    assert_close(out.double(), expected.to(out.dtype).double(), **tolerance)
-    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
-    assert_close(lse.double(), scores.logsumexp(-1).detach(), atol=1e-3, rtol=1e-3)
-    stored = [x.contiguous() for x in (ct, q, k, v, out, lse)]
-    assert_close(plait_nn._attention_backward(*stored, scale=0.125, causal=causal), grads,
-                 **tolerance)
+    kernels = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    picked = plait_nn._fused_kernel(q, k, v, causal, 0.125)
+    tested = []
+    for kernel, backend in kernels.items():
+        with torch.nn.attention.sdpa_kernel(backend):  # (math takes any operands)
+            try:
+                torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=0.125)
+            except RuntimeError:  # "No available kernel": torch's kernel refuses them
+                continue
+        tested.append(kernel)
+        monkeypatch.setattr(plait_nn, "_fused_kernel", lambda *args, kernel=kernel: kernel)
+        out, lse = plait_nn._attention(q, k, v, scale=0.125, causal=causal)
+        assert_close(out.double(), expected.to(out.dtype).double(), **tolerance)
+        assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+        assert_close(lse.double(), scores.logsumexp(-1).detach(), atol=1e-3, rtol=1e-3)
+        stored = [x.contiguous() for x in (ct, q, k, v, out, lse)]
+        assert_close(plait_nn._attention_backward(*stored, scale=0.125, causal=causal),
+                     grads, **tolerance)
+    assert picked in tested
 
 
 def test_attention_derivatives_of_every_order():

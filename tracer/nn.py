@@ -29,7 +29,7 @@ from ..graph import TensorType
 from .aten import handles, type_of
 from .primitives import _check, define, vjp_rule
 from ..config import config
-from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, current_trace, on_tracers
+from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, on_tracers
 
 aten = torch.ops.aten
 
@@ -235,8 +235,8 @@ def _attention_jvp(operands, tangents, outs, *, scale, causal=False):
     dq, dk, dv = (t if t is not None else torch.zeros_like(x) for t, x in zip(tangents, operands))
     p = _scores(q, k, scale, causal).softmax(-1)
     ds = (dq @ k.mT + q @ dk.mT) * scale
-    expected = (p * ds).sum(-1, keepdim=True)
-    return [(p * (ds - expected)) @ v + p @ dv, expected.squeeze(-1).to(outs[1].dtype)]
+    dp = p * (ds - (p * ds).sum(-1, keepdim=True))
+    return [dp @ v + p @ dv, None]  # (the statistics carry no derivative: _attention_vjp)
 
 
 define("attention", _attention_infer, _attention, jvp=_attention_jvp, multiple_results=True,
@@ -245,28 +245,11 @@ define("attention_backward", lambda ct, q, k, v, out, lse, **_: (q, k, v), _atte
        multiple_results=True, batch=_batched_attention("attention_backward"))
 
 
-def _zero_fill(ct) -> bool:
-    """Is the cotangent none, or the zeros autodiff gives an unused result of a node?"""
-    if ct is None:
-        return True
-    node, _ = current_trace().defining(ct)
-    return node.prim == "full" and node.kwargs["value"] == 0
-
-
 @vjp_rule("attention")
 def _attention_vjp(cts, q, k, v, *, outs, scale, causal=False):
-    ct, ct_lse = cts
-    out, lse = outs
-    grads = [None] * 3
-    if ct is not None:
-        grads = list(bind("attention_backward", ct, q, k, v, out, lse, scale=scale,
-                          causal=causal))
-    if not _zero_fill(ct_lse):  # d lse = softmax(S) . dS: the statistic is the backward's
-        # alone, so only a derivative of a derivative might ask
-        ds = _scores(q, k, scale, causal).softmax(-1) * ct_lse.unsqueeze(-1).to(q.dtype) * scale
-        more = [ds @ k, ds.mT @ q, None]
-        grads = [g if m is None else m if g is None else g + m for g, m in zip(grads, more)]
-    return grads
+    # the statistics carry no derivative (as normalizations' saved statistics do not): their
+    # one reader, attention_backward, differentiates as the written-out form of q, k and v
+    return bind("attention_backward", cts[0], q, k, v, *outs, scale=scale, causal=causal)
 
 
 def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
