@@ -618,10 +618,11 @@ def _load(path: str, symbols: Sequence[str]) -> Library | None:
         return None
 
 
-def build(source: str, symbols: Sequence[str], flags: Sequence[str] = ()) -> Library:
+def build(source: str, symbols: Sequence[str], flags: Sequence[str] = (),
+          only_cached: bool = False) -> Library | None:
     """The shared library of ``source`` (which defines ``symbols``), from the disk cache or
     built with the configured compiler and ``flags`` after the configured ones (NOTE [C++
-    build cache])."""
+    build cache]); None where ``only_cached`` and the cache lacks it."""
     compiler = _compiler()
     # NOTE [one rounding per op] (codegen.py); before the configured flags, which may say otherwise
     command = [compiler, "-ffp-contract=off", *shlex.split(config.cpp_flags), *flags, "-shared",
@@ -634,6 +635,8 @@ def build(source: str, symbols: Sequence[str], flags: Sequence[str] = ()) -> Lib
         target = os.path.join(cache, key + ".so")
         if os.path.exists(target) and (lib := _load(target, symbols)) is not None:
             return lib
+    if only_cached:
+        return None
     work = tempfile.mkdtemp(prefix="plait-", dir=cache)
     try:
         src, out = os.path.join(work, key + ".cpp"), os.path.join(work, key + ".so")

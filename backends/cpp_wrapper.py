@@ -21,7 +21,8 @@ memory]) with pointers:
   convolutions and their backward, attention and its backward). The runtime (``RUNTIME``) is
   built once per torch version against torch's headers and libraries (8 s on 2 cores), by a
   process started when a program first needs it (``runtime_future``): until it is built,
-  such a program runs through its Python wrapper, so no compilation waits for it. It calls the ATen operators the extern's Python implementation
+  such a program runs through its Python wrapper, so no compilation waits for it. Found
+  built, it is loaded at once, with no process. It calls the ATen operators the extern's Python implementation
   calls, on ``from_blob`` views of the buffers (an operand's view steps become its strides),
   and writes into the step's own output buffers. Any other extern is a Python step: the
   wrapper calls back into Python with the step's pointers, and the callback runs the extern
@@ -263,9 +264,9 @@ _SCALAR_TYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, 
                  torch.complex128: 10, torch.bool: 11, torch.bfloat16: 15}
 
 
-def _build(source: str, symbols: list, libraries: list):
+def _build(source: str, symbols: list, libraries: list, only_cached: bool = False):
     """A library against torch's headers and ``libraries``, built once per torch version and
-    compiler (NOTE [C++ build cache])."""
+    compiler (NOTE [C++ build cache]); None where ``only_cached`` and it was not built."""
     from . import cpp
 
     root = os.path.dirname(torch.__file__)
@@ -274,7 +275,7 @@ def _build(source: str, symbols: list, libraries: list):
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-L{root}/lib",
              *(f"-l{name}" for name in libraries), f"-Wl,-rpath,{root}/lib"]
     source = f"// for torch {torch.__version__}\n{source}"  # its headers: part of the key
-    return cpp.build(source, symbols, flags)
+    return cpp.build(source, symbols, flags, only_cached)
 
 
 @functools.cache
@@ -286,9 +287,14 @@ def memory():
 @functools.cache
 def runtime():
     """The externs through ATen (8 s to build on 2 cores), where a program has one."""
+    return _runtime()
+
+
+def _runtime(only_cached: bool = False):
     library = _build(RUNTIME, [*(f"plait_{prim}" for prim in NATIVE), "plait_runtime_error"],
-                     ["torch_cpu", "c10"])
-    library.cdll.plait_runtime_error.restype = ctypes.c_char_p
+                     ["torch_cpu", "c10"], only_cached)
+    if library is not None:
+        library.cdll.plait_runtime_error.restype = ctypes.c_char_p
     return library
 
 
@@ -308,11 +314,20 @@ def runtime_future() -> concurrent.futures.Future:
     a cold compile never waits for it (NOTE [C++ wrapper]). A process of its own builds it
     into the disk cache, which outlives a short program that exits first (a thread's build
     would die with it, and every run would start over); then this one loads it (or, where
-    that build failed, builds it here, for the compiler's message)."""
+    that build failed, builds it here, for the compiler's message). Found in the cache, it is
+    loaded at once."""
     with _building_lock:
         if not _building:
             future = concurrent.futures.Future()
             _building.append(future)
+            try:  # built before: loaded here, with no process (whose start-up would take
+                # the cores from the calls it runs beside, for seconds)
+                if _runtime(only_cached=True) is not None:
+                    future.set_result(runtime())
+                    return future
+            except BackendError as e:  # no compiler
+                future.set_exception(e)
+                return future
 
             def build():
                 try:

@@ -90,6 +90,19 @@ def test_calls_step_through_python_until_the_runtime_is_built(monkeypatch, fails
     assert wrapper._ready() != fails
 
 
+def test_a_built_runtime_loads_without_a_process(monkeypatch):
+    """A process of its own builds the runtime; one already built is loaded at once: that
+    process's start (importing torch, for seconds) would take the cores from the calls."""
+    monkeypatch.setattr(cpp_wrapper, "_building", [])
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a process was started for a runtime already built")
+
+    monkeypatch.setattr(cpp_wrapper.subprocess, "run", no_process)
+    future = cpp_wrapper.runtime_future()
+    assert future.done() and future.result() is cpp_wrapper.runtime()
+
+
 @pytest.mark.parametrize("shape", [((2, 3, 5, 4), (2, 3, 4, 6)), ((5, 4), (6, 4)),
                                    ((3, 5, 4), (4, 7))])
 def test_matmuls_of_transposed_and_batched_operands(shape):
