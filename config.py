@@ -61,9 +61,9 @@ class Config:
     # Softmax attention written out (softmax(q @ k.T * scale) @ v) runs as one fused attention
     # kernel that never stores the scores (NOTE [attention fusion], passes/attention.py).
     fuse_attention: bool = attrs.field(factory=lambda: _env("fuse_attention", True, _to_bool))
-    # Which devices' convolutions run on channels-last values: cuda, all or none (NOTE
+    # Which devices' convolutions run on channels-last values: all, cuda or none (NOTE
     # [channels-last convolutions], passes/layout.py).
-    channels_last: str = attrs.field(factory=lambda: _env("channels_last", "cuda", str))
+    channels_last: str = attrs.field(factory=lambda: _env("channels_last", "all", str))
     # Constant folding evaluates nodes whose result has at most this many elements.
     fold_max_numel: int = attrs.field(factory=lambda: _env("fold_max_numel", 4096, int))
     # ATen ops with no decomposition run as opaque nodes that call torch; False raises instead.

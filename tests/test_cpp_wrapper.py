@@ -131,6 +131,26 @@ def test_attention_and_convolution_run_natively_with_their_gradients(causal):
     assert not _wrapper(step.lower(*args))._steps  # none of them calls back into Python
 
 
+@pytest.mark.parametrize("argnums", [(0, 1, 2), (1, 2)])
+def test_channels_last_convolutions_run_natively_with_their_gradients(argnums):
+    """NOTE [channels-last convolutions]: the runtime hands ATen channels-last views, and
+    (argnums without the images) a conv_backward without the input's gradient."""
+    def loss(img, k1, k2):
+        h = F.conv2d(img, k1, padding=1).relu()
+        return F.conv2d(h, k2, stride=2, padding=1).square().mean()
+
+    g = _gen(5)
+    args = (torch.randn(2, 3, 8, 8, generator=g), torch.randn(6, 3, 3, 3, generator=g),
+            torch.randn(4, 6, 3, 3, generator=g))
+    with plait.config.patch(channels_last="all"):
+        step, _ = _step_matches_torch_func(loss, loss, args, argnums)
+        lowered = step.lower(*args)
+    convs = [k for k in lowered.compiled.program.kernels
+             if getattr(k, "label", None) in ("conv", "conv_backward")]
+    assert len(convs) == 4 and all(dict(k.params)["channels_last"] for k in convs)
+    assert not _wrapper(lowered)._steps  # none of them calls back into Python
+
+
 def test_python_steps_run_other_externs_and_their_errors_propagate():
     spd = torch.eye(3) * 2
     chol = plait.jit(lambda m: torch.linalg.cholesky(m) * 2)

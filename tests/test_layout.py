@@ -45,8 +45,10 @@ def test_no_transpose_between_the_convolutions():
                      atol=1e-5, rtol=1e-5)
 
 
-def test_off_the_gpu_by_default():
-    graph = plait.jit(_conv_bn_relu_conv).lower(*_args()).graph
+@pytest.mark.parametrize("devices", ["cuda", "none"])
+def test_the_cpu_stays_channels_first_where_not_chosen(devices):
+    with plait.config.patch(channels_last=devices):
+        graph = plait.jit(_conv_bn_relu_conv).lower(*_args()).graph
     assert "transpose" not in _prims(graph)
     assert not any(graph.node(n).kwargs.get("channels_last") for n in graph.order)
 
@@ -103,5 +105,5 @@ def test_a_grouped_convolution_keeps_the_graph_channels_first():
 
 def test_an_unknown_choice_is_refused():
     graph = plait.jit(_conv_bn_relu_conv).lower(*_args()).graph
-    with plait.config.patch(channels_last="yes"), pytest.raises(PlaitError, match="cuda, all"):
+    with plait.config.patch(channels_last="yes"), pytest.raises(PlaitError, match="all, cuda, none"):
         channels_last(graph)

@@ -32,8 +32,8 @@ def _train(model, call, inputs, steps=2):
 @pytest.mark.parametrize("name,layout", [(name, "none") for name in sorted(MODELS)] +
                          [(name, "all") for name in ("convnext", "resnet", "vit")])
 def test_model_trains_as_in_eager(name, layout):
-    """layout "all": the convolutions channels-last, as on a GPU (NOTE [channels-last
-    convolutions])."""
+    """layout "all" (the default): the convolutions channels-last (NOTE [channels-last
+    convolutions]); "none": channels-first."""
     plait.config.backend = "cpp"  # the autouse fixture restores it
     plait.config.channels_last = layout
     make, batch = MODELS[name](small=True)
