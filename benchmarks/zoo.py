@@ -241,8 +241,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of timed steps (default 3 on a GPU, 10 on the CPU)")
     parser.add_argument("--repeat", type=int, default=None,
-                        help="timed steps (default 5 on a GPU, 25 on the CPU)")
+                        help="timed steps of each column per round (default 3 on a GPU, 10 "
+                             "on the CPU)")
     args = parser.parse_args()
     from models import fresh_caches, peak_bytes
 
@@ -250,14 +253,16 @@ def main() -> None:
     import plait
     from plait.backends.cuda_graphs import held_bytes
 
-    args.repeat = args.repeat or (5 if args.device == "cuda" else 25)
     cuda = args.device == "cuda"
+    rounds = args.rounds or (3 if cuda else 10)
+    repeat = args.repeat or (3 if cuda else 10)
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
-    print(f"training step (loss.backward(), SGD), {args.device}")
+    print(f"training step (loss.backward(), SGD), {args.device}: the median of {rounds} "
+          f"rounds of {repeat} steps of each column in turn")
     print(f"{'model':>9} {'':>14} {'first s':>8} {'step ms':>9} {'peak MB':>8} {'grad err':>9}")
     for name in args.models.split(","):
         make, batch = MODELS[name](small=not cuda)
@@ -266,20 +271,19 @@ def main() -> None:
         inputs = batch(args.device)
         reference(*inputs).backward()
         want = {k: p.grad for k, p in reference.named_parameters()}
+        columns = []
         for label, wrap in (("eager", lambda m: m), ("torch.compile", torch.compile),
                             ("plait.jit", plait.jit)):
-            gc.collect()  # the last column's compiled programs (and CUDA graphs) are gone
             torch.manual_seed(0)
             model = make().to(args.device)
             run = wrap(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
-            def step():
+            def step(run=run, opt=opt):
                 opt.zero_grad(set_to_none=True)
                 run(*inputs).backward()
                 opt.step()
 
-            graphs = held_bytes()
             start = time.perf_counter()
             step()
             sync()
@@ -287,21 +291,29 @@ def main() -> None:
             for _ in range(6):  # warm: plait captures its CUDA graphs from the third call,
                 # again once the backward's residuals settle (NOTE [CUDA graphs])
                 step()
-            times = []
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                step()
-                sync()
-                times.append((time.perf_counter() - start) * 1e3)
+            sync()
+            columns.append((label, model, opt, step, first, []))
+        # each column's steps in turn, round after round: a machine's drift (another tenant,
+        # its clock) reaches every column alike
+        for _ in range(rounds):
+            for *_, step, _, times in columns:
+                for _ in range(repeat):
+                    start = time.perf_counter()
+                    step()
+                    sync()
+                    times.append((time.perf_counter() - start) * 1e3)
+        for label, model, opt, step, first, times in columns:
             # the gradients of a warm step (replayed, where plait captured a graph)
             error = max(((p.grad - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-6))
                         .item() for k, p in model.named_parameters())
             opt.zero_grad(set_to_none=True)  # above the model's and the batch's memory
-            peak = peak_bytes(step, args.device, held_bytes() - graphs)
+            graphs = held_bytes() if label == "plait.jit" else 0
+            peak = peak_bytes(step, args.device, graphs)
             peak = float("nan") if peak is None else peak / 2 ** 20
             print(f"{name:>9} {label:>14} {first:>8.2f} {statistics.median(times):>9.2f} "
                   f"{peak:>8.0f} {error:>9.1e}", flush=True)
-            del model, run, opt
+        del columns, model, opt, step
+        gc.collect()  # the compiled programs (and CUDA graphs) are gone before the next model
 
 
 if __name__ == "__main__":
