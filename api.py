@@ -294,6 +294,7 @@ class _Differentiable:
                                 stages=Stages(f"{name} (forward)"), simplified=True)
         self._backward = Lowered(_program(backward), lowered.backend,
                                  stages=Stages(f"{name} (backward)"), simplified=True)
+        self._paired = False
 
     def forward(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
         outs = self._forward.runner(tensors)
@@ -302,7 +303,12 @@ class _Differentiable:
 
     def backward(self, residuals, cotangents) -> list:
         seeds = [cotangents[k].contiguous() for k in self.seeded]
-        return self._backward.runner(list(residuals) + seeds)
+        runner = self._backward.runner
+        if not self._paired:  # its CUDA graphs share the forward's memory (NOTE [CUDA graphs])
+            self._paired = True
+            if (pair := getattr(runner, "replays_after", None)) is not None:
+                pair(self._forward.runner)
+        return runner(list(residuals) + seeds)
 
 
 def _program(graph: Graph) -> TracedFunction:

@@ -31,11 +31,24 @@ constant is always copied; one on a static input is the caller's own memory, len
 of that input, rebuilt at each replay, where it lies within it). Nothing the caller holds
 is ever written by a replay.
 
+Memory shared with the program before. A backward program runs after its forward, never
+beside it, and the forward's temporaries are dead by then: ``replays_after`` makes the
+backward's graph capture into the memory pool of the forward's graph (on that device, as
+captured then), so the two hold about the step's peak between them rather than each its
+own (GPT-2 small's module path: the two pools were 1.5x a functional step's memory). The
+forward's outputs (the residuals) stay allocated to its capture, so the backward's capture
+never takes their memory; it takes the forward's temporaries', which the next forward replay
+writes again. So everything the backward writes in its own memory is copied out after each
+replay, never lent (a gradient the optimizer keeps, or that accumulates over steps, would be
+overwritten), and a forward's graph captured again goes to a pool of its own: captured
+after the backward's, its outputs could take memory the backward writes. The two share one
+lock and one event, so their replays never overlap.
+
 Randomness. torch registers its CUDA generator with each capture: a replay draws the
 numbers eager would draw from the generator's state at that call, and advances it as eager.
 
 Streams. A replay runs on the caller's current stream, ordered after the last replay of the
-same graph by an event (its memory is shared by every call), under a lock.
+same graph, or of the one it shares memory with, by an event, under a lock.
 """
 from __future__ import annotations
 
@@ -74,7 +87,7 @@ class _Capture:
 
     def __init__(self, run: Callable, inputs: Sequence[torch.Tensor], static: list[bool],
                  copied: set[int], constants: Sequence[torch.Tensor], device: torch.device,
-                 recorder):
+                 recorder, pool=None):
         self.device = device
         before = recorder.reserved(device)
         self.buffers = [t if s else torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -82,7 +95,10 @@ class _Capture:
         for b, t, s in zip(self.buffers, inputs, static):
             if not s:
                 b.copy_(t)
-        self.graph, self.outputs = recorder.capture(run, self.buffers, device)
+        # (a graph sharing another's pool may not lend its memory: NOTE [CUDA graphs])
+        self.shared = pool is not None
+        self.graph, self.outputs = recorder.capture(run, self.buffers, device, pool)
+        self.pool = recorder.pool(self.graph)
         self.pool_bytes = recorder.reserved(device) - before
         self.addresses = [t.data_ptr() if s else 0 for t, s in zip(inputs, static)]
         storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
@@ -101,7 +117,7 @@ class _Capture:
         self.views = {j: v for j, o in enumerate(self.outputs) if storage(o) in theirs
                       and (v := _within(o, inputs, static)) is not None}
         self.copy = [j for j, o in enumerate(self.outputs) if j not in self.views
-                     and (j in copied or storage(o) in ours)]
+                     and (j in copied or storage(o) in ours or self.shared)]
         self.outputs = [None if j in self.views else o for j, o in enumerate(self.outputs)]
         # the static inputs are the caller's: read where they are, never kept alive here
         self.buffers = [None if s else b for b, s in zip(self.buffers, static)]
@@ -164,11 +180,18 @@ class _CudaRecorder:
         return outputs, bool(found)
 
     @staticmethod
-    def capture(run, buffers, device):
+    def capture(run, buffers, device, pool=None):
+        """The graph of ``run`` on ``buffers`` (in ``pool``, a graph's ``pool()``, or in a new
+        pool) and its outputs."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool,
+                                                          capture_error_mode="thread_local"):
             outputs = run(buffers, device)
         return graph, outputs
+
+    @staticmethod
+    def pool(graph):
+        return graph.pool()
 
     @staticmethod
     def replay(capture: _Capture, inputs) -> None:
@@ -185,7 +208,21 @@ class Graphed:
                  constants: Callable, recorder=_CudaRecorder):
         self._run, self._constants, self._recorder = run, constants, recorder
         self._state: dict = {}  # device -> _DeviceState
-        self._lock = threading.Lock()
+        self._after: Graphed | None = None
+        self._turns = _Turns()
+
+    def replays_after(self, before: "Graphed") -> None:
+        """This program runs after ``before`` and never beside it (a backward after its
+        forward): its graphs capture into the memory pool of ``before``'s (NOTE [CUDA
+        graphs]). Said before this one's first call."""
+        self._after, self._turns = before, before._turns
+
+    def _pool(self, device):
+        """The pool this program's next capture on ``device`` goes to (None: a new one)."""
+        before = self._after._state.get(device) if self._after is not None else None
+        capture = before.capture if before is not None else None
+        # (the forward's own pool: never one it shares, as a forward captured again would)
+        return capture.pool if capture is not None and not capture.shared else None
 
     def __call__(self, inputs: Sequence[torch.Tensor], device: torch.device) -> list:
         if not config.cuda_graphs or (device.type == "cuda"
@@ -194,8 +231,17 @@ class Graphed:
         state = self._state.setdefault(device, _DeviceState())
         if state.refused:
             return self._run(inputs, device)
-        with self._lock:
+        with self._turns.lock:
             return state.call(self, inputs, device)
+
+
+class _Turns:
+    """What orders the replays of graphs sharing memory (NOTE [CUDA graphs]): a lock, and
+    per device the event after the last replay's copies."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.done: dict = {}  # device -> torch.cuda.Event
 
 
 def _rebuilt(inputs, i: int, shape: tuple, strides: tuple, offset: int) -> torch.Tensor:
@@ -216,7 +262,6 @@ class _DeviceState:
         self.moved_once: set[int] = set()  # static inputs that have moved
         self.copied: set[int] = set()  # outputs found alive once: copied out from then on
         self.capture: _Capture | None = None
-        self.done = None  # the event after the last replay's copies
 
     def call(self, owner: Graphed, inputs, device) -> list:
         addresses = [t.data_ptr() for t in inputs]
@@ -260,9 +305,9 @@ class _DeviceState:
                 self.capture = None
                 if not self._capture(owner, inputs, device):
                     return owner._run(inputs, device)
-        capture = self.capture
-        if device.type == "cuda" and self.done is not None:
-            torch.cuda.current_stream(device).wait_event(self.done)
+        capture, done = self.capture, owner._turns.done.get(device)
+        if device.type == "cuda" and done is not None:
+            torch.cuda.current_stream(device).wait_event(done)
         for i in self.dynamic:
             capture.buffers[i].copy_(inputs[i])
         owner._recorder.replay(capture, inputs)
@@ -275,9 +320,9 @@ class _DeviceState:
             for j, t in zip(capture.copy, fresh):
                 results[j] = t
         if device.type == "cuda":
-            if self.done is None:
-                self.done = torch.cuda.Event()
-            self.done.record(torch.cuda.current_stream(device))
+            if done is None:
+                done = owner._turns.done[device] = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
         return results
 
     def _capture(self, owner: Graphed, inputs, device) -> bool:
@@ -292,7 +337,8 @@ class _DeviceState:
         static = [i not in self.dynamic for i in range(len(inputs))]
         try:
             self.capture = _Capture(owner._run, inputs, static, self.copied,
-                                    owner._constants(device), device, owner._recorder)
+                                    owner._constants(device), device, owner._recorder,
+                                    owner._pool(device))
         except Exception as e:  # a host synchronisation, a collective: no graph here
             _log.debug("CUDA graph: capture failed, running launch by launch: %s", e)
             self.refused = True

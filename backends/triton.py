@@ -1102,6 +1102,12 @@ class CompiledProgram(codegen.CompiledProgram):
             isinstance(k, Wait) or getattr(k, "collective", False) for k in program.kernels) \
             else cuda_graphs.Graphed(self._run, lambda d: [t for _, t in self._on_device[d]])
 
+    def replays_after(self, before) -> None:
+        """This program runs after ``before`` and never beside it (a backward after its
+        forward): its CUDA graphs capture into ``before``'s memory (NOTE [CUDA graphs])."""
+        if self._graphed is not None and getattr(before, "_graphed", None) is not None:
+            self._graphed.replays_after(before._graphed)
+
     def write(self, kernel: Kernel):
         w = _KernelWriter(kernel, self._types, self.program.aliases)
         return w, w.source()

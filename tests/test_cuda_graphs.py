@@ -6,6 +6,8 @@ into the captured outputs' memory, as a graph's replay does. The tests at the en
 graphs and need a CUDA GPU."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -18,11 +20,14 @@ CPU = torch.device("cpu")
 class _Rerun:
     """A stand-in for CUDA graphs: a capture runs the program once on its buffers, a replay
     runs it again on the graph's buffers and the static inputs where they are (the caller's,
-    at the addresses the graph read) and copies the results into the captured outputs."""
+    at the addresses the graph read) and copies the results into the captured outputs. A
+    replay writes NaN over the outputs of the graphs captured after it into its pool (whose
+    memory its temporaries had)."""
 
     def __init__(self, fail: bool = False, synchronizes: bool = False):
         self.fail, self.syncs, self.captures, self.replays, self.checks = \
             fail, synchronizes, 0, 0, 0
+        self.pools: dict[int, list] = {}  # pool -> each capture's (graph, outputs) in order
 
     @staticmethod
     def reserved(device) -> int:
@@ -32,16 +37,28 @@ class _Rerun:
         self.checks += 1
         return run(inputs, device), self.syncs
 
-    def capture(self, run, buffers, device):
+    def capture(self, run, buffers, device, pool=None):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captures += 1
         outputs = run(buffers, device)
-        return (run, device), outputs
+        graph = (run, device, len(self.pools) if pool is None else pool)
+        # (weakly: a reference here would count as the caller's)
+        self.pools.setdefault(graph[2], []).append((graph, [weakref.ref(o) for o in outputs]))
+        return graph, outputs
+
+    @staticmethod
+    def pool(graph):
+        return graph[2]
 
     def replay(self, capture, inputs) -> None:
         self.replays += 1
-        run, device = capture.graph
+        run, device, pool = capture.graph
+        members = [g for g, _ in self.pools[pool]]
+        for _, outputs in self.pools[pool][members.index(capture.graph) + 1:]:
+            for o in outputs:
+                if o() is not None:
+                    o().fill_(float("nan"))
         buffers = [x if b is None else b for b, x in zip(capture.buffers, inputs)]
         for o, n in zip(capture.outputs, run(buffers, device)):
             if o is not None:  # None: an output on a static input, rebuilt on it
@@ -183,6 +200,31 @@ def test_a_backward_viewing_its_residual_leaves_the_forward_graph_alone():
     assert 0 not in backward._state[CPU].dynamic
 
 
+def test_a_backward_shares_its_forwards_memory_and_lends_none_of_it():
+    """replays_after: the backward captures into the forward's pool, where the forward's
+    next replay writes over the backward's memory; the gradients it returns (kept step after
+    step here, as accumulated gradients are) are copies, and stay right. A forward captured
+    again (its weight replaced) goes to a pool of its own, and the backward follows it."""
+    recorder = _Rerun()
+    forward, _ = _graphed(lambda w, x: (w * x).exp(), recorder)
+    backward, _ = _graphed(lambda r, g: r * g, recorder)
+    backward.replays_after(forward)
+    w, kept, pools = torch.randn(4), [], []
+    for step in range(12):
+        if step == 7:
+            w = torch.randn(4)  # moved: the forward captures again
+        x, g = torch.randn(4), torch.randn(4)
+        r = forward([w, x], CPU)[0]
+        kept.append((backward([r, g], CPU)[0], (w * x).exp() * g))
+        del r
+        if backward._state[CPU].capture is not None:
+            pools.append((forward._state[CPU].capture.pool, backward._state[CPU].capture.pool))
+    for got, want in kept:
+        assert torch.equal(got, want)
+    assert pools and all(f == b for f, b in pools)
+    assert len({f for f, _ in pools}) == 2  # the forward's second capture: a pool of its own
+
+
 def test_an_output_within_a_static_input_follows_the_input_at_its_address():
     """An output viewing a static input is rebuilt on the input of each call, counted from
     that input's own first element: another tensor at the same address (another storage, or
@@ -253,9 +295,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
-def test_a_training_loop_replays_graphs():
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_training_loop_replays_graphs(micro_batches):
     """plait.jit(model) under loss.backward() and an optimizer: forward and backward programs
-    replayed as graphs, the same losses as eager step after step."""
+    replayed as graphs, the backward's in the forward's memory, the same losses as eager step
+    after step; with gradients accumulated over micro-batches and zeroed in place, too."""
     torch.manual_seed(0)
     make = lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),  # noqa: E731
                                        torch.nn.Linear(64, 8)).cuda()
@@ -267,14 +311,19 @@ def test_a_training_loop_replays_graphs():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator(device="cuda").manual_seed(1)
         for _ in range(8):
-            x = torch.randn(16, 32, device="cuda", generator=g)
-            loss = call(x).square().mean()
-            loss.backward()
+            for _ in range(micro_batches):
+                x = torch.randn(16, 32, device="cuda", generator=g)
+                loss = call(x).square().mean()
+                loss.backward()
+                losses[name].append(loss.detach())
             opt.step()
-            opt.zero_grad()
-            losses[name].append(loss)
+            opt.zero_grad(set_to_none=micro_batches == 1)
     torch.testing.assert_close(torch.stack(losses["plait"]), torch.stack(losses["eager"]))
+    for got, want in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(got, want)
     assert cuda_graphs.held_bytes() > 0
+    pools = [c.pool for c in list(cuda_graphs._live)]
+    assert len(set(pools)) < len(pools)  # the backward's graph in the forward's pool
 
 
 @cuda
