@@ -187,28 +187,33 @@ def _derived_jvp(node, operands, tangents, types) -> list:
 # value is recomputed in the backward program, where it fuses into the kernels that read it,
 # rather than saved when it depends on no input (constants, ``full``, ``iota``), is a layout
 # op (``_LAYOUT``: a broadcast saved would cost its broadcast size), or is elementwise with
-# at most ``RECOMPUTE_LIMIT`` elementwise ops to redo back to the values that are saved:
-# matrix products, reductions, gathers, inputs, and elementwise values whose chain grew too
-# long (a residual stream's running sum is saved every few blocks, not redone from the
-# start). An effectful node (a random draw, a check) runs once, in the forward program: a
+# at most ``RECOMPUTE_LIMIT`` distinct elementwise nodes to redo back to the values that are
+# saved: matrix products, reductions, gathers, inputs, and elementwise values whose chain grew
+# too long (a residual stream's running sum is saved every few blocks, not redone from the
+# start). The limit fits a GELU's derivative after a bias, in float32 for bfloat16 operands:
+# under a lower one its float32 intermediates were saved, twice the activation's bytes each
+# (GPT-2 small's module path held 1.5 GB more than its functional step). An effectful node (a random draw, a check) runs once, in the forward program: a
 # dropout mask is saved, never drawn again.
 _LAYOUT = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "slice"})
-RECOMPUTE_LIMIT = 8
+RECOMPUTE_LIMIT = 16
 
 
-def _recompute_costs(g: Graph, pinned: set[int]) -> dict[int, int]:
-    """Forward node -> elementwise ops to redo to recompute it from saved values, for the
-    nodes recomputed rather than saved (one sweep in program order)."""
-    costs: dict[int, int] = {}
+def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
+    """Forward node -> the elementwise nodes to redo to recompute it from saved values, for
+    the nodes recomputed rather than saved (one sweep in program order; each set is
+    bounded, so the sweep is linear). Distinct nodes: a value read twice on the way (a GELU's
+    x, x**3) is redone once."""
+    redo: dict[int, frozenset] = {}
     for n in g.order:
         prim = g.node(n).prim
         if n not in pinned or prim == "input" or is_effectful(g.node(n)):
             continue
         if prim in _LAYOUT or prim in ELEMENTWISE:
-            cost = int(prim not in _LAYOUT) + sum(costs.get(v.node, 0) for v in g.operands(n))
-            if cost <= RECOMPUTE_LIMIT:
-                costs[n] = cost
-    return costs
+            nodes = frozenset(() if prim in _LAYOUT else (n,)).union(
+                *(redo.get(v.node, ()) for v in g.operands(n)))
+            if len(nodes) <= RECOMPUTE_LIMIT:
+                redo[n] = nodes
+    return redo
 
 
 def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
@@ -249,7 +254,7 @@ def split(joint_graph: Graph, n_primals: int, n_outputs: int,
             tangent.add(n)
         elif operands & pinned or is_effectful(g.node(n)):
             pinned.add(n)
-    recomputed = _recompute_costs(g, pinned)
+    recomputed = _recomputed(g, pinned)
     in_backward: set[int] = set()
     residuals: dict[Value, None] = {}
     stack = list(g.outputs[n_outputs:])

@@ -301,14 +301,26 @@ def _programs(jitted):
     return program
 
 
-def test_backward_recomputes_elementwise_values_instead_of_saving_them():
-    """GELU, written out as several elementwise ops, is redone in the backward program from
-    the matrix product it reads: only inputs and the product are saved."""
-    w = torch.randn(16, 32, requires_grad=True)
-    jitted = plait.jit(lambda x: F.gelu(x @ w).square().sum())
-    x = torch.randn(8, 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_backward_recomputes_elementwise_values_instead_of_saving_them(dtype, approximate):
+    """GELU, written out as several elementwise ops (in float32 for bfloat16 operands, the
+    tanh form reading x three times), after a bias: redone in the backward program from the
+    matrix product it reads, so only inputs and the product are saved (not float32
+    intermediates twice the activation's size)."""
+    w = torch.randn(16, 32, dtype=dtype, requires_grad=True)
+    b = torch.randn(32, dtype=dtype, requires_grad=True)
+
+    def loss(x):
+        return F.gelu(F.linear(x, w.mT, b), approximate=approximate).float().square().sum()
+    x = torch.randn(8, 16, dtype=dtype)
+    jitted = plait.jit(loss)
     jitted(x).backward()
-    assert_close(w.grad, torch.autograd.grad(F.gelu(x @ w).square().sum(), w)[0])
+    for got, want in zip((w.grad, b.grad), torch.autograd.grad(loss(x), (w, b))):
+        if dtype == torch.bfloat16:  # eager rounds each op's result to bfloat16; plait not
+            assert ((got - want).float().norm() / want.float().norm()) < 1e-2
+        else:
+            assert_close(got, want)
     forward = _programs(jitted)._forward.graph
     saved = [forward.node(v.node).prim for v in forward.outputs[1:]]
     assert set(saved) <= {"input", "dot_general"}, saved
