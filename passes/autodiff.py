@@ -192,8 +192,10 @@ def _derived_jvp(node, operands, tangents, types) -> list:
 # too long (a residual stream's running sum is saved every few blocks, not redone from the
 # start). The limit fits a GELU's derivative after a bias, in float32 for bfloat16 operands:
 # under a lower one its float32 intermediates were saved, twice the activation's bytes each
-# (GPT-2 small's module path held 1.5 GB more than its functional step). An effectful node (a random draw, a check) runs once, in the forward program: a
-# dropout mask is saved, never drawn again.
+# (GPT-2 small's module path held 1.5 GB more than its functional step). A custom VJP's
+# marker is gone by then (``erase_markers``): a BatchNorm's output is redone from its input
+# and statistics, which its backward saves anyway. An effectful node (a random draw, a
+# check) runs once, in the forward program: a dropout mask is saved, never drawn again.
 _LAYOUT = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "slice"})
 RECOMPUTE_LIMIT = 16
 

@@ -23,13 +23,22 @@ MARKERS = ("stop_gradient", "no_grad", "no_fwd_grad")
 
 
 def erase_markers(graph: Graph) -> Graph:
-    """The identities that only stop derivatives go: every derivative is taken before a
-    graph is simplified (a transform differentiates its traced graph, jit's autograd path the
-    one it traced), and patterns then see through them (attention under torch.no_grad())."""
-    if not any(graph.node(n).prim in MARKERS for n in graph.order):
+    """The identities that only stop derivatives or carry a custom one (``custom_vjp``, the
+    identity of its last operand) go: every derivative is taken before a graph is simplified
+    (a transform differentiates its traced graph, jit's autograd path the one it traced), and
+    patterns then see through them (attention under torch.no_grad()); a training step's
+    backward program redoes the elementwise values behind them rather than save them (a
+    BatchNorm's output: NOTE [forward and backward programs])."""
+    def erased(b, n, operands, preds):
+        prim = graph.node(n).prim
+        if preds or prim not in MARKERS and prim != "custom_vjp":
+            return None
+        return list(operands) if prim in MARKERS else [operands[-1]]
+
+    if not any(graph.node(n).prim in MARKERS or graph.node(n).prim == "custom_vjp"
+               for n in graph.order):
         return graph
-    return rewrite(graph, lambda b, n, operands, preds: list(operands) if graph.node(n).prim
-                   in MARKERS and not preds else None)
+    return rewrite(graph, erased)
 
 
 def dce(graph: Graph) -> Graph:

@@ -326,6 +326,28 @@ def test_backward_recomputes_elementwise_values_instead_of_saving_them(dtype, ap
     assert set(saved) <= {"input", "dot_general"}, saved
 
 
+def test_a_batch_norms_output_is_redone_in_the_backward():
+    """A BatchNorm's output (through its custom VJP's marker) feeding a ReLU and the next
+    convolution is recomputed by the backward program from the convolution's output and the
+    batch statistics, as torch.compile does: one activation saved per layer, not two."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3, padding=1))
+    eager, model = make(), make()
+    model.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    jitted = plait.jit(model)
+    jitted(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for got, want in zip(model.parameters(), eager.parameters()):
+        assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+    program = _programs(jitted.jitted)
+    forward = program._forward.graph  # (its first outputs: the loss and the running stats)
+    saved = [forward.node(v.node).prim for v in forward.outputs[program.n_outputs:]]
+    assert sorted(saved) == ["conv", "sum", "sum"], saved
+
+
 def test_a_dropout_mask_is_drawn_once_and_saved_for_backward():
     x = torch.randn(64, 64, requires_grad=True)
     jitted = plait.jit(lambda x: F.dropout(x, 0.5, training=True) * 3.0)
