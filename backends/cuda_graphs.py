@@ -15,8 +15,10 @@ memory pool of its own, which holds the program's peak memory between calls (``p
 Before a replay every static input is checked: another address, or a layout no longer
 contiguous, captures again, reading it at its new address the first time it moves (the
 backward's residuals, once the forward was captured again) and copying it in from its second
-move on (dynamic), up to ``MAX_CAPTURES`` times, after which the
-program runs launch by launch on that device. Anything a capture refuses (a host
+move on (dynamic, for good: a scalar seed of ``loss.backward()`` sits where the caching
+allocator puts it, the same address for a few steps, then another after other work ran
+between them, and settling it each time would spend every capture), up to ``MAX_CAPTURES``
+times, after which the program runs launch by launch on that device. Anything a capture refuses (a host
 synchronisation in an extern, a collective) leaves the program uncaptured for good.
 
 Outputs. A replay writes the same memory every time, so an output handed to the caller
@@ -260,6 +262,7 @@ class _DeviceState:
         self.dynamic: set[int] = set()
         self.steady: dict[int, int] = {}  # dynamic input -> calls it has stayed where it is
         self.moved_once: set[int] = set()  # static inputs that have moved
+        self.unsteady: set[int] = set()  # inputs that moved twice: never read in place again
         self.copied: set[int] = set()  # outputs found alive once: copied out from then on
         self.capture: _Capture | None = None
 
@@ -287,8 +290,8 @@ class _DeviceState:
             moved, alive = self.capture.moved(inputs, addresses), self.capture.alive()
             # a dynamic input that stays put (a residual of a program whose graph now lends
             # it) is read in place, once it has for STEADY_CALLS calls
-            settled = {i for i, n in self.steady.items()
-                       if n >= STEADY_CALLS and inputs[i].is_contiguous()}
+            settled = {i for i, n in self.steady.items() if n >= STEADY_CALLS
+                       and inputs[i].is_contiguous() and i not in self.unsteady}
             if moved or alive or settled:
                 # a static input moved, the caller still holds results of the last replay
                 # (left to it, with the graph's memory under them), or a dynamic input
@@ -298,6 +301,7 @@ class _DeviceState:
                 # captured again, which stays there); one that moves again is copied in.
                 again = set(moved) & self.moved_once
                 self.moved_once |= set(moved)
+                self.unsteady |= again
                 self.dynamic = (self.dynamic | again) - settled
                 self.copied |= set(alive)
                 _log.debug("CUDA graph: inputs %s moved, %s settled, outputs %s held: "

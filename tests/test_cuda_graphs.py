@@ -238,6 +238,23 @@ def test_an_output_within_a_static_input_follows_the_input_at_its_address():
     assert torch.equal(graphed([other], CPU)[0], base[4:8].view(2, 2))
 
 
+def test_an_input_that_settles_and_moves_by_turns_is_copied_for_good():
+    """A seed of loss.backward() keeps its address while the loop runs alone and takes
+    another after other work ran between two steps (another model's step, an evaluation):
+    read in place once settled, at its new address once, then copied in for good, not
+    captured again at every turn until the program gives up its graph."""
+    recorder = _Rerun()
+    graphed, _ = _graphed(lambda w, g: w * g, recorder)
+    w = torch.randn(4)
+    places = [torch.randn(()) for _ in range(3)]
+    for step in range(40):
+        g = places[(step // 4) % 3]  # 4 calls at one address, then the next
+        g.fill_(float(step))
+        assert torch.equal(graphed([w, g], CPU)[0], w * step)
+    state = graphed._state[CPU]
+    assert not state.refused and recorder.captures <= 4 and state.dynamic == {1}
+
+
 def test_inputs_that_keep_moving_give_up_graphs():
     recorder = _Rerun()
     graphed, calls = _graphed(lambda *ws: sum(ws), recorder)
