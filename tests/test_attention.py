@@ -270,9 +270,10 @@ def test_cuda_kernels_statistics_and_backward(causal, dtype, rows, keys, value_d
                                               monkeypatch):
     """On CUDA the result and statistics come from torch's flash, memory-efficient (padded
     to 32 rows) or cuDNN kernel, each that takes these operands (the one torch picks among
-    them), or from the scores; the backward, given them stored contiguously as a compiled program stores
-    them, gives the gradients of the math reference within the kernels' precision, with
-    operands laid out as a projection leaves them ([batch, tokens, heads, dim] transposed)."""
+    them), or from the scores; the backward, given them stored contiguously as a compiled
+    program stores them, or as they came (operands laid out as a projection leaves them,
+    [batch, tokens, heads, dim] transposed, and the kernel's own output), gives the
+    gradients of the math reference within the kernels' precision."""
     from plait.tracer import nn as plait_nn
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -307,9 +308,10 @@ def test_cuda_kernels_statistics_and_backward(causal, dtype, rows, keys, value_d
         assert_close(out.double(), expected.to(out.dtype).double(), **tolerance)
         assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
         assert_close(lse.double(), scores.logsumexp(-1).detach(), atol=1e-3, rtol=1e-3)
-        stored = [x.contiguous() for x in (ct, q, k, v, out, lse)]
-        assert_close(plait_nn._attention_backward(*stored, scale=0.125, causal=causal),
-                     grads, **tolerance)
+        for stored in ([x.contiguous() for x in (ct, q, k, v, out, lse)],
+                       [ct, q, k, v, out, lse]):
+            assert_close(plait_nn._attention_backward(*stored, scale=0.125, causal=causal),
+                         grads, **tolerance)
     assert picked in tested
 
 

@@ -121,9 +121,9 @@ define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 # fusion pass makes it from the written-out forms, before differentiation, so a training
 # step's forward and backward both run torch's fused kernels and never store the scores.
 # Its second result is each row's log-sum-exp of the scaled scores (float32; float64 for
-# float64 operands), which the fused kernels compute anyway: on the CPU ``attention_backward``
-# reads it with the output, so the backward runs torch's fused backward alone, not the
-# forward again (on CUDA it still runs the forward again: ``_attention_backward``).
+# float64 operands), which the fused kernels compute anyway: ``attention_backward`` reads it
+# with the output, so the backward runs torch's fused backward alone, not the forward again
+# (on the CPU, and on CUDA for flash and the memory-efficient kernel: ``_attention_backward``).
 # Its JVP is written out (forward mode stores the scores). ``attention_backward``'s own
 # derivatives differentiate the written-out form (passes/attention.py: they need the graph
 # passes).
@@ -199,17 +199,41 @@ def _attention(q, k, v, *, scale, causal=False):
             lse.to(_row_statistic_dtype(q.dtype)).reshape(q.shape[:-1]))
 
 
+def _as_left_by_cuda_kernels(x):
+    """[B, H, M, E] stored as torch's CUDA flash and memory-efficient forwards leave their
+    output: [B, M, H, E] in memory. Their backward reads the output and its cotangent so,
+    whatever the strides it is given: a compiled program stores both [B, H, M, E]."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _attention_backward(ct, q, k, v, out, lse, *, scale, causal=False):
-    """On the CPU, torch's fused backward reading the forward's output and statistics.
-    Elsewhere autograd's backward of the fused forward run again: torch's CUDA backward
-    kernels, called directly, gave wrong gradients wherever the output, its cotangent or the
-    statistics were not laid out as their own forward left them (a compiled program stores
-    them its own way), and cuDNN's for causal attention of M != N rows and for v's head dim
-    not q's; autograd hands them their forward's own tensors."""
+    """torch's fused backward of the kernel the forward ran, reading the forward's output and
+    statistics: the fused CPU kernel's, and on CUDA flash's and the memory-efficient
+    kernel's, given the output and its cotangent laid out as their forward leaves them (any
+    other layout gave wrong gradients), the statistics padded as their forward pads them, and
+    for flash every head dim padded to a multiple of 8 as its forward was. Elsewhere (cuDNN,
+    whose backward was wrong for causal attention of M != N rows and for v's head dim not
+    q's; the math path) autograd's backward of the forward run again."""
     q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
-    if q.device.type == "cpu" and _fused_kernel(q4, k4, v4, causal, scale) == "flash":
+    kernel = _fused_kernel(q4, k4, v4, causal, scale)
+    rows = lse.reshape(q4.shape[:-1])
+    unused = torch.empty((), dtype=torch.int64, device=q.device)  # (the dropout's seed)
+    if q.device.type == "cpu" and kernel == "flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            ct4, q4, k4, v4, out4, lse.reshape(q4.shape[:-1]), 0.0, causal, scale=scale)
+            ct4, q4, k4, v4, out4, rows, 0.0, causal, scale=scale)
+    elif kernel == "flash":
+        size = [x.shape[-1] for x in (q4, k4, v4)]
+        qp, kp, vp, ctp, outp = (torch.nn.functional.pad(x, (0, -x.shape[-1] % 8))
+                                 for x in (q4, k4, v4, ct4, out4))
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            _as_left_by_cuda_kernels(ctp), qp, kp, vp, _as_left_by_cuda_kernels(outp), rows,
+            None, None, q4.shape[-2], k4.shape[-2], 0.0, causal, unused, unused, scale=scale)
+        grads = [g[..., :n] for g, n in zip(grads, size)]
+    elif kernel == "efficient":
+        padded = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 32))
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            _as_left_by_cuda_kernels(ct4), q4, k4, v4, None, _as_left_by_cuda_kernels(out4),
+            padded, unused, unused, 0.0, [True, True, True, False], causal, scale=scale)[:3]
     else:
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q4, k4, v4)]
