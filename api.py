@@ -408,6 +408,9 @@ class Jitted:
 
     def __init__(self, fn: Callable, static_argnums: Sequence[int] | int = (),
                  backend: str | None = None, donate_argnums: Sequence[int] | int = ()):
+        # its name and doc, not its attributes: a transform of a jitted function carries that
+        # one's (functools.wraps copies them), and they would replace this one's cache and fn
+        functools.update_wrapper(self, fn, updated=())
         self.fn = fn
         self.static_argnums = _positions(static_argnums)
         self.donate_argnums = _positions(donate_argnums)
@@ -422,7 +425,6 @@ class Jitted:
         self._signatures: collections.deque = collections.deque(maxlen=2)
         self._warned: set[str] = set()
         self.trace_count = 0
-        functools.update_wrapper(self, fn)
 
     def _key(self, args, kwargs):
         """The call's leaves, their tree, its tensors, the cache key, and the backend that

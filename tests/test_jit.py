@@ -696,6 +696,20 @@ def test_a_jitted_function_inside_a_trace_is_traced_into_it(outer):
     assert inner.trace_count == 0
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jacrev", "hessian"])
+def test_jit_of_a_transform_of_a_jitted_function(transform):
+    """jit(grad(jit(f))): the transform copies the jitted function's attributes (as
+    functools.wraps does), and the outer jit must not take them: it returned f's value, from
+    the inner one's cache, rather than the gradient."""
+    f = lambda x: (x.sin() * x).sum(-1 if transform == "vmap" else None)  # noqa: E731
+    inner = plait.jit(f, backend="cpp")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    inner(x)  # compiled and cached first
+    outer = plait.jit(getattr(plait, transform)(inner), backend="cpp")
+    torch.testing.assert_close(outer(x), getattr(torch.func, transform)(f)(x))
+    assert outer.fn is not inner.fn
+
+
 def test_make_fx_and_fake_tensors_see_the_graphs_torch_ops():
     """Under a foreign dispatch mode a jitted function runs its graph op by op with torch
     (its compiled kernels would hide the computation: make_fx recorded only aten.empty)."""
