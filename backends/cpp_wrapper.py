@@ -98,6 +98,7 @@ extern "C" void plait_drop_result(void* handle) { plait_delete(static_cast<DLMan
 
 RUNTIME = r"""// plait's C++ runtime: externs through ATen (backends/cpp_wrapper.py, NOTE [C++ wrapper]).
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <limits>
 #include <string>
@@ -255,7 +256,7 @@ extern "C" int plait_attention_backward(const plait_view* v, const int64_t* p, c
           ct, q, k, val, out, lse, 0.0, p[0], {}, f[0]);
       grads = {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
     } else {
-      at::AutoGradMode grad_mode(true);
+      c10::AutoGradMode grad_mode(true);  // (at:: has no alias for it in torch 2.11)
       std::vector<at::Tensor> leaves;
       for (auto& x : {q, k, val}) leaves.push_back(x.detach().requires_grad_(true));
       auto again = at::scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], {}, 0.0,
