@@ -38,7 +38,7 @@ import torch
 from .trace import is_dense
 
 Path = tuple  # steps from a root: (True, attribute name) or (False, item key)
-_SCALARS = (bool, int, float, str, type(None))
+_SCALARS = frozenset({bool, int, float, str, type(None)})  # (read per module at every call)
 _WALK_BUDGET = 20_000  # objects visited per walk; what lies beyond is baked, version-guarded
 _ITEMS = 1000  # items followed per container
 _LIBRARIES = ("torch", "plait")  # their functions' globals are not user state
