@@ -90,6 +90,22 @@ def test_calls_step_through_python_until_the_runtime_is_built(monkeypatch, fails
     assert wrapper._ready() != fails
 
 
+def test_results_of_every_dtype_and_rank_come_back_as_they_are():
+    """A result is handed to Python as a DLPack tensor of its own dtype and shape (NOTE [C++
+    wrapper]): each DLPack type code, a 0-dim and an empty result."""
+    def f(x):
+        return (x > 0, x.to(torch.int8), x.abs().to(torch.uint8), x.to(torch.int16) + 1,
+                x.to(torch.int32) - 1, x.to(torch.int64) * 3, x.double() * 2,
+                x.to(torch.bfloat16) * 2, x.to(torch.complex64) * 1j, x.sum(), x[:0] * 2)
+
+    x = torch.randn(3, 4, generator=_gen(6)) * 5
+    jitted = plait.jit(f)
+    assert isinstance(_wrapper(jitted.lower(x)), NativeWrapper)
+    for got, want in zip(jitted(x), f(x)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert_close(got, want)
+
+
 def test_a_built_runtime_loads_without_a_process(monkeypatch):
     """A process of its own builds the runtime; one already built is loaded at once: that
     process's start (importing torch, for seconds) would take the cores from the calls."""
