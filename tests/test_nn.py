@@ -224,6 +224,25 @@ def test_max_pool_ties_nan_and_inf_like_eager():
 
 
 @pytest.mark.parametrize("pool", [
+    lambda x: F.max_pool2d(x, 2),
+    lambda x: F.max_pool2d(x, 3, stride=1, padding=1),
+    lambda x: F.adaptive_max_pool2d(x, (3, 2)),
+    lambda x: F.max_pool1d(x.flatten(2), 4, stride=2),
+], ids=["max2", "max3s1p1", "adaptive_max", "max1d"])
+def test_max_pool_gradient_goes_to_the_first_of_tied_maxima(pool):
+    """Tied maxima (integers, here): eager's gradient goes to the position its index names,
+    the first, not shared among them."""
+    x = torch.randint(0, 3, (2, 3, 6, 5), generator=torch.Generator().manual_seed(0)).float()
+    loss = lambda x: (pool(x) * (1 + torch.arange(pool(x).shape[-1]) / 8)).sum()  # noqa: E731
+    leaf = x.clone().requires_grad_()
+    want, = torch.autograd.grad(loss(leaf), leaf)
+    assert_close(plait.jit(plait.grad(loss))(x), want, rtol=0, atol=0)
+    module = leaf.detach().clone().requires_grad_()
+    plait.jit(loss)(module).backward()
+    assert_close(module.grad, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pool", [
     lambda x: F.max_pool2d(x, 3, stride=2, padding=1),
     lambda x: F.max_pool2d(x, 2, stride=1, dilation=2, ceil_mode=True),
     lambda x: F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False),

@@ -522,7 +522,10 @@ def _max_pool(x, tables):
     score = torch.where(filled.isnan(), mask.shape[-1] + k, torch.where(
         mask & (filled == values[..., None]), mask.shape[-1] - k, 0))
     choice = score.argmax(-1, keepdim=True)
-    return values, flat.expand(type_of(score).shape).gather(-1, choice).squeeze(-1)
+    # the value read at that position (the max itself): its gradient goes there alone, as
+    # eager's does, not shared among tied maxima as amax's would be
+    chosen = filled.gather(-1, choice).squeeze(-1)
+    return chosen, flat.expand(type_of(score).shape).gather(-1, choice).squeeze(-1)
 
 
 def _mean_pool(x, tables, counts, divisor_override=None):
