@@ -277,7 +277,8 @@ extern "C" int plait_attention_backward(const plait_view* v, const int64_t* p, c
 """
 
 # torch dtype -> (DLPack's type code, bits) (dlpack.h: kDLInt 0, kDLUInt 1, kDLFloat 2,
-# kDLBfloat 4, kDLComplex 5, kDLBool 6)
+# kDLBfloat 4, kDLComplex 5, kDLBool 6); a result of any other dtype (complex32, uint64, the
+# float8s, which DLPack or torch's reading of it may lack) is handed over as bytes
 _DLPACK = {torch.uint8: (1, 8), torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32),
            torch.int64: (0, 64), torch.float16: (2, 16), torch.float32: (2, 32),
            torch.float64: (2, 64), torch.complex64: (5, 64), torch.complex128: (5, 128),
@@ -538,11 +539,13 @@ def generate(program, plan, writers: dict) -> Generated:
                 lines.append(f"    {var[b]} = pool{plan.slot_of[s]};")
             elif s in handed:  # a result: Python takes it over (a loop's body: the caller's)
                 h, t = handed.index(s), buffers[s].type
-                shapes.append(f"static const int64_t shape{h}[] = {{{', '.join(map(str, t.shape))}}};"
-                              if t.ndim else f"static const int64_t* const shape{h} = nullptr;")
-                code, bits = _DLPACK[t.dtype]
+                # (a dtype outside _DLPACK goes as bytes, which Python views as its dtype)
+                dims, (code, bits) = (t.shape, _DLPACK[t.dtype]) if t.dtype in _DLPACK else \
+                    ((lv.nbytes[s],), (1, 8))
+                shapes.append(f"static const int64_t shape{h}[] = {{{', '.join(map(str, dims))}}};"
+                              if dims else f"static const int64_t* const shape{h} = nullptr;")
                 lines.append(f"    if (!({var[b]} = results ? alloc_result({lv.nbytes[s]}, "
-                             f"&results[{h}], {t.ndim}, shape{h}, {code}, {bits}) : "
+                             f"&results[{h}], {len(dims)}, shape{h}, {code}, {bits}) : "
                              f"(char*)args[{len(entry) + h}])) {{ rc = -3; goto done; }}")
             else:  # a storage of its own
                 lines.append(f"    if (!({var[b]} = alloc({lv.nbytes[s]}))) "
@@ -891,8 +894,9 @@ class NativeWrapper:
         rc = self._run(pointers, self._table, results)
         if rc:
             _fail(rc)
-        tensors += [torch.from_dlpack(_capsule(handle, _DLTENSOR, None))
-                    for handle in results[:len(self.handed_types)]]
+        for (shape, dtype), handle in zip(self.handed_types, results):
+            data = torch.from_dlpack(_capsule(handle, _DLTENSOR, None))
+            tensors.append(data if dtype in _DLPACK else data.view(dtype).view(shape))
         unique = [torch.empty(shape, dtype=dtype) if j is None else
                   tensors[j] if same else tensors[j].view(shape)
                   for j, same, shape, dtype in self._outputs]
