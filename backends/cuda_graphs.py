@@ -18,8 +18,9 @@ backward's residuals, once the forward was captured again) and copying it in fro
 move on (dynamic, for good: a scalar seed of ``loss.backward()`` sits where the caching
 allocator puts it, the same address for a few steps, then another after other work ran
 between them, and settling it each time would spend every capture), up to ``MAX_CAPTURES``
-times, after which the program runs launch by launch on that device. Anything a capture refuses (a host
-synchronisation in an extern, a collective) leaves the program uncaptured for good.
+times, after which the program runs launch by launch on that device. Anything a capture
+refuses (a host synchronisation in an extern, a collective) leaves the program uncaptured
+for good.
 
 Outputs. A replay writes the same memory every time, so an output handed to the caller
 must be dead before the next replay writes over it. Outputs are *lent* as new tensors on the

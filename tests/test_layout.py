@@ -105,5 +105,6 @@ def test_a_grouped_convolution_keeps_the_graph_channels_first():
 
 def test_an_unknown_choice_is_refused():
     graph = plait.jit(_conv_bn_relu_conv).lower(*_args()).graph
-    with plait.config.patch(channels_last="yes"), pytest.raises(PlaitError, match="all, cuda, none"):
+    with plait.config.patch(channels_last="yes"), \
+            pytest.raises(PlaitError, match="all, cuda, none"):
         channels_last(graph)
