@@ -19,7 +19,8 @@ from .attention import fuse_attention
 from .layout import channels_last
 
 
-MARKERS = ("stop_gradient", "no_grad", "no_fwd_grad")
+# each the identity of its last operand (the others, a custom VJP's, are for its rule alone)
+MARKERS = frozenset({"stop_gradient", "no_grad", "no_fwd_grad", "custom_vjp"})
 
 
 def erase_markers(graph: Graph) -> Graph:
@@ -29,16 +30,10 @@ def erase_markers(graph: Graph) -> Graph:
     patterns then see through them (attention under torch.no_grad()); a training step's
     backward program redoes the elementwise values behind them rather than save them (a
     BatchNorm's output: NOTE [forward and backward programs])."""
-    def erased(b, n, operands, preds):
-        prim = graph.node(n).prim
-        if preds or prim not in MARKERS and prim != "custom_vjp":
-            return None
-        return list(operands) if prim in MARKERS else [operands[-1]]
-
-    if not any(graph.node(n).prim in MARKERS or graph.node(n).prim == "custom_vjp"
-               for n in graph.order):
+    if not any(graph.node(n).prim in MARKERS for n in graph.order):
         return graph
-    return rewrite(graph, erased)
+    return rewrite(graph, lambda b, n, operands, preds: [operands[-1]] if graph.node(n).prim
+                   in MARKERS and not preds else None)
 
 
 def dce(graph: Graph) -> Graph:

@@ -206,6 +206,12 @@ def _as_left_by_cuda_kernels(x):
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _no_dropout_seed(q) -> tuple:
+    """The dropout seed and offset a CUDA backward takes, unread without dropout."""
+    unused = torch.empty((), dtype=torch.int64, device=q.device)
+    return unused, unused
+
+
 def _attention_backward(ct, q, k, v, out, lse, *, scale, causal=False):
     """torch's fused backward of the kernel the forward ran, reading the forward's output and
     statistics: the fused CPU kernel's, and on CUDA flash's and the memory-efficient
@@ -217,7 +223,6 @@ def _attention_backward(ct, q, k, v, out, lse, *, scale, causal=False):
     q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
     kernel = _fused_kernel(q4, k4, v4, causal, scale)
     rows = lse.reshape(q4.shape[:-1])
-    unused = torch.empty((), dtype=torch.int64, device=q.device)  # (the dropout's seed)
     if q.device.type == "cpu" and kernel == "flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             ct4, q4, k4, v4, out4, rows, 0.0, causal, scale=scale)
@@ -227,13 +232,15 @@ def _attention_backward(ct, q, k, v, out, lse, *, scale, causal=False):
                                  for x in (q4, k4, v4, ct4, out4))
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             _as_left_by_cuda_kernels(ctp), qp, kp, vp, _as_left_by_cuda_kernels(outp), rows,
-            None, None, q4.shape[-2], k4.shape[-2], 0.0, causal, unused, unused, scale=scale)
+            None, None, q4.shape[-2], k4.shape[-2], 0.0, causal, *_no_dropout_seed(q),
+            scale=scale)
         grads = [g[..., :n] for g, n in zip(grads, size)]
     elif kernel == "efficient":
         padded = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 32))
         grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             _as_left_by_cuda_kernels(ct4), q4, k4, v4, None, _as_left_by_cuda_kernels(out4),
-            padded, unused, unused, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+            padded, *_no_dropout_seed(q), 0.0, [True, True, True, False], causal,
+            scale=scale)[:3]
     else:
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q4, k4, v4)]
