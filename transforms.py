@@ -94,25 +94,36 @@ class _Traced:
         # meanwhile (the tracers it holds are unwrapped where they are used).
         with temporarily_clear_interpreter_stack():
             self.traced = trace_function(fn, leaves, self.in_tree)
-        if self.traced.mutated_inputs and not writable:
+        mutated = self.traced.mutated_inputs
+        if mutated and not writable:
+            if mutated[-1] >= len(self.tensor_pos):
+                raise TraceError("a function under plait.jvp/vmap writes into a module "
+                                 "buffer (BatchNorm's running statistics, in training mode); "
+                                 "only grad and vjp write such state. Call model.eval(), or "
+                                 "give the BatchNorm track_running_stats=False "
+                                 "(torch.func.replace_all_batch_norm_modules_ does so).")
             raise TraceError("a function under a plait transform mutates one of its tensor "
                              "arguments; transforms need functions without side effects "
                              "on their inputs (clone the argument first).")
         self.inputs = [leaves[i] for i in self.tensor_pos] + list(self.traced.captured)
         self.graph = self.traced.graph
 
-    def write_back(self, values: Sequence[Any], differentiated: Sequence[int] = ()) -> None:
-        """Write the new values of the arguments the function mutated (the graph's last
-        outputs, in ``values``) into them, as eager would: BatchNorm's running statistics in
-        buffers passed to ``functional_call``. An argument being differentiated may not be
-        mutated (as in torch.func)."""
+    def writes(self, values: Sequence[Any], differentiated: Sequence[int] = ()) -> list:
+        """(tensor, new value) for each argument or captured tracer the function wrote (new
+        values: the graph's last outputs, in ``values``): BatchNorm's running statistics in
+        buffers passed to ``functional_call`` or held by a module (NOTE [writes to captured
+        tracers]). An argument being differentiated may not be mutated (as in torch.func)."""
         mutated = self.traced.mutated_inputs
-        for i, value in zip(mutated, values[len(values) - len(mutated):]):
-            if i in differentiated:
-                raise TraceError("a function under plait.grad/vjp mutates an argument it is "
-                                 "differentiated with respect to; clone it first, or "
-                                 "differentiate with respect to other arguments.")
-            current_trace().rebind(self.inputs[i], value)
+        if differentiated and set(mutated) & set(differentiated):
+            raise TraceError("a function under plait.grad/vjp mutates an argument it is "
+                             "differentiated with respect to; clone it first, or "
+                             "differentiate with respect to other arguments.")
+        return [(self.inputs[i], v) for i, v in zip(mutated, values[len(values) - len(mutated):])]
+
+    def write_back(self, values: Sequence[Any], differentiated: Sequence[int] = ()) -> None:
+        """Write the new values of what the function wrote into it, as eager would."""
+        for dst, value in self.writes(values, differentiated):
+            current_trace().rebind(dst, value)
 
     def leaf_index(self, leaf_positions: Sequence[int]) -> list[int]:
         """Graph input indices of the given argument leaves (which must be tensors)."""
@@ -202,7 +213,7 @@ def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
     chosen arguments' leaves, one list per argument. With ``write_back``, arguments the
     function mutates (and does not differentiate) get their new values."""
     chosen = _argnum_leaves(args, kwargs, argnums)
-    t = _Traced(func, args, kwargs, writable=write_back)
+    t = _Traced(func, args, kwargs, writable=True)
     types = t.graph.output_types
     _only_tensors(_split_aux(t.structure(), has_aux, "vjp")[0], "vjp")
     main, _ = _split_aux(t.outputs(list(range(len(types)))), has_aux, "vjp")
@@ -211,7 +222,7 @@ def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
     wrt = [i for pos in chosen for i in t.leaf_index(pos)]
     results = inline(autodiff.vjp(t.graph, wrt), t.inputs + cotangents)
     values, grads = results[:len(types)], iter(results[len(types):])
-    t.write_back(values, wrt)
+    t.write_back(values, wrt) if write_back else t.writes(values, wrt)
     return t.outputs(values), [[next(grads) for _ in pos] for pos in chosen]
 
 

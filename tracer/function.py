@@ -18,7 +18,8 @@ from .custom import traceable_apply
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
 from .state import State, bindings, follow, module_state, reach, tensor_key
-from .trace import Trace, captured_write_error, check_dtype, is_dense, tracing
+from .trace import (Trace, captured_write_error, check_dtype, is_dense, state_writes,
+                    tracing)
 
 
 @attrs.frozen
@@ -130,6 +131,12 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             filled = [x.value if isinstance(x, Static) else x for x in filled]
             args, kwargs = pytree.tree_unflatten(filled, in_tree)
             with contextlib.ExitStack() as stack:
+                if live:
+                    trace.state_wrappers = [
+                        (w, isinstance(t, torch.nn.Parameter)) for w, t in zip(
+                            tracers[len(tensor_pos):], (t for ts in state_tensors for t in ts))]
+                else:
+                    stack.enter_context(state_writes(trace))
                 state = iter(tracers[len(tensor_pos):])
                 for module, structure, tensors in zip(modules, structures, state_tensors):
                     mine = [next(state) for _ in tensors]
@@ -163,6 +170,9 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
                 out_leaves.append(Static(leaf))
         mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]
         outputs += [inputs[i]._value for i in mutated]
+        for k, value in trace.captured_writes():  # captured inputs follow the arguments'
+            mutated.append(len(inputs) + k)
+            outputs.append(value)
     graph = trace.builder.build(outputs)
     fixed = list(trace.baked.values()) + list(trace.pinned.values())
     state = State(roots, reachable.modules, tuple(

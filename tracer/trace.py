@@ -150,6 +150,10 @@ class Trace:
         self._inherited: Provenance | None = None
         self._depth = 0
         self._captures: dict[int, tuple[TracerTensor, Value]] = {}
+        self._captured_writes: dict[int, Value] = {}  # NOTE [writes to captured tracers]
+        # the functionalize wrappers that hold a root trace's module state while it runs,
+        # each with whether it holds a parameter (NOTE [writes to captured tracers])
+        self.state_wrappers: list[tuple[torch.Tensor, bool]] = []
         self._last_effect: int | None = None
         self.captured: list[TracerTensor] = []  # enclosing traces' tracers, in input order
         # NOTE [live state]: captured tensors the caller may change, lifted to inputs when
@@ -201,7 +205,12 @@ class Trace:
             hit = self._captures[id(outer)] = (outer, self.builder.add_input(
                 outer._trace.type_of(outer)))
             self.captured.append(outer)
-        return hit[1]
+        return self._captured_writes.get(id(outer), hit[1])
+
+    def captured_writes(self) -> list[tuple[int, Value]]:
+        """(index in ``captured``, new value) of each captured tracer this trace wrote."""
+        return [(k, self._captured_writes[id(outer)]) for k, outer in enumerate(self.captured)
+                if id(outer) in self._captured_writes]
 
     def constant(self, tensor: torch.Tensor) -> Value:
         """A real tensor the function captured: an input of the outermost trace if it is
@@ -409,6 +418,10 @@ class Trace:
             raise _NeedsFallback("a decomposition writes into a tensor it made eagerly")
         if not isinstance(dst, TracerTensor):
             raise captured_write_error()
+        if dst._trace is not self and dst._trace in _TRACES:  # NOTE [writes to captured ...]
+            self._capture(dst)
+            self._captured_writes[id(dst)] = self.value_of(src)
+            return dst
         if dst._aliases is not None and len(dst._aliases) > 1:
             raise _NeedsFallback("write through a view inside a decomposition")
         dst._value = self.value_of(src)
@@ -573,6 +586,44 @@ def user_source() -> str | None:
             return f"{os.path.basename(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+def _wrapped(wrapper: torch.Tensor) -> torch.Tensor:
+    torch._sync(wrapper)
+    return torch._from_functional_tensor(wrapper)
+
+
+@contextlib.contextmanager
+def state_writes(trace: Trace):
+    """Take the writes a nested ``trace`` makes into the module state of the outermost one.
+
+    NOTE [writes to captured tracers]
+    A function under a transform may write into a tensor an enclosing trace holds: a module
+    buffer, say BatchNorm's running statistics, which the outermost trace (a ``jit``) reads
+    as an input and holds in a functionalize wrapper while it runs. The nested trace's ops
+    reach the wrapper, whose functionalize kernel makes it hold the nested trace's tracer:
+    a value of a graph that is about to end. So when the nested function has run, each such
+    wrapper is set back to the tracer it held before, and the write becomes a write of this
+    trace into that enclosing tracer (``Trace.rebind``): within the trace the tracer reads the
+    new value, and the value becomes an extra output of the graph, which the transform writes
+    back into the tracer once it has inlined the graph (``_Traced.write_back``), as it writes
+    back the arguments a function mutates. A transform nested in another passes the write
+    outwards in turn. Buffers only: a write into a parameter is refused, as torch.func
+    refuses it."""
+    wrappers = _TRACES[0].state_wrappers if _TRACES else []
+    before = [_wrapped(w) for w, _ in wrappers]
+    yield
+    for (wrapper, parameter), outer in zip(wrappers, before):
+        inner = _wrapped(wrapper)
+        if inner is not outer and isinstance(inner, TracerTensor) and inner._trace is trace:
+            if parameter:
+                raise TraceError("a function under a plait transform writes into a module's "
+                                 "parameter (a parametrization's original assigned through "
+                                 "functional_call, say); transforms write module buffers "
+                                 "only. Make the write outside the transformed function.")
+            trace.rebind(outer, inner)
+            torch._functionalize_replace(wrapper, outer)
+            torch._functionalize_commit_update(wrapper)
 
 
 def unwrap_functional(x: Any) -> Any:
