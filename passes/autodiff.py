@@ -188,9 +188,14 @@ def _derived_jvp(node, operands, tangents, types) -> list:
 # rather than saved when it depends on no input (constants, ``full``, ``iota``), is a layout
 # op (``_LAYOUT``: a broadcast saved would cost its broadcast size), or is elementwise with
 # at most ``RECOMPUTE_LIMIT`` distinct elementwise nodes to redo back to the values that are
-# saved: matrix products, reductions, gathers, inputs, and elementwise values whose chain grew
-# too long (a residual stream's running sum is saved every few blocks, not redone from the
-# start). The limit fits a GELU's derivative after a bias, in float32 for bfloat16 operands:
+# saved: matrix products, reductions, gathers by computed positions, inputs, and elementwise
+# values whose chain grew too long (a residual stream's running sum is saved every few
+# blocks, not redone from the start). A gather by a table built at trace time reads one value
+# per element, as an elementwise node does, and is redone like one where its result is no
+# smaller than what it reads (``_gathers_by_a_table``): max pooling's backward
+# gathers the saved indices of the windows holding each input position, four times their
+# bytes, which the forward would otherwise store (1.6 GB for ResNet-50's first pooling). The
+# limit fits a GELU's derivative after a bias, in float32 for bfloat16 operands:
 # under a lower one its float32 intermediates were saved, twice the activation's bytes each
 # (GPT-2 small's module path held 1.5 GB more than its functional step). A custom VJP's
 # marker is gone by then (``erase_markers``): a BatchNorm's output is redone from its input
@@ -198,6 +203,14 @@ def _derived_jvp(node, operands, tangents, types) -> list:
 # check) runs once, in the forward program: a dropout mask is saved, never drawn again.
 _LAYOUT = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "slice"})
 RECOMPUTE_LIMIT = 16
+
+
+def _gathers_by_a_table(g: Graph, n: int, pinned: set[int]) -> bool:
+    """Does gather ``n`` pick by a table built at trace time (depending on no input), making
+    no fewer values than it reads from (saved, its result would cost more than its data)?"""
+    data, index = g.operands(n)
+    return index.node not in pinned and \
+        g.type_of(Value(n, 0)).numel >= g.type_of(data).numel
 
 
 def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
@@ -210,7 +223,8 @@ def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
         prim = g.node(n).prim
         if n not in pinned or prim == "input" or is_effectful(g.node(n)):
             continue
-        if prim in _LAYOUT or prim in ELEMENTWISE:
+        if prim in _LAYOUT or prim in ELEMENTWISE or prim == "gather" and \
+                _gathers_by_a_table(g, n, pinned):
             nodes = frozenset(() if prim in _LAYOUT else (n,)).union(
                 *(redo.get(v.node, ()) for v in g.operands(n)))
             if len(nodes) <= RECOMPUTE_LIMIT:

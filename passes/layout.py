@@ -185,11 +185,12 @@ class _Rewrite:
         return [(out, _inverse(to_last))]
 
     def _custom(self, node, operands, carried) -> list:
-        """A custom VJP whose rule follows its operands' layout (BatchNorm's: ``permuted``):
-        its operands of the result's shape untransposed, the rule told the permutation."""
+        """A custom VJP whose rule follows its operands' layout (BatchNorm's and max
+        pooling's: ``permuted``): its operands of the result's rank untransposed, the rule
+        told the permutation."""
         perm = carried[-1][1]
-        shape = node.out_types[0].shape
-        if any(p != (perm if self.graph.type_of(v).shape == shape else None)
+        ndim = node.out_types[0].ndim
+        if any(p != (perm if self.graph.type_of(v).ndim == ndim else None)
                for v, (_, p) in zip(operands, carried)):
             return self._copied(node, operands)
         t = node.out_types[0]

@@ -261,6 +261,44 @@ def test_batchnorm_buffers_passed_to_a_transform_are_updated_as_in_eager():
     assert_close(buffers, dict(eager.named_buffers()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("how", ["grad", "jit of grad", "vjp in jit", "grad of grad"])
+def test_a_batchnorm_module_under_a_transform_updates_its_running_stats(how, dtype):
+    """A training-mode BatchNorm the differentiated function holds (not passed as buffers)
+    writes its running statistics once per call, as the eager forward does (NOTE [writes to
+    captured tracers]); the second call reads the first one's statistics."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                torch.nn.ReLU()).to(dtype)
+    eager = copy.deepcopy(model)
+    loss = lambda x: model(x).float().pow(2).sum()  # noqa: E731
+    run = {"grad": plait.grad(loss),
+           "jit of grad": plait.jit(plait.grad(loss)),
+           "vjp in jit": plait.jit(lambda x: plait.vjp(loss, x)[1](torch.ones(()))[0]),
+           "grad of grad": plait.grad(lambda x: plait.grad(loss)(x).sum())}[how]
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=4e-3, rtol=1e-2)
+    for step in range(2):
+        x = torch.randn(2, 3, 6, 6, dtype=dtype)
+        xe = x.clone().requires_grad_()
+        expected = torch.autograd.grad(eager(xe).float().pow(2).sum(), xe)[0]
+        got = run(x)
+        if how != "grad of grad":
+            assert_close(got, expected, **tol)
+        assert_close(dict(model.named_buffers()), dict(eager.named_buffers()), **tol)
+    assert model[1].num_batches_tracked.item() == 2
+
+
+def test_a_batchnorm_module_under_vmap_or_jvp_is_refused_in_training_mode():
+    bn, x = torch.nn.BatchNorm1d(3), torch.randn(4, 3)
+    with pytest.raises(TraceError, match="running statistics.*model.eval"):
+        plait.jvp(lambda x: bn(x).sum(), (x,), (x,))
+    with pytest.raises(TraceError, match="running statistics.*model.eval"):
+        plait.vmap(lambda x: bn(x).sum())(torch.randn(2, 4, 3))
+    assert bn.num_batches_tracked.item() == 0
+    bn.eval()
+    assert plait.vmap(lambda x: bn(x).sum())(torch.randn(2, 4, 3)).shape == (2,)
+
+
 # ---------------------------------------------------------------------------------------
 # Traced floats and the retrace warning
 # ---------------------------------------------------------------------------------------
@@ -326,26 +364,45 @@ def test_backward_recomputes_elementwise_values_instead_of_saving_them(dtype, ap
     assert set(saved) <= {"input", "dot_general"}, saved
 
 
-def test_a_batch_norms_output_is_redone_in_the_backward():
-    """A BatchNorm's output (through its custom VJP's marker) feeding a ReLU and the next
-    convolution is recomputed by the backward program from the convolution's output and the
-    batch statistics, as torch.compile does: one activation saved per layer, not two."""
+def _trained_like_eager(make, x):
+    """One ``loss.backward()`` through ``plait.jit(make())``, its gradients checked against
+    eager's; the autograd program it ran."""
     torch.manual_seed(0)
-    make = lambda: torch.nn.Sequential(  # noqa: E731
-        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
-        torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3, padding=1))
     eager, model = make(), make()
     model.load_state_dict(eager.state_dict())
-    x = torch.randn(2, 3, 8, 8)
     jitted = plait.jit(model)
     jitted(x).square().sum().backward()
     eager(x).square().sum().backward()
     for got, want in zip(model.parameters(), eager.parameters()):
-        assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
-    program = _programs(jitted.jitted)
+        assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4)
+    return _programs(jitted.jitted)
+
+
+def test_a_batch_norms_output_is_redone_in_the_backward():
+    """A BatchNorm's output (through its custom VJP's marker) feeding a ReLU and the next
+    convolution is recomputed by the backward program from the convolution's output and the
+    batch statistics, as torch.compile does: one activation saved per layer, not two."""
+    program = _trained_like_eager(lambda: torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3, padding=1)), torch.randn(2, 3, 8, 8))
     forward = program._forward.graph  # (its first outputs: the loss and the running stats)
     saved = [forward.node(v.node).prim for v in forward.outputs[program.n_outputs:]]
     assert sorted(saved) == ["conv", "sum", "sum"], saved
+
+
+def test_a_max_pool_saves_its_indices_and_gathers_its_gradient_in_the_backward():
+    """Max pooling's backward gathers the cotangents of the windows holding each input
+    position that chose it (MaxPoolRule), from the indices the forward saves: no scatter,
+    and no gathered copy of the indices (four times their size) saved instead."""
+    x = torch.randint(-2, 3, (2, 3, 12, 12)).float()  # ties within windows
+    program = _trained_like_eager(lambda: torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1),
+        torch.nn.Conv2d(8, 4, 3)), x)
+    forward, backward = program._forward.graph, program._backward.graph
+    saved = [forward.type_of(v) for v in forward.outputs[program.n_outputs:]]
+    assert max(t.numel for t in saved) <= 2 * 8 * 12 * 12, saved  # none above an activation
+    assert [t.numel for t in saved if t.dtype == torch.int64] == [2 * 8 * 6 * 6], saved
+    assert "scatter" not in {backward.node(n).prim for n in backward.order}
 
 
 def test_a_dropout_mask_is_drawn_once_and_saved_for_backward():

@@ -494,45 +494,121 @@ def _windows(x, tables):
     """x [..., n_0, .., n_d] -> windows [..., o_0, .., o_d, K] (K = k_0 * .. * k_d), the
     mask [o_0, .., o_d, K] of the entries inside the input, and each entry's flat position in
     the input's spatial plane (as the max-pool indices count it). K runs over the window in
-    row-major order, the order in which eager scans it."""
+    row-major order, the order in which eager scans it. One gather from the flattened plane:
+    a gather of a gather would be stored between the two."""
     shape = type_of(x).shape
     nd = len(tables)
     lead, spatial = shape[:-nd], shape[-nd:]
     outs, ks = tuple(p.shape[0] for p, _ in tables), tuple(p.shape[1] for p, _ in tables)
-    for d, (pos, _) in enumerate(tables):  # -> [..., o_0, k_0, .., o_d, k_d]
-        at = len(lead) + 2 * d
-        x = x.index_select(at, pos.clamp(0, spatial[d] - 1).flatten())
-        x = x.unflatten(at, (outs[d], ks[d]))
-    x = x.permute(list(range(len(lead))) + [len(lead) + 2 * d + i for i in (0, 1)
-                                             for d in range(nd)])
 
     def place(table, d):  # [o_d, k_d] -> broadcastable to [o_0, .., o_d, k_0, .., k_d]
         view = [1] * 2 * nd
         view[d], view[nd + d] = table.shape
         return table.reshape(view)
 
+    def plane(positions):  # per-dim positions -> flat positions in the spatial plane
+        return sum(place(p, d) * math.prod(spatial[d + 1:]) for d, p in enumerate(positions))
+
     mask = functools.reduce(torch.logical_and, [place(m, d) for d, (_, m) in enumerate(tables)])
-    flat = sum(place(p, d) * math.prod(spatial[d + 1:]) for d, (p, _) in enumerate(tables))
-    windows = lambda t: t.expand(outs + ks).reshape(outs + (-1,))
-    return x.reshape(lead + outs + (math.prod(ks),)), windows(mask), windows(flat)
+    flat = plane([p for p, _ in tables])
+    read = plane([p.clamp(0, n - 1) for (p, _), n in zip(tables, spatial)])
+    # the tables as constants on x's device (a CUDA tracer with a CPU operand traces to an
+    # opaque ATen call)
+    windows = lambda t: t.expand(outs + ks).reshape(outs + (-1,)).to(type_of(x).device)
+    x = x.flatten(-nd) if nd > 1 else x
+    return x.index_select(-1, windows(read).flatten()).reshape(
+        lead + outs + (math.prod(ks),)), windows(mask), windows(flat)
 
 
 def _max_pool(x, tables):
     windows, mask, flat = _windows(x, tables)
     dtype = type_of(x).dtype
-    filled = torch.where(mask, windows, -math.inf if dtype.is_floating_point else
-                         torch.iinfo(dtype).min)
-    values = filled.amax(-1)
-    # Eager keeps the first position that attains the max among those in the input, but any
-    # NaN replaces the running max, so the last NaN wins: score positions accordingly.
-    k = torch.arange(mask.shape[-1])
-    score = torch.where(filled.isnan(), mask.shape[-1] + k, torch.where(
-        mask & (filled == values[..., None]), mask.shape[-1] - k, 0))
-    choice = score.argmax(-1, keepdim=True)
-    # the value read at that position (the max itself): its gradient goes there alone, as
-    # eager's does, not shared among tied maxima as amax's would be
-    chosen = filled.gather(-1, choice).squeeze(-1)
-    return chosen, flat.expand(type_of(score).shape).gather(-1, choice).squeeze(-1)
+    lowest = -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+    filled = torch.where(mask, windows, lowest)
+    # Eager keeps the first position that attains the max among those in the input (the
+    # first inside it, where all are the lowest value), but any NaN replaces the running max,
+    # so the last NaN wins. Three reductions of the windows, none reading another's result,
+    # so one kernel computes them.
+    values, first = filled.amax(-1), filled.argmax(-1)
+    first = torch.where(values == lowest, mask.to(torch.uint8).argmax(-1), first)
+    if dtype.is_floating_point:
+        k = torch.arange(mask.shape[-1], device=mask.device)
+        last_nan = torch.where(filled.isnan(), k, -1).amax(-1)
+        first = torch.where(last_nan >= 0, last_nan, first)
+    # the chosen entry's position, read from the [windows * K] table (an expand of the table
+    # to the windows' shape would be stored: K int64s per window)
+    *outs, k = flat.shape
+    entry = torch.arange(0, flat.numel(), k, device=flat.device).reshape(outs) + first
+    index = flat.flatten().index_select(0, entry.flatten()).reshape(type_of(first).shape)
+    if not dtype.is_floating_point:
+        return values, index
+    nd = len(tables)
+    rule = MaxPoolRule(tuple(tuple(map(tuple, torch.where(m, p, -1).tolist()))
+                             for p, m in tables), tuple(range(x.ndim - nd, x.ndim)))
+    return bind("custom_vjp", x, index, values, rule=rule, output=0), index
+
+
+@attrs.frozen
+class MaxPoolRule:
+    """The VJP of max pooling's values (a ``custom_vjp`` rule, NOTE [custom functions]): each
+    window's cotangent goes to the one input position its index names, the first of tied
+    maxima as in eager (amax's derivative would share it among them). Computed as a gather,
+    as torch.compile computes it, not a scatter: each input position sums the cotangents of
+    the few windows that hold it (at most ceil(k / stride) per dim) and chose it."""
+
+    windows: tuple  # per spatial dim: each window's input positions, -1 outside the input
+    dims: tuple[int, ...]  # the input's spatial dims, in ``windows``' order
+
+    def permuted(self, perm: tuple[int, ...]) -> MaxPoolRule:
+        """The rule of the same pooling of transpose(x, perm)'s data laid out as x."""
+        return attrs.evolve(self, dims=tuple(perm[d] for d in self.dims))
+
+    def backward(self, ct, output: int, operands: tuple) -> list:
+        x, index, _ = operands
+        nd, at = len(self.dims), min(self.dims)
+        if self.dims != tuple(range(at, at + nd)):  # not in order: gather with them last
+            moved = attrs.evolve(self, dims=tuple(range(x.ndim - nd, x.ndim)))
+            last = lambda t: t.movedim(self.dims, moved.dims)  # noqa: E731
+            dx, *_ = moved.backward(last(ct), output, tuple(map(last, operands)))
+            return [dx.movedim(moved.dims, self.dims), None, None]
+        spatial = x.shape[at:at + nd]
+        outs = index.shape[at:at + nd]
+        holders = [self._holders(j, n) for j, n in enumerate(spatial)]
+
+        def place(table, j):  # [n_j, m_j] -> broadcastable to [n_0, .., n_d, m_0, .., m_d]
+            return table.reshape([table.shape[0] if i == j else 1 for i in range(nd)]
+                                 + [table.shape[1] if i == j else 1 for i in range(nd)])
+
+        # per input position (flat in the input plane), the flat positions in the output
+        # plane of the windows that hold it, and which of those are real: [plane, m]
+        m = math.prod(t.shape[1] for t, _ in holders)
+        read = sum(place(t, j) * math.prod(outs[j + 1:]) for j, (t, _) in enumerate(holders))
+        real = functools.reduce(torch.logical_and, [place(r, j) for j, (_, r) in
+                                                    enumerate(holders)])
+        device = ct.device  # constants on the cotangent's device, as ``_windows``' tables
+        read = read.expand(*spatial, *read.shape[nd:]).reshape(-1).to(device)
+        real = real.expand(*spatial, *real.shape[nd:]).reshape(-1, m).to(device)
+        position = torch.arange(math.prod(spatial), device=device)[:, None]
+        g, chosen = (t.flatten(at, at + nd - 1).index_select(at, read).unflatten(at, (-1, m))
+                     for t in (ct, index))
+        tail = (1,) * (x.ndim - at - nd)
+        pick = real.reshape(real.shape + tail) & (chosen == position.reshape((-1, 1) + tail))
+        wide = torch.promote_types(ct.dtype, torch.float32)
+        dx = torch.where(pick, g.to(wide), 0).sum(at + 1).unflatten(at, spatial)
+        return [dx.to(x.dtype), None, None]
+
+    def _holders(self, j: int, n: int):
+        """[n, m] windows along spatial dim j that hold each input position, and which of
+        them are real (m: the most windows any position is in)."""
+        held = [[] for _ in range(n)]
+        for o, row in enumerate(self.windows[j]):
+            for p in row:
+                if p >= 0:
+                    held[p].append(o)
+        m = max(1, max(map(len, held)))
+        table = torch.tensor([h + [0] * (m - len(h)) for h in held], dtype=torch.int64)
+        real = torch.tensor([[True] * len(h) + [False] * (m - len(h)) for h in held])
+        return table, real
 
 
 def _mean_pool(x, tables, counts, divisor_override=None):
@@ -542,7 +618,7 @@ def _mean_pool(x, tables, counts, divisor_override=None):
     dtype = type_of(x).dtype
     total = torch.where(mask, windows, 0).sum(-1, dtype=dtype)
     divisor = divisor_override or functools.reduce(
-        lambda a, b: a[..., None] * b, counts).clamp(min=1).to(dtype)
+        lambda a, b: a[..., None] * b, counts).clamp(min=1).to(dtype=dtype, device=mask.device)
     return total / divisor if dtype.is_floating_point else torch.div(
         total, divisor, rounding_mode="trunc")
 

@@ -912,8 +912,9 @@ def _gather_vjp(cts, x, index, *, outs, dim):
     return torch.zeros_like(x).scatter_add(dim, index, cts[0]), None
 
 
-# A static gather's VJP gathers back where each position has at most this many readers.
-GATHERED_BACK_MAX_READERS = 8
+# A static gather's VJP gathers back where each position has at most this many readers
+# (a 3x3 stride-1 pooling's window table over the spatial plane has 9).
+GATHERED_BACK_MAX_READERS = 16
 
 
 def _selected_positions(index, x, dim: int) -> torch.Tensor | None:
