@@ -782,8 +782,8 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
         scale = (flat != padding_idx).to(dtype)
         if scale_grad_by_freq:
             scale = scale / _lookup_frequency(flat, type_of(weight).shape[0])[flat].to(dtype)
-        rows = bind("embedding_rows", rows, scale[:, None], torch.tensor([[True]]),
-                    sparse=sparse)
+        rows = bind("embedding_rows", rows, scale[:, None], torch.tensor(
+            [[True]], device=type_of(weight).device), sparse=sparse)
     return rows.reshape(type_of(indices).shape + type_of(weight).shape[1:])
 
 
@@ -800,7 +800,8 @@ def _embedding_bag(forward_only: bool):
                 per_sample_weights=None, include_last_offset=False, padding_idx=-1):
         length, dim = type_of(indices).shape[0], type_of(weight).shape[1]
         bags = type_of(offsets).shape[0] - include_last_offset
-        position = torch.arange(length)
+        device = type_of(weight).device  # of the constants, too
+        position = torch.arange(length, device=device)
         bag = (offsets[:bags][None, :] <= position[:, None]).sum(1) - 1
         kept = indices != padding_idx
         sizes = bag.new_zeros(bags + 1).scatter_add(0, torch.where(kept, bag, bags),
@@ -815,7 +816,8 @@ def _embedding_bag(forward_only: bool):
             freq = _lookup_frequency(indices, type_of(weight).shape[0])
             ordinal = freq.clamp(max=1).cumsum(0)[indices] - 1
             rows = bind("embedding_rows", rows, 1 / freq[torch.sort(indices).values[ordinal]][
-                :, None].to(type_of(weight).dtype), torch.tensor([[True]]), sparse=False)
+                :, None].to(type_of(weight).dtype), torch.tensor([[True]], device=device),
+                sparse=False)
         if per_sample_weights is not None:
             rows = rows * per_sample_weights[:, None]
         # Rows past the last offset are out of the fast path's sums, yet eager's 'mean'
@@ -824,7 +826,7 @@ def _embedding_bag(forward_only: bool):
         past_fast = include_last_offset and fast and mode != 2
         if past_fast or sparse:
             summed = (position < offsets[bags] if past_fast else
-                      torch.ones(length, dtype=torch.bool))
+                      torch.ones(length, dtype=torch.bool, device=device))
             rows = bind("embedding_rows", rows, (summed | (mode == 1)).to(
                 type_of(weight).dtype)[:, None], summed[:, None], sparse=sparse)
         spread = target[:, None].expand(length, dim)
