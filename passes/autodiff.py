@@ -203,6 +203,9 @@ def _derived_jvp(node, operands, tangents, types) -> list:
 # check) runs once, in the forward program: a dropout mask is saved, never drawn again.
 _LAYOUT = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "slice"})
 RECOMPUTE_LIMIT = 16
+# Nodes this small (per-channel statistics: a BatchNorm's mean and 1/std from its sums) are
+# redone at no cost and do not count against the limit.
+RECOMPUTE_FREE_NUMEL = 4096
 
 
 def _gathers_by_a_table(g: Graph, n: int, pinned: set[int]) -> bool:
@@ -225,7 +228,8 @@ def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
             continue
         if prim in _LAYOUT or prim in ELEMENTWISE or prim == "gather" and \
                 _gathers_by_a_table(g, n, pinned):
-            nodes = frozenset(() if prim in _LAYOUT else (n,)).union(
+            free = prim in _LAYOUT or g.node(n).out_types[0].numel <= RECOMPUTE_FREE_NUMEL
+            nodes = frozenset(() if free else (n,)).union(
                 *(redo.get(v.node, ()) for v in g.operands(n)))
             if len(nodes) <= RECOMPUTE_LIMIT:
                 redo[n] = nodes

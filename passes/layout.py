@@ -24,6 +24,7 @@ The transposes then sink through the graph rather than stay: each value is carri
         [N, H, W, C] value are plain [C] vectors);
     a transpose of a transposed value is one transpose (none, when they cancel: the
         ``permute(0, 2, 3, 1)`` around ConvNeXt's LayerNorm);
+    a slice of a transposed value slices the corresponding dims;
     a convolution of a transposed-to-[N, C, H, W] value reads the value itself;
     a ``custom_vjp`` whose rule follows the layout (BatchNorm's, tracer/aten.py) takes the
         untransposed operands and a rule told the permutation;
@@ -158,6 +159,8 @@ class _Rewrite:
             return [(v, perm) for v in outs]
         if node.prim in REDUCTIONS and perms:
             return [self._reduction(node, *carried[0])]
+        if node.prim == "slice" and perms:
+            return [self._slice(node, *carried[0])]
         if node.prim == "custom_vjp" and len(perms) == 1 and carried[-1][1] is not None \
                 and hasattr(node.kwargs["rule"], "permuted"):
             return self._custom(node, operands, carried)
@@ -200,6 +203,18 @@ class _Rewrite:
             (attrs.evolve(t, shape=tuple(t.shape[i] for i in _inverse(perm))),),
             node.provenance)
         return [(out, perm)]
+
+    def _slice(self, node, new: Value, perm: tuple[int, ...]):
+        """slice(transpose(x, perm)) = transpose(slice(x), perm), the bounds of dim d moved
+        to dim perm[d] (a one-pass variance's shift: a BatchNorm input's first element per
+        channel)."""
+        back = _inverse(perm)
+        kwargs = {k: tuple(node.kwargs[k][back[i]] for i in range(len(perm)))
+                  for k in ("start", "limit", "step")}
+        t = node.out_types[0]
+        (out,) = self.b.add_node("slice", (new,), kwargs, (attrs.evolve(
+            t, shape=tuple(t.shape[back[i]] for i in range(len(perm)))),), node.provenance)
+        return out, perm
 
     def _reduction(self, node, new: Value, perm: tuple[int, ...]):
         """reduce(transpose(x, perm), dims) = transpose(reduce(x, perm[dims]), q), where q

@@ -550,6 +550,31 @@ for _op in (aten.mean.default, aten.mean.dim):
     _plain(_op, functools.partial(_sum, mean=True))
 
 
+@handles(aten.var_mean.correction)
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    """Variance and mean over dims that are not only the last ones (BatchNorm's statistics
+    over (N, H, W)) in one pass: sums of x - s and of its square, s being x's first element
+    of each reduced set (the shifted-data formula: s is a sample, so the two sums do not
+    cancel as sums of x and x**2 would). Both sums read x once, in one kernel; the mean's
+    pass and then the deviations' would read it twice, an activation too large to stay in
+    cache. The last dims (a layer norm's row) stay with the reference: one kernel reads
+    the row twice from its registers."""
+    t = type_of(x)
+    dims = torch._prims_common.reduction_dims(t.shape, None if dim in ((), []) else dim)
+    if not t.dtype.is_floating_point or not dims or \
+            dims == tuple(range(t.ndim - len(dims), t.ndim)):
+        return NotImplemented
+    shift = x[tuple(slice(0, 1) if d in dims else slice(None) for d in range(t.ndim))]
+    centred = x - shift
+    n = math.prod(t.shape[d] for d in dims)
+    total, squares = centred.sum(dims, keepdim=True), (centred * centred).sum(dims, keepdim=True)
+    mean = total / n
+    var = (squares - total * mean).clamp(min=0) / max(n - (1 if correction is None
+                                                              else correction), 0)
+    mean = mean + shift
+    return (var, mean) if keepdim else (var.squeeze(dims), mean.squeeze(dims))
+
+
 # ---------------------------------------------------------------------------------------
 # ATen ops handled directly: views, contractions, indexing, scans, sorting
 # ---------------------------------------------------------------------------------------
