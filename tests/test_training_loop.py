@@ -299,6 +299,15 @@ def test_a_batchnorm_module_under_vmap_or_jvp_is_refused_in_training_mode():
     assert plait.vmap(lambda x: bn(x).sum())(torch.randn(2, 4, 3)).shape == (2,)
 
 
+def test_a_cumulative_batchnorm_is_refused_with_the_way_out():
+    """momentum=None reads 1 / num_batches_tracked as a Python float at every call."""
+    bn, x = torch.nn.BatchNorm2d(3, momentum=None), torch.randn(4, 3, 5, 5)
+    with pytest.raises(ConcretizationError, match="momentum=None.*momentum=0.1"):
+        plait.jit(bn)(x)
+    bn.eval()
+    assert_close(plait.jit(bn)(x), bn(x))
+
+
 # ---------------------------------------------------------------------------------------
 # Traced floats and the retrace warning
 # ---------------------------------------------------------------------------------------

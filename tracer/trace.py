@@ -96,7 +96,20 @@ class TracerTensor(torch.Tensor):
         raise _concretization("use as an index")
 
 
+_BATCH_NORM_SOURCE = os.path.join(_TORCH_DIR, "nn", "modules", "batchnorm.py")
+
+
 def _concretization(what: str) -> ConcretizationError:
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename != _BATCH_NORM_SOURCE:
+        frame = frame.f_back
+    if frame is not None and frame.f_locals.get("self") is not None and \
+            getattr(frame.f_locals["self"], "momentum", 0) is None:
+        return ConcretizationError(
+            "BatchNorm with momentum=None (a cumulative average: the module reads "
+            "1 / num_batches_tracked as a Python float each call) is not supported under "
+            "plait.jit in training mode. Give it a momentum (e.g. momentum=0.1), or call it "
+            "in eval mode.")
     return ConcretizationError(
         f"{what} needs the concrete value of a traced tensor, but under plait.jit a tensor's "
         "value is only known when the compiled function runs. Compute both sides and pick "
