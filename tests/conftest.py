@@ -9,10 +9,23 @@ import torch
 
 import plait
 
-# The tests use CPU tensors: the triton backend runs its kernels in Triton's interpreter
-# (read when a kernel launches). On a machine with a GPU, leave it to the caller.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests use CPU tensors: the triton backend runs their kernels in Triton's interpreter
+# (read when a program is compiled and when a kernel launches), on a machine with a GPU too.
+# The tests marked ``cuda`` run CUDA tensors through compiled kernels (skipped without a GPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels_on_cuda(request, monkeypatch):
+    if request.node.get_closest_marker("cuda"):
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 # A test that does not name a backend runs on the reference (eager) one: the compilers are
 # tested where a test names them (backend="cpp" / "triton" / "loops"), and the default

@@ -261,7 +261,7 @@ def test_cuda_flash_pads_head_dims_to_eight(monkeypatch):
     assert dims == [(40, 40, 40)] * 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA attention kernels")
+@pytest.mark.cuda  # torch's CUDA attention kernels
 @pytest.mark.parametrize("rows,keys,value_dim", [(100, 100, 64), (37, 100, 64), (100, 37, 64),
                                                  (100, 100, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -58,12 +58,12 @@ def test_pointwise_chain_is_one_kernel(backend):
     assert lowered.stats["bytes_read"] == lowered.stats["bytes_written"] == x.numel() * 4
 
 
-@pytest.mark.parametrize("backend", COMPILERS)
+@pytest.mark.parametrize("backend, device", [(b, "cpu") for b in COMPILERS] + [
+    pytest.param("triton", "cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_a_multiply_then_an_add_round_as_in_eager(backend, dtype):
+def test_a_multiply_then_an_add_round_as_in_eager(backend, device, dtype):
     """NOTE [one rounding per op]: no multiply-add of two ops contracted into one fma (on
     the GPU where there is one; the interpreter never contracts)."""
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     x, w, b = (torch.randn(1 << 14, device=device).to(dtype) for _ in range(3))
 
     def f(x, w, b):

@@ -308,7 +308,7 @@ def test_config_off_never_captures():
 
 
 # -- on a GPU ----------------------------------------------------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.cuda
 
 
 @cuda
