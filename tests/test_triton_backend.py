@@ -565,10 +565,10 @@ def _batch_norm_loss(x, g):
     ("column sum", lambda g: g.sum(0), (torch.randn(4096, 24),), 2),
     ("max", lambda x: x.amax(0), (torch.randn(4096, 3),), 2),
     ("mean of all", lambda x: x.mean(), (torch.randn(8192),), 2),
-    # BatchNorm's statistics: one pass (the shifted sums of x and its square), split, then
-    # a per-channel kernel adding the shift back
+    # BatchNorm's statistics of a small input: the variance's pass after the mean's, each
+    # split (a large one's take one pass: test_large_batch_statistics_take_one_pass)
     ("mean and variance", lambda x: torch.var_mean(x, (0, 2, 3)), (torch.randn(64, 4, 8, 8),),
-     (2, 3)),
+     4),
     # bf16 sums: float32 partials, rounded once
     ("bf16 sum", lambda x: x.sum((0, 1)), (torch.randn(64, 64, 5).bfloat16(),), 2),
     # a gradient and its column sums (a bias's): made and summed in one partial kernel
@@ -590,10 +590,22 @@ def test_long_reductions_to_few_outputs_split(name, fn, args, kernels):
                                    torch.float32 else {})
     stages = jitted.lower(*args).stages
     before, after = len(stages["index"].kernels), len(stages["split"].kernels)
-    if kernels is None:
-        assert after > before
-    else:
-        assert (before, after) == (kernels if isinstance(kernels, tuple) else (1, kernels))
+    assert (before, after) == (1, kernels) if kernels else after > before
+
+
+def test_large_batch_statistics_take_one_pass(monkeypatch):
+    """var_mean of an input too large for the cache (made small here by the threshold): the
+    shifted sums of x and its square in one split pass, then a per-channel kernel adding the
+    shift back; exact to float32's rounding though the mean is far from zero."""
+    monkeypatch.setattr(plait.tracer.aten, "ONE_PASS_VARIANCE_BYTES", 0)
+    x = torch.randn(64, 4, 8, 8) * 3 + 100
+    jitted = plait.jit(lambda x: torch.var_mean(x, (0, 2, 3), correction=1), backend="triton")
+    var, mean = jitted(x)
+    want_var, want_mean = torch.var_mean(x.double(), (0, 2, 3), correction=1)
+    torch.testing.assert_close(var.double(), want_var, rtol=1e-5, atol=0)
+    torch.testing.assert_close(mean.double(), want_mean, rtol=1e-6, atol=0)
+    stages = jitted.lower(x).stages
+    assert (len(stages["index"].kernels), len(stages["split"].kernels)) == (2, 3)
 
 
 @pytest.mark.parametrize("fn, x", [
