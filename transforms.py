@@ -120,9 +120,11 @@ class _Traced:
                              "differentiate with respect to other arguments.")
         return [(self.inputs[i], v) for i, v in zip(mutated, values[len(values) - len(mutated):])]
 
-    def write_back(self, values: Sequence[Any], differentiated: Sequence[int] = ()) -> None:
-        """Write the new values of what the function wrote into it, as eager would."""
-        for dst, value in self.writes(values, differentiated):
+    @staticmethod
+    def write_back(writes: list) -> None:
+        """Write the new values (``writes``' pairs) into what the function wrote, as eager
+        would."""
+        for dst, value in writes:
             current_trace().rebind(dst, value)
 
     def leaf_index(self, leaf_positions: Sequence[int]) -> list[int]:
@@ -222,7 +224,9 @@ def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
     wrt = [i for pos in chosen for i in t.leaf_index(pos)]
     results = inline(autodiff.vjp(t.graph, wrt), t.inputs + cotangents)
     values, grads = results[:len(types)], iter(results[len(types):])
-    t.write_back(values, wrt) if write_back else t.writes(values, wrt)
+    writes = t.writes(values, wrt)  # checked where the forward pass wrote them too
+    if write_back:
+        t.write_back(writes)
     return t.outputs(values), [[next(grads) for _ in pos] for pos in chosen]
 
 
@@ -353,7 +357,7 @@ def _forward(func: Callable, primals: tuple):
     def run(*p):
         t = _Traced(func, p, {}, writable=True)
         values = inline(t.graph, t.inputs)
-        t.write_back(values)
+        t.write_back(t.writes(values))
         return t.outputs(values)
 
     return _staged_for(func, ("forward",), run)(*primals)
