@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STAGE_KINDS = {"trace": ("traced",),
                "simplify": ("erase_markers", "dce", "fold_constants", "fuse_attention", "algebra",
                             "cse"),
-               "lower": ("inline", "lower"), "fuse": ("fuse",), "index": ("index",),
+               "lower": ("inline", "lower"), "fuse": ("fuse",), "index": ("index", "reindex"),
                "memory": ("reuse", "reorder", "overlap", "plan"),
                "codegen": ("codegen", "wrapper"), "native": ("native",), "device": ("device",)}
 

@@ -44,6 +44,8 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
+import operator
 
 import attrs
 import sympy
@@ -108,7 +110,8 @@ def _orders(n: int):
 
 def _plans(p: Kernel, c: Kernel):
     """Ways P's loop variables can map into the merged kernel (with what C's must become,
-    and the merged loops): P's loops reordered to run as C's (loop ordering after fusion)."""
+    and the merged loops): P's loops reordered to run as C's (loop ordering after fusion),
+    else both kernels' loops split into the loops they share (NOTE [shared loops])."""
     px, pr = _variables(p)
     cx, cr = _variables(c)
     if not pr:
@@ -120,12 +123,74 @@ def _plans(p: Kernel, c: Kernel):
                 if all(p.sizes[k] == sizes[order[k]] for k in range(len(px))):
                     yield ({px[k]: target[order[k]] for k in range(len(px))}, {}, c.sizes,
                            c.reduction_sizes)
-        return
-    if p.sizes == c.sizes and c.reduction_sizes in (p.reduction_sizes, ()):
-        yield dict(zip(px + pr, cx + pr)), {}, p.sizes, p.reduction_sizes
-    elif not c.reduction_sizes and c.sizes == p.sizes + p.reduction_sizes:
-        inner = dict(zip(cx[len(px):], pr))  # C's trailing loops become the rows' loops
-        yield dict(zip(px + pr, cx[:len(px)] + pr)), inner, p.sizes, p.reduction_sizes
+        shared = _covering(p, c)
+    else:
+        if p.sizes == c.sizes and c.reduction_sizes in (p.reduction_sizes, ()):
+            yield dict(zip(px + pr, cx + pr)), {}, p.sizes, p.reduction_sizes
+        elif not c.reduction_sizes and c.sizes == p.sizes + p.reduction_sizes:
+            inner = dict(zip(cx[len(px):], pr))  # C's trailing loops become the rows' loops
+            yield dict(zip(px + pr, cx[:len(px)] + pr)), inner, p.sizes, p.reduction_sizes
+        rows = _common_split(p.reduction_sizes, *([c.reduction_sizes] if cr else []))
+        shared = ((_common_split(p.sizes, c.sizes), rows),
+                  None if cr else _cut(_common_split(p.sizes + p.reduction_sizes, c.sizes),
+                                       p.sizes))
+    for loops in shared:
+        if loops is not None and None not in loops:
+            yield _split_onto(p, *loops), _split_onto(c, *loops), *loops
+
+
+def _covering(e: Kernel, k: Kernel) -> tuple:
+    """The loops an elementwise kernel E and a kernel K share where E's points are K's
+    outer and reduction points, or K's outer points (NOTE [shared loops])."""
+    return (_cut(_common_split(e.sizes, k.sizes + k.reduction_sizes), k.sizes),
+            (_common_split(e.sizes, k.sizes), k.reduction_sizes))
+
+
+# NOTE [shared loops]
+# Two kernels over the same elements may count them with different loops: a layer norm's
+# statistics run over [B, T] rows while its output, stored for a matrix product, runs over
+# [B*T, D]; softmax's rows are [B, H, T] and the product's operand [B*H, T, E]. Where each
+# kernel's loops are products of consecutive runs of one list of loops (the cuts of both
+# lists of sizes, merged), the merged kernel runs those loops and each kernel's variables
+# become affine in them (x0 over B*T = T*y0 + y1): indices stay affine, loads still compare
+# exactly, and the row kernel forms as if the loops had lined up. Sizes that interleave
+# ([6, 4] against [4, 6]) share no such list and stay apart.
+def _common_split(*shapes: tuple) -> tuple | None:
+    """The loops each of ``shapes`` (one product) is consecutive runs of, or None."""
+    if any(0 in shape for shape in shapes) or len({math.prod(s) for s in shapes}) > 1:
+        return None
+    cuts = sorted({n for shape in shapes for n in itertools.accumulate(shape, operator.mul)})
+    sizes, done = [], 1
+    for n in cuts:
+        if n % done:
+            return None
+        if n != done:
+            sizes.append(n // done)
+            done = n
+    return tuple(sizes)
+
+
+def _cut(sizes: tuple | None, outer: tuple):
+    """``sizes`` split into the loops covering ``outer``'s product and the rest, or None."""
+    if sizes is None:
+        return None
+    prefix = list(itertools.accumulate(sizes, operator.mul, initial=1))
+    n = math.prod(outer)
+    return (sizes[:prefix.index(n)], sizes[prefix.index(n):]) if n in prefix else None
+
+
+def _split_onto(k: Kernel, sizes: tuple, reduction_sizes: tuple) -> dict:
+    """K's loop variables as expressions in the variables of ``sizes`` and
+    ``reduction_sizes``, which K's loops (outer then reduction) are consecutive runs of."""
+    merged = sizes + reduction_sizes
+    names = loop_vars("x", len(sizes)) + loop_vars("r", len(reduction_sizes))
+    exprs, j = {}, 0
+    for v, n in zip(sum(_variables(k), ()), k.sizes + k.reduction_sizes):
+        e, covered = sympy.Integer(0), 1
+        while covered < n:
+            e, covered, j = e * merged[j] + names[j], covered * merged[j], j + 1
+        exprs[v] = e
+    return exprs
 
 
 def _merge(p: Kernel, c: Kernel, keep: set[str]) -> Kernel | None:
@@ -149,28 +214,37 @@ def _merge(p: Kernel, c: Kernel, keep: set[str]) -> Kernel | None:
 
 def _sibling(a: Kernel, b: Kernel, shared: set[str]) -> Kernel | None:
     """B joined to A (they read ``shared`` in common, neither needs the other): B's loops,
-    possibly reordered (loop ordering after fusion), must cover A's rows' points the way A's
-    do, with B's reads of the shared buffers at the indices A reads them at."""
-    ax, ar = _variables(a)
-    bx, _ = _variables(b)
+    possibly reordered (loop ordering after fusion) or split with A's into loops both share
+    (NOTE [shared loops]), must cover A's rows' points the way A's do, with B's reads of the
+    shared buffers at the indices A reads them at."""
     if b.reduction_sizes and b.reduction_sizes != a.reduction_sizes:
         return None
-    if not b.reduction_sizes and len(bx) == len(ax) + len(ar):  # B's stores become inner
-        target, sizes = ax + ar, a.sizes + a.reduction_sizes
-    elif len(bx) == len(ax):
-        target, sizes = ax, a.sizes
-    else:
-        return None
-    for order in _orders(len(bx)):  # B's loop k runs as A's loop order[k]
-        if any(b.sizes[k] != sizes[order[k]] for k in range(len(bx))):
-            continue
-        mapping = {bx[k]: target[order[k]] for k in range(len(bx))}
-        if all({rename(load, mapping) for load in b.loads[n]} == set(a.loads[n])
-               for n in shared):
-            return Kernel(a.name, a.sizes, a.reduction_sizes,
-                          a.stores + tuple(_renamed_stores(b, mapping)),
+    for a_vars, b_vars, loops in _sibling_plans(a, b):
+        if all({rename(load, b_vars) for load in b.loads[n]} ==
+               {rename(load, a_vars) for load in a.loads[n]} for n in shared):
+            return Kernel(a.name, *loops, tuple(_renamed_stores(a, a_vars) +
+                                                _renamed_stores(b, b_vars)),
                           origins=a.origins | b.origins)
     return None
+
+
+def _sibling_plans(a: Kernel, b: Kernel):
+    """(A's variables, B's variables, the merged loops): B's loops reordered onto A's, else
+    both split into shared loops."""
+    ax, ar = _variables(a)
+    bx, _ = _variables(b)
+    if not b.reduction_sizes and len(bx) == len(ax) + len(ar):  # B's stores become inner
+        target, sizes = ax + ar, a.sizes + a.reduction_sizes
+    else:
+        target, sizes = ax, a.sizes
+    for order in _orders(len(bx)) if len(bx) == len(target) else ():
+        if all(b.sizes[k] == sizes[order[k]] for k in range(len(bx))):  # B's k as A's order[k]
+            yield {}, {bx[k]: target[order[k]] for k in range(len(bx))}, (a.sizes,
+                                                                           a.reduction_sizes)
+    for loops in _covering(b, a) if not b.reduction_sizes else (
+            (_common_split(b.sizes, a.sizes), a.reduction_sizes),):
+        if loops is not None and None not in loops:
+            yield _split_onto(a, *loops), _split_onto(b, *loops), loops
 
 
 class _Schedule:

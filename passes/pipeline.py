@@ -7,8 +7,10 @@ memory plan. The stages are pure functions, run in this order:
 
   inline   checkpoint bodies in place (passes/lowering.py; NOTE [checkpoint])
   lower    primitive graph -> loop program (passes/lowering.py)
+  index    index expressions simplified with the loops' ranges (passes/indexing.py), so
+           that fusion compares loads as the kernels will compute them
   fuse     kernels merged (passes/fusion.py)
-  index    index expressions simplified with the loops' ranges (passes/indexing.py)
+  reindex  the same, over the merged kernels' loops
   split    long reductions to few outputs in two kernels (passes/split.py; GPU targets)
   reuse    stores take over dead buffers in place    (passes/memory.py, ``config.inplace``)
   reorder  the kernel order of least peak memory     (``config.reorder``)
@@ -113,8 +115,9 @@ def schedule(graph, stages: Stages, *, supported_ops, supported_dtypes, comm_buf
     graph = stages.run("inline", lowering.inline_checkpoints, graph)
     program = stages.run("lower", lowering.lower, graph, supported_ops=supported_ops,
                          supported_dtypes=supported_dtypes, comm_buffers=comm_buffers)
-    program = stages.run("fuse", fusion.fuse, program)
     program = stages.run("index", indexing.simplify_indices, program)
+    program = stages.run("fuse", fusion.fuse, program)
+    program = stages.run("reindex", indexing.simplify_indices, program)
     program = stages.run("split", split.split_reductions if split_reductions and
                          config.split_reductions else _same, program)
     program = stages.run("reuse", memory.reuse if config.inplace else _same, program)

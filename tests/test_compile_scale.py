@@ -83,8 +83,8 @@ def test_every_stage_is_named_printable_and_timed():
         torch.randn(4, 8), torch.randn(8, 8))
     stages = lowered.stages
     assert list(stages)[:3] == ["traced", "erase_markers", "dce"]
-    assert list(stages)[-8:] == ["lower", "fuse", "index", "split", "reuse", "reorder", "overlap",
-                                   "plan"]
+    assert list(stages)[-9:] == ["lower", "index", "fuse", "reindex", "split", "reuse",
+                                 "reorder", "overlap", "plan"]
     for name, ir in stages.items():
         assert ir.as_text(), name
     assert stages["traced"] is lowered.traced_graph

@@ -1,14 +1,17 @@
 """Fusion of lowered kernels: kernel counts and reads for known patterns, via the loop-IR
 interpreter (which checks every result against eager)."""
+import pytest
 import torch
+import torch.nn.functional as F
 
 from plait.graph.loops import Kernel
-from plait.passes.fusion import fuse
+from plait.passes.fusion import _common_split, fuse
+from plait.passes.indexing import simplify_indices
 from test_lowering import _lowered
 
 
 def _fused(fn, *args):
-    return _lowered(fn, *args, passes=(fuse,))
+    return _lowered(fn, *args, passes=(simplify_indices, fuse))
 
 
 def _readers(program, buffer):
@@ -53,3 +56,44 @@ def test_fusion_stops_at_externs_and_mismatched_loops():
     x = torch.randn(4, 6)
     program = _fused(lambda x: (torch.exp(x) @ x.t()).sum(0) + x.sum(), x)
     assert sum(isinstance(k, Kernel) for k in program.kernels) >= 2
+
+
+@pytest.mark.parametrize("fn, args", [
+    # layer norm's rows are [4, 6], its output is stored as [24, 16] for the product
+    (lambda x, w: F.layer_norm(x, (16,)) @ w, (torch.randn(4, 6, 16), torch.randn(16, 5))),
+    # softmax's rows are [2, 3, 7], its result the batched product's operand [6, 7, 7]
+    (lambda x, v: torch.softmax(x, -1) @ v, (torch.randn(2, 3, 7, 7), torch.randn(2, 3, 7, 4))),
+])
+def test_kernels_counting_the_same_points_with_other_loops_merge(fn, args):
+    """NOTE [shared loops]: the input is read once, by one kernel whose loops split both
+    kernels' (the row statistics and the values stored from them, before: two passes)."""
+    program = _fused(fn, *args)
+    assert len(_readers(program, program.inputs[0])) == 1
+
+
+def test_an_elementwise_producer_merges_into_a_reduction_over_other_loops():
+    def f(x):  # y over [3, 4, 5], stored (an output), summed over rows [12] of columns 5
+        y = x.exp() * 2
+        return y, y.reshape(12, 5).sum(1)
+
+    program = _fused(f, torch.randn(3, 4, 5))
+    assert sum(isinstance(k, Kernel) for k in program.kernels) == 1
+
+
+def test_loops_that_interleave_stay_apart():
+    x = torch.randn(6, 4)
+    program = _fused(lambda x: torch.softmax(x, -1).reshape(4, 6).t().sum(0), x)
+    assert sum(isinstance(k, Kernel) for k in program.kernels) == 2
+
+
+@pytest.mark.parametrize("shapes, want", [
+    (((2, 3, 197), (6, 197)), (2, 3, 197)),
+    (((6, 197, 64), (2, 3, 197 * 64)), (2, 3, 197, 64)),
+    (((2, 1, 3), (6,), (1, 6, 1)), (2, 3)),
+    (((), (1, 1)), ()),
+    (((6, 4), (4, 6)), None),   # interleaved cuts
+    (((6,), (5,)), None),        # other products
+    (((0, 3), (3, 0)), None),
+])
+def test_common_split(shapes, want):
+    assert _common_split(*shapes) == want

@@ -589,14 +589,15 @@ def test_long_reductions_to_few_outputs_split(name, fn, args, kernels):
         torch.testing.assert_close(g, w, **{"rtol": 1e-5, "atol": 1e-4} if w.dtype ==
                                    torch.float32 else {})
     stages = jitted.lower(*args).stages
-    before, after = len(stages["index"].kernels), len(stages["split"].kernels)
+    before, after = len(stages["reindex"].kernels), len(stages["split"].kernels)
     assert (before, after) == (1, kernels) if kernels else after > before
 
 
 def test_large_batch_statistics_take_one_pass(monkeypatch):
     """var_mean of an input too large for the cache (made small here by the threshold): the
-    shifted sums of x and its square in one split pass, then a per-channel kernel adding the
-    shift back; exact to float32's rounding though the mean is far from zero."""
+    shifted sums of x and its square in one kernel, split into partial sums and a final
+    per-channel kernel that adds the shift back; exact to float32's rounding though the mean
+    is far from zero."""
     monkeypatch.setattr(plait.tracer.aten, "ONE_PASS_VARIANCE_BYTES", 0)
     x = torch.randn(64, 4, 8, 8) * 3 + 100
     jitted = plait.jit(lambda x: torch.var_mean(x, (0, 2, 3), correction=1), backend="triton")
@@ -605,7 +606,7 @@ def test_large_batch_statistics_take_one_pass(monkeypatch):
     torch.testing.assert_close(var.double(), want_var, rtol=1e-5, atol=0)
     torch.testing.assert_close(mean.double(), want_mean, rtol=1e-6, atol=0)
     stages = jitted.lower(x).stages
-    assert (len(stages["index"].kernels), len(stages["split"].kernels)) == (2, 3)
+    assert (len(stages["reindex"].kernels), len(stages["split"].kernels)) == (1, 2)
 
 
 @pytest.mark.parametrize("fn, x", [
@@ -618,13 +619,13 @@ def test_reductions_that_stay_whole(fn, x):
     # summed in another order: within the rounding of a 4096-term float32 sum
     torch.testing.assert_close(jitted(x), fn(x), rtol=1e-5, atol=1e-4)
     stages = jitted.lower(x).stages
-    assert stages["split"] is stages["index"]
+    assert stages["split"] is stages["reindex"]
 
 
 def test_the_cpu_compiler_does_not_split():
     x = torch.randn(4096, 24)
     stages = plait.jit(lambda g: g.sum(0), backend="cpp").lower(x).stages
-    assert stages["split"] is stages["index"]
+    assert stages["split"] is stages["reindex"]
 
 
 def test_a_row_store_in_place_waits_for_the_passes_that_read_its_memory(monkeypatch):
