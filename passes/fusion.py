@@ -54,6 +54,12 @@ from ..graph.loops import (Kernel, Load, LoopProgram, Store, children, loop_vars
                            with_children)
 
 SIBLING_WINDOW = 8  # readers of one buffer paired with each reader: keeps candidates linear
+# An elementwise producer loading more than this many values per point (max pooling's
+# gradient: a cotangent and a chosen entry per window entry) stays a kernel of its own
+# rather than run inside a reduction's tiles, which read a few columns at a time (ResNet-50:
+# its first BatchNorm's backward partial sums with the pooling's gradient inside took 0.82
+# ms on an H200).
+MAX_LOADS_INTO_A_REDUCTION = 8
 
 
 def rewrite(expr, replace):
@@ -194,7 +200,11 @@ def _split_onto(k: Kernel, sizes: tuple, reduction_sizes: tuple) -> dict:
 
 
 def _merge(p: Kernel, c: Kernel, keep: set[str]) -> Kernel | None:
-    """P merged into C (vertical), keeping P's stores of ``keep``; None where they cannot."""
+    """P merged into C (vertical), keeping P's stores of ``keep``; None where they cannot,
+    or where an elementwise P of many loads would be inlined into reduction C."""
+    if c.reduction_sizes and not p.reduction_sizes and \
+            sum(map(len, p.loads.values())) > MAX_LOADS_INTO_A_REDUCTION:
+        return None
     inlined = [b for b in p.writes if b in c.loads]
     for p_vars, c_vars, sizes, reduction_sizes in _plans(p, c):
         at = {s.buffer: rename(s.index, p_vars) for s in p.stores if s.buffer in inlined}
@@ -327,12 +337,17 @@ class _Schedule:
             readers = {j for b in p.writes for j in self.readers.get(b, ()) if j != i}
             if not readers:
                 continue
-            first = min(readers)
-            if not self._mergeable(first):
-                continue
+            first = place = min(readers)
+            if not self._mergeable(first):  # an extern reads P first: a later reader that
+                # needs nothing written after P joins it, at P's place
+                first = next((j for j in sorted(readers) if self._mergeable(j) and all(
+                    self.writer.get(r, -1) <= i for r in self.at[j].reads)), None)
+                if first is None:
+                    continue
+                place = i
             keep = {b for b in p.writes if b in self.outputs
                     or self.readers.get(b, set()) - {i, first}}
-            merged |= self._try(i, first, first, lambda a, b: _merge(a, b, keep))
+            merged |= self._try(i, first, place, lambda a, b: _merge(a, b, keep))
         return merged
 
     def siblings(self) -> bool:

@@ -97,3 +97,30 @@ def test_loops_that_interleave_stay_apart():
 ])
 def test_common_split(shapes, want):
     assert _common_split(*shapes) == want
+
+
+def test_a_kernel_after_an_extern_joins_the_producer_the_extern_reads_first():
+    """y is read by the product first, then by a kernel computed only for the outputs
+    (lowered last): that kernel joins y's, before the product, and x is read once."""
+    def f(x, w):
+        y = x.exp()
+        return y @ w, y * 3
+
+    program = _fused(f, torch.randn(4, 6), torch.randn(6, 5))
+    assert len(_readers(program, program.inputs[0])) == 1
+    assert sum(isinstance(k, Kernel) for k in program.kernels) == 1
+
+
+@pytest.mark.parametrize("entries, inlined", [(3, True), (12, False)])
+def test_an_elementwise_producer_of_many_loads_stays_out_of_a_reduction(entries, inlined):
+    """A sum of shifted windows (max pooling's gradient is one) stored for two readers, a
+    column sum the first: with more loads per point than MAX_LOADS_INTO_A_REDUCTION it is
+    not computed inside the column sum's kernel."""
+    def f(x):
+        padded = F.pad(x, (0, entries))
+        y = sum(padded[:, k:k + 16] * (k + 1) for k in range(entries))
+        return y.sum(0), y * 2
+
+    program = _fused(f, torch.randn(32, 16))
+    (reduction,) = [k for k in program.kernels if k.reduction_sizes]
+    assert (program.inputs[0] in reduction.reads) == inlined
