@@ -194,7 +194,12 @@ def _derived_jvp(node, operands, tangents, types) -> list:
 # per element, as an elementwise node does, and is redone like one where its result is no
 # smaller than what it reads (``_gathers_by_a_table``): max pooling's backward
 # gathers the saved indices of the windows holding each input position, four times their
-# bytes, which the forward would otherwise store (1.6 GB for ResNet-50's first pooling). The
+# bytes, which the forward would otherwise store (1.6 GB for ResNet-50's first pooling).
+# Values that combine values read through a strided slice of a saved value are saved, not
+# redone: redoing them would save the whole sliced value (max pooling's scan, NOTE [strided
+# max pooling], would save its padded input, four times its result, and redo its last
+# entries from it); a value of one such value alone (the scan's result compared with an
+# entry) is redone from it. The
 # limit fits a GELU's derivative after a bias, in float32 for bfloat16 operands:
 # under a lower one its float32 intermediates were saved, twice the activation's bytes each
 # (GPT-2 small's module path held 1.5 GB more than its functional step). A custom VJP's
@@ -222,9 +227,16 @@ def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
     bounded, so the sweep is linear). Distinct nodes: a value read twice on the way (a GELU's
     x, x**3) is redone once."""
     redo: dict[int, frozenset] = {}
+    strided: set[int] = set()  # read through a strided slice of a saved value: saved
     for n in g.order:
         prim = g.node(n).prim
         if n not in pinned or prim == "input" or is_effectful(g.node(n)):
+            continue
+        read = {v.node for v in g.operands(n)} & pinned
+        if read & strided and len(read) > 1 or prim == "slice" and \
+                max(g.node(n).kwargs["step"]) > 1 and not read <= redo.keys() | set(g.inputs):
+            if prim in _LAYOUT or prim in ELEMENTWISE:
+                strided.add(n)
             continue
         if prim in _LAYOUT or prim in ELEMENTWISE or prim == "gather" and \
                 _gathers_by_a_table(g, n, pinned):

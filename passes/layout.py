@@ -53,6 +53,9 @@ from ..tracer.primitives import ELEMENTWISE, REDUCTIONS
 CHOICES = ("all", "cuda", "none")
 
 
+_BOUNDED = {"slice": ("start", "limit", "step"), "pad": ("low", "high")}  # per-dim bounds
+
+
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
     out = [0] * len(perm)
     for i, p in enumerate(perm):
@@ -159,8 +162,8 @@ class _Rewrite:
             return [(v, perm) for v in outs]
         if node.prim in REDUCTIONS and perms:
             return [self._reduction(node, *carried[0])]
-        if node.prim == "slice" and perms:
-            return [self._slice(node, *carried[0])]
+        if node.prim in _BOUNDED and perms:
+            return [self._bounded(node, *carried[0])]
         if node.prim == "custom_vjp" and len(perms) == 1 and carried[-1][1] is not None \
                 and hasattr(node.kwargs["rule"], "permuted"):
             return self._custom(node, operands, carried)
@@ -204,15 +207,15 @@ class _Rewrite:
             node.provenance)
         return [(out, perm)]
 
-    def _slice(self, node, new: Value, perm: tuple[int, ...]):
+    def _bounded(self, node, new: Value, perm: tuple[int, ...]):
         """slice(transpose(x, perm)) = transpose(slice(x), perm), the bounds of dim d moved
         to dim perm[d] (a one-pass variance's shift: a BatchNorm input's first element per
-        channel)."""
+        channel); pad likewise (max pooling's windows, NOTE [strided max pooling])."""
         back = _inverse(perm)
-        kwargs = {k: tuple(node.kwargs[k][back[i]] for i in range(len(perm)))
-                  for k in ("start", "limit", "step")}
+        kwargs = {k: tuple(v[back[i]] for i in range(len(perm))) if k in _BOUNDED[node.prim]
+                  else v for k, v in node.kwargs.items()}
         t = node.out_types[0]
-        (out,) = self.b.add_node("slice", (new,), kwargs, (attrs.evolve(
+        (out,) = self.b.add_node(node.prim, (new,), kwargs, (attrs.evolve(
             t, shape=tuple(t.shape[back[i]] for i in range(len(perm)))),), node.provenance)
         return out, perm
 

@@ -109,3 +109,28 @@ def test_an_unknown_choice_is_refused():
     with plait.config.patch(channels_last="yes"), \
             pytest.raises(PlaitError, match="all, cuda, none"):
         channels_last(graph)
+
+
+def test_a_max_pool_between_convolutions_stays_channels_last():
+    """Max pooling's padded windows (pads and strided slices, NOTE [strided max pooling])
+    follow the convolution's layout: no activation is transposed between the convolutions,
+    in the forward or the backward."""
+    def f(x, w1, w2):
+        return F.conv2d(F.max_pool2d(F.relu(F.conv2d(x, w1, padding=1)), 3, 2, 1), w2)
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 3, 12, 12, generator=g), torch.randn(8, 3, 3, 3, generator=g),
+            torch.randn(4, 8, 3, 3, generator=g))
+    loss = lambda *a: f(*a).square().sum()  # noqa: E731
+    with plait.config.patch(channels_last="all"):
+        step = plait.jit(plait.grad(loss, argnums=(0, 1, 2)))
+        graph = step.lower(*args).graph
+        got = step(*args)
+    transposed = [graph.operands(n)[0] for n in graph.order
+                  if graph.node(n).prim == "transpose"]
+    assert all(graph.node(v.node).prim in ("input", "conv_backward", "full",
+                                           "broadcast_in_dim") or
+               graph.type_of(v).numel <= 8 * 9 for v in transposed), \
+        [(graph.node(v.node).prim, graph.type_of(v)) for v in transposed]
+    for a, b in zip(got, torch.func.grad(loss, argnums=(0, 1, 2))(*args)):
+        assert_close(a, b, atol=1e-4, rtol=1e-4)
