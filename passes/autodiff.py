@@ -234,7 +234,8 @@ def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
             continue
         read = {v.node for v in g.operands(n)} & pinned
         if read & strided and len(read) > 1 or prim == "slice" and \
-                max(g.node(n).kwargs["step"]) > 1 and not read <= redo.keys() | set(g.inputs):
+                max(g.node(n).kwargs["step"]) > 1 and \
+                not all(r in redo or g.node(r).prim == "input" for r in read):
             if prim in _LAYOUT or prim in ELEMENTWISE:
                 strided.add(n)
             continue

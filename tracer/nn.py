@@ -632,17 +632,20 @@ def _strided_max_pool(x, tables):
     pooling]): (values, indices in the input's spatial plane)."""
     t, nd = type_of(x), len(tables)
     spatial, lowest = t.shape[-nd:], _lowest(t.dtype)
-    outs, ks = [pos.shape[0] for pos, _ in tables], [pos.shape[1] for pos, _ in tables]
-    low = [int(-pos[0, 0]) for pos, _ in tables]
-    starts = [pos[0] + p for (pos, _), p in zip(tables, low)]  # entry j's first position
-    steps = [int(pos[1, 0] - pos[0, 0]) if pos.shape[0] > 1 else 1 for pos, _ in tables]
+    dims = tuple(range(t.ndim - nd, t.ndim))
+    # per spatial dim (size, kernel, stride, padding, dilation): window o's entry j reads
+    # o * stride + j * dilation - padding
+    windows = tuple((n, pos.shape[1], int(pos[1, 0] - pos[0, 0]) if pos.shape[0] > 1 else 1,
+                     int(-pos[0, 0]), int(pos[0, 1] - pos[0, 0]) if pos.shape[1] > 1 else 1)
+                    for (pos, _), n in zip(tables, spatial))
     padded = x
-    for dim, (pos, _), lo, n in zip(range(t.ndim - nd, t.ndim), tables, low, spatial):
-        padded = _pad_dim(padded, dim, lo, max(0, int(pos.max()) + 1 - n), lowest)
+    for dim, (pos, _), (n, _, _, padding, _) in zip(dims, tables, windows):
+        padded = _pad_dim(padded, dim, padding, max(0, int(pos.max()) + 1 - n), lowest)
     best = which = real = None
-    for k, js in enumerate(itertools.product(*map(range, ks))):
-        value = padded[(...,) + tuple(slice(int(a[j]), int(a[j]) + (o - 1) * s + 1, s)
-                                      for a, j, o, s in zip(starts, js, outs, steps))]
+    for k, js in enumerate(itertools.product(*(range(w[1]) for w in windows))):
+        value = padded[(...,) + tuple(slice(j * d, j * d + (pos.shape[0] - 1) * s + 1, s)
+                                      for (pos, _), j, (_, _, s, _, d) in
+                                      zip(tables, js, windows))]
         inside = _window_mask([m[:, j] for (_, m), j in zip(tables, js)], t.device)
         if best is None:
             best, which, real = value, torch.zeros_like(value, dtype=torch.uint8), inside
@@ -656,13 +659,11 @@ def _strided_max_pool(x, tables):
             take = take & inside
         best, which = torch.where(take, value, best), torch.where(take, k, which)
         real = None if real is None or inside is None else real | inside
-    index = sum(_entry_position(which, tables, ks, i) * math.prod(spatial[i + 1:])
+    index = sum(_entry_position(which, tables[i][0], windows, i) * math.prod(spatial[i + 1:])
                 for i in range(nd))
     if not t.dtype.is_floating_point:
         return best, index
-    rule = StridedMaxPoolRule(tuple(zip(spatial, ks, steps, low, (
-        int(pos[0, 1] - pos[0, 0]) if k > 1 else 1 for (pos, _), k in zip(tables, ks)))),
-        tuple(range(t.ndim - nd, t.ndim)))
+    rule = StridedMaxPoolRule(windows, dims)
     return bind("custom_vjp", x, which, best, rule=rule, output=0), index
 
 
@@ -688,13 +689,13 @@ def _window_mask(masks: list, device):
     ).to(device)
 
 
-def _entry_position(which, tables, ks, i: int):
-    """Spatial dim i's input position of the entry ``which`` chose, in each window."""
-    pos = tables[i][0]
-    j = (which.to(torch.int64) // math.prod(ks[i + 1:])) % ks[i]
-    first = pos[:, 0].reshape([-1 if d == i else 1 for d in range(len(tables))])
-    step = int(pos[0, 1] - pos[0, 0]) if ks[i] > 1 else 0
-    return first.to(type_of(which).device) + j * step
+def _entry_position(which, pos, windows: tuple, i: int):
+    """Spatial dim i's input position of the entry ``which`` chose, in each window (``pos``:
+    the dim's window table)."""
+    kernel, dilation = windows[i][1], windows[i][4]
+    j = (which.to(torch.int64) // math.prod(w[1] for w in windows[i + 1:])) % kernel
+    first = pos[:, 0].reshape([-1 if d == i else 1 for d in range(len(windows))])
+    return first.to(type_of(which).device) + j * dilation
 
 
 @attrs.frozen
