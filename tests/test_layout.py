@@ -111,10 +111,11 @@ def test_an_unknown_choice_is_refused():
         channels_last(graph)
 
 
-def test_a_max_pool_between_convolutions_stays_channels_last():
-    """Max pooling's padded windows (pads and strided slices, NOTE [strided max pooling])
-    follow the convolution's layout: no activation is transposed between the convolutions,
-    in the forward or the backward."""
+def test_a_max_pool_between_convolutions_stays_channels_last(monkeypatch):
+    """Max pooling's padded windows (pads and strided slices, NOTE [strided max pooling], as
+    on CUDA) follow the convolution's layout: no activation is transposed between the
+    convolutions, in the forward or the backward."""
+    monkeypatch.setattr(plait.tracer.nn, "SCANNED_MAX_POOL_DEVICES", frozenset({"cpu"}))
     def f(x, w1, w2):
         return F.conv2d(F.max_pool2d(F.relu(F.conv2d(x, w1, padding=1)), 3, 2, 1), w2)
 

@@ -201,15 +201,24 @@ MAX_CASES = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1, dilat
              dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)]
 
 
+@pytest.fixture(params=["tables", "scanned"])
+def max_pool_path(request, monkeypatch):
+    """Both ways max pooling is traced (NOTE [strided max pooling]): window tables (the CPU's)
+    and the entry-by-entry scan (CUDA's), here on the CPU."""
+    if request.param == "scanned":
+        monkeypatch.setattr(plait.tracer.nn, "SCANNED_MAX_POOL_DEVICES", frozenset({"cpu"}))
+    return request.param
+
+
 @pytest.mark.parametrize("nd", [1, 2, 3])
 @pytest.mark.parametrize("kwargs", MAX_CASES, ids=str)
-def test_max_pool_indices(nd, kwargs):
+def test_max_pool_indices(nd, kwargs, max_pool_path):
     pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[nd - 1]
     check(lambda x: pool(x, return_indices=True, **kwargs), randn(2, 3, *[8 - d for d in
                                                                             range(nd)]))
 
 
-def test_max_pool_ties_nan_and_inf_like_eager():
+def test_max_pool_ties_nan_and_inf_like_eager(max_pool_path):
     """First max wins; the last NaN wins over everything; an all -inf window indexes its
     first position inside the input."""
     x = torch.tensor([[[1., 3, 3, 2, nan, 0, nan, 5, -1]]])
@@ -229,7 +238,7 @@ def test_max_pool_ties_nan_and_inf_like_eager():
     lambda x: F.adaptive_max_pool2d(x, (3, 2)),
     lambda x: F.max_pool1d(x.flatten(2), 4, stride=2),
 ], ids=["max2", "max3s1p1", "adaptive_max", "max1d"])
-def test_max_pool_gradient_goes_to_the_first_of_tied_maxima(pool):
+def test_max_pool_gradient_goes_to_the_first_of_tied_maxima(pool, max_pool_path):
     """Tied maxima (integers, here): eager's gradient goes to the position its index names,
     the first, not shared among them."""
     x = torch.randint(0, 3, (2, 3, 6, 5), generator=torch.Generator().manual_seed(0)).float()
@@ -249,7 +258,7 @@ def test_max_pool_gradient_goes_to_the_first_of_tied_maxima(pool):
     lambda x: F.adaptive_max_pool2d(x, (4, 3)),
     lambda x: F.max_pool1d(x.flatten(2), 5, stride=3),
 ], ids=["max3s2p1", "max_dilated_ceil", "avg", "adaptive_max", "max1d"])
-def test_pooling_gradients_gather_back(pool):
+def test_pooling_gradients_gather_back(pool, max_pool_path):
     """A pooling's gradient equals torch.autograd's, and gathers the windows' cotangents
     back through the inverse of its static window tables: no scatter."""
     x = randn(2, 3, 11, 9)

@@ -401,11 +401,13 @@ def test_a_batch_norms_output_is_redone_in_the_backward():
     assert [prim for prim, numel in saved if numel > 8] == ["conv"], saved
 
 
-def test_a_max_pool_saves_the_entry_each_window_chose_and_spreads_its_gradient_back():
+def test_a_max_pool_saves_the_entry_each_window_chose_and_spreads_its_gradient_back(
+        monkeypatch):
     """Max pooling's backward (NOTE [strided max pooling]) reads the entry each window chose,
     one byte per window, the only thing the forward saves for it: no indices (eight times
     their size), no gather, no scatter. (Sizes past the backward's free recompute of small
-    values.)"""
+    values; the scan, as on CUDA.)"""
+    monkeypatch.setattr(plait.tracer.nn, "SCANNED_MAX_POOL_DEVICES", frozenset({"cpu"}))
     x = torch.randint(-2, 3, (4, 3, 24, 24)).float()  # ties within windows
     program = _trained_like_eager(lambda: torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1),

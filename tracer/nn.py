@@ -623,8 +623,11 @@ class MaxPoolRule:
 # the input, the last NaN) and the entry it chose, one byte per window, which the backward
 # reads: the input's gradient sums, per entry j, the windows' cotangents where they chose j,
 # spread back to the positions entry j reads (a strided slice's transpose: pads and
-# reshapes, affine again). Larger windows and adaptive pooling gather through tables.
+# reshapes, affine again). Larger windows and adaptive pooling gather through tables, as
+# does the CPU, where the gather measured faster (a small ResNet's training step on one
+# thread: 2.16 ms against 2.37 with the scan, which redoes its producer per window entry).
 MAX_UNROLLED_WINDOW = 32
+SCANNED_MAX_POOL_DEVICES = frozenset({"cuda"})
 
 
 def _strided_max_pool(x, tables):
@@ -749,7 +752,8 @@ def _max_pool_handler(nd):
     def handler(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
         tables = _strided_tables(x, nd, f"max_pool{nd}d", kernel_size, stride, padding,
                                  dilation, ceil_mode)
-        if math.prod(pos.shape[1] for pos, _ in tables) > MAX_UNROLLED_WINDOW:
+        if math.prod(pos.shape[1] for pos, _ in tables) > MAX_UNROLLED_WINDOW or \
+                torch.device(type_of(x).device).type not in SCANNED_MAX_POOL_DEVICES:
             return _max_pool(x, tables)
         return _strided_max_pool(x, tables)
 
