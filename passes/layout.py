@@ -24,7 +24,7 @@ The transposes then sink through the graph rather than stay: each value is carri
         [N, H, W, C] value are plain [C] vectors);
     a transpose of a transposed value is one transpose (none, when they cancel: the
         ``permute(0, 2, 3, 1)`` around ConvNeXt's LayerNorm);
-    a slice of a transposed value slices the corresponding dims;
+    a slice (or pad) of a transposed value slices (or pads) the corresponding dims;
     a convolution of a transposed-to-[N, C, H, W] value reads the value itself;
     a ``custom_vjp`` whose rule follows the layout (BatchNorm's, tracer/aten.py) takes the
         untransposed operands and a rule told the permutation;

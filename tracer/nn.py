@@ -551,6 +551,12 @@ def _max_pool(x, tables):
     return bind("custom_vjp", x, index, values, rule=rule, output=0), index
 
 
+def _permuted_pooling(rule, perm: tuple[int, ...]):
+    """A pooling rule's ``permuted`` (the layout pass's, passes/layout.py): the rule of the
+    same pooling of transpose(x, perm)'s data laid out as x."""
+    return attrs.evolve(rule, dims=tuple(perm[d] for d in rule.dims))
+
+
 @attrs.frozen
 class MaxPoolRule:
     """The VJP of max pooling's values (a ``custom_vjp`` rule, NOTE [custom functions]): each
@@ -562,9 +568,7 @@ class MaxPoolRule:
     windows: tuple  # per spatial dim: each window's input positions, -1 outside the input
     dims: tuple[int, ...]  # the input's spatial dims, in ``windows``' order
 
-    def permuted(self, perm: tuple[int, ...]) -> MaxPoolRule:
-        """The rule of the same pooling of transpose(x, perm)'s data laid out as x."""
-        return attrs.evolve(self, dims=tuple(perm[d] for d in self.dims))
+    permuted = _permuted_pooling
 
     def backward(self, ct, output: int, operands: tuple) -> list:
         x, index, _ = operands
@@ -687,10 +691,13 @@ def _window_mask(masks: list, device):
     [o_i] mask; None where every window's does."""
     if all(bool(m.all()) for m in masks):
         return None
-    nd = len(masks)
-    return functools.reduce(torch.logical_and, [
-        m.reshape([-1 if i == d else 1 for i in range(nd)]) for d, m in enumerate(masks)]
-    ).to(device)
+    return functools.reduce(torch.logical_and, [_along(m, d, len(masks))
+                                                 for d, m in enumerate(masks)]).to(device)
+
+
+def _along(v, d: int, nd: int):
+    """A vector shaped to broadcast along dim d of nd."""
+    return v.reshape([-1 if i == d else 1 for i in range(nd)])
 
 
 def _entry_position(which, pos, windows: tuple, i: int):
@@ -698,8 +705,7 @@ def _entry_position(which, pos, windows: tuple, i: int):
     the dim's window table)."""
     kernel, dilation = windows[i][1], windows[i][4]
     j = (which.to(torch.int64) // math.prod(w[1] for w in windows[i + 1:])) % kernel
-    first = pos[:, 0].reshape([-1 if d == i else 1 for d in range(len(windows))])
-    return first.to(type_of(which).device) + j * dilation
+    return _along(pos[:, 0], i, len(windows)).to(type_of(which).device) + j * dilation
 
 
 @attrs.frozen
@@ -711,9 +717,7 @@ class StridedMaxPoolRule:
     windows: tuple  # per spatial dim: (size, kernel, stride, padding, dilation)
     dims: tuple[int, ...]  # the input's spatial dims, in ``windows``' order
 
-    def permuted(self, perm: tuple[int, ...]) -> StridedMaxPoolRule:
-        """The rule of the same pooling of transpose(x, perm)'s data laid out as x."""
-        return attrs.evolve(self, dims=tuple(perm[d] for d in self.dims))
+    permuted = _permuted_pooling
 
     def backward(self, ct, output: int, operands: tuple) -> list:
         x, which, _ = operands
