@@ -100,8 +100,11 @@ class Lowered:
         self.backend = backend
         self.donated = donated
         self._stages = stages or Stages()
-        # a mutated input is written back after the call: its memory is not free for results
-        self.source_graph = traced.graph.donating(sorted(donated - set(traced.mutated_inputs)))
+        # a mutated input is written back after the call: its memory may hold its new value,
+        # no other result
+        mutated = traced.mutated_inputs
+        self.source_graph = traced.graph.donating(sorted(donated - set(mutated))).updating(
+            mutated, len(traced.graph.outputs) - len(mutated))
         self._config = config.keyed()
         self._keeps_program = config.program_cache
 
@@ -290,7 +293,8 @@ class _Differentiable:
             forward, backward, self.read = autodiff.split(
                 joint, len(graph.inputs), self.n_outputs,
                 frozenset(range(len(graph.inputs))) - set(self.mutated))
-        self._forward = Lowered(_program(forward), lowered.backend,
+        self._forward = Lowered(_program(forward.updating(self.mutated, self.n_results)),
+                                lowered.backend,
                                 stages=Stages(f"{name} (forward)"), simplified=True)
         self._backward = Lowered(_program(backward), lowered.backend,
                                  stages=Stages(f"{name} (backward)"), simplified=True)
@@ -353,8 +357,15 @@ def _written_back(outs: list, tensors: list, mutated: tuple, kept: list) -> list
     n_results = len(outs) - len(mutated)
     with torch.no_grad():
         for k, i in enumerate(mutated, n_results):
-            tensors[i].copy_(outs[k])
+            if not _in_place(outs[k], tensors[i]):
+                tensors[i].copy_(outs[k])
     return _distinct(outs[:n_results], kept)
+
+
+def _in_place(new: torch.Tensor, old: torch.Tensor) -> bool:
+    """Was an input's new value written into it (``Graph.updating``)?"""
+    return new is old or (_has_storage(new) and new.data_ptr() == old.data_ptr()
+                          and new.shape == old.shape and old.is_contiguous())
 
 
 def _has_storage(t: torch.Tensor) -> bool:

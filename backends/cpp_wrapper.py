@@ -840,8 +840,10 @@ class NativeWrapper:
         entry = [*program.inputs, *program.constants]
         position = {b: j for j, b in enumerate([*entry, *generated.handed])}
         unique = list(dict.fromkeys(program.outputs))
-        outputs = tuple((position.get(storage[b]), storage[b] == b, tuple(buffers[b].type.shape),
-                         buffers[b].type.dtype) for b in unique)
+        # an output on a storage of its own shape is that tensor itself, not a view of it
+        outputs = tuple((position.get(storage[b]),
+                         buffers[b].type.shape == buffers[storage[b]].type.shape,
+                         tuple(buffers[b].type.shape), buffers[b].type.dtype) for b in unique)
         handed = tuple((tuple(buffers[s].type.shape), buffers[s].type.dtype)
                        for s in generated.handed)
         layout = (generated.n_entry, handed, outputs,

@@ -167,13 +167,22 @@ class Graph:
 
     def donating(self, positions) -> "Graph":
         """This graph with the inputs at ``positions`` marked donated (``add_input``)."""
-        if not positions:
+        return self._marking({i: {"donated": True} for i in positions})
+
+    def updating(self, positions: Sequence[int], first_output: int) -> "Graph":
+        """This graph with the input at ``positions[j]`` marked as updated by output
+        ``first_output + j`` (``add_input``)."""
+        return self._marking({i: {"updated_by": first_output + j}
+                              for j, i in enumerate(positions)})
+
+    def _marking(self, marks: dict[int, dict]) -> "Graph":
+        if not marks:
             return self
         g = self._g.copy()
-        for i in positions:
+        for i, mark in marks.items():
             node = self.node(self._inputs[i])
             g.nodes[self._inputs[i]]["node"] = attrs.evolve(
-                node, params=Node.make_params(node.kwargs | {"donated": True}))
+                node, params=Node.make_params(node.kwargs | mark))
         return Graph(g, self._inputs, self._outputs)
 
     def __repr__(self) -> str:
@@ -223,11 +232,13 @@ class GraphBuilder:
             self.add_control_edge(u, n)
         return [Value(n, i) for i in range(len(out_types))]
 
-    def add_input(self, type: TensorType, donated: bool = False) -> Value:
-        """A graph input; a ``donated`` one's memory is the compiled code's to write results
-        into (``jit(..., donate_argnums=...)``)."""
-        params = {"index": len(self.inputs)} | ({"donated": True} if donated else {})
-        (value,) = self.add_node("input", (), params, (type,))
+    def add_input(self, type: TensorType, marks: dict | None = None) -> Value:
+        """A graph input. ``marks`` (``input_marks``): ``donated=True``, its memory is the
+        compiled code's to write results into (``jit(..., donate_argnums=...)``);
+        ``updated_by=k``, output ``k`` is its new value, which the caller writes into it after
+        the call (a mutated input), so its memory may hold that output and no other."""
+        (value,) = self.add_node("input", (), {"index": len(self.inputs)} | (marks or {}),
+                                 (type,))
         self.inputs.append(value.node)
         return value
 
@@ -279,6 +290,11 @@ class GraphBuilder:
                      (dict(self._operands), {n: set(p) for n, p in self._preds.items()}))
 
 
+def input_marks(node) -> dict:
+    """An input node's marks (``add_input``), carried to a rewritten graph's input."""
+    return {k: node.kwargs[k] for k in ("donated", "updated_by") if k in node.kwargs}
+
+
 def extract(graph: Graph, nodes: Iterable[int], inputs: Sequence[Value | TensorType],
             outputs: Sequence[Value]) -> Graph:
     """The subgraph of ``nodes`` (in program order) whose inputs are ``inputs``: each a value
@@ -311,7 +327,7 @@ def rewrite(graph: Graph, visit: Callable[[GraphBuilder, int, tuple[Value, ...],
         operands = tuple(values[v] for v in graph.operands(n))
         preds = tuple(ids[p] for p in graph.control_preds(n) if p in ids)
         if node.prim == "input":
-            new = [b.add_input(node.out_types[0], node.kwargs.get("donated", False))]
+            new = [b.add_input(node.out_types[0], input_marks(node))]
         else:
             new = visit(b, n, operands, preds) if visit else None
             if new is None:

@@ -224,6 +224,8 @@ class LoopProgram:
     aliases: dict = attrs.field(factory=dict)
     # inputs the caller donated (``jit(donate_argnums=...)``): reuse may write into them
     donated: frozenset = frozenset()
+    # mutated input -> the output holding its new value: reuse may write that one into it
+    updates: dict = attrs.field(factory=dict)
 
     def as_text(self) -> str:
         from .printer import program_to_text

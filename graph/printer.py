@@ -10,7 +10,8 @@
 A node whose params hold graphs (a ``cond``'s branches, a ``scan``'s body) prints each below
 its line, indented. Values are renumbered in topological order, so two graphs that differ only in how their nodes
 were created print (and hash) the same. ``after(...)`` lists control predecessors; a donated
-input (``jit(..., donate_argnums=...)``) says so, as its memory may hold a result.
+input (``jit(..., donate_argnums=...)``) says so, as its memory may hold a result, and so does
+a mutated input, ``updated by output k``, whose memory may hold its new value.
 """
 from __future__ import annotations
 
@@ -58,8 +59,12 @@ def graph_to_text(graph, provenance: bool = True, canonical: bool = False) -> st
             return f"{names[(n, 0)]}: ()"
         return ", ".join(outs)
 
-    header = ", ".join(define(n) + " donated" * bool(graph.node(n).kwargs.get("donated"))
-                       for n in graph.inputs)
+    def marked(n: int) -> str:
+        kwargs = graph.node(n).kwargs
+        return define(n) + " donated" * bool(kwargs.get("donated")) + (
+            f" updated by output {kwargs['updated_by']}" if "updated_by" in kwargs else "")
+
+    header = ", ".join(map(marked, graph.inputs))
     lines = [f"graph({header}) {{"]
     for n in graph.order:
         node = graph.node(n)

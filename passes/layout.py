@@ -47,7 +47,7 @@ import torch
 
 from ..config import config
 from ..errors import PlaitError
-from ..graph import Graph, GraphBuilder, Value
+from ..graph import Graph, GraphBuilder, Value, input_marks
 from ..tracer.primitives import ELEMENTWISE, REDUCTIONS
 
 CHOICES = ("all", "cuda", "none")
@@ -127,8 +127,7 @@ class _Rewrite:
             node = g.node(n)
             preds = tuple(ids[p] for p in g.control_preds(n) if p in ids)
             if node.prim == "input":
-                outs = [(b.add_input(node.out_types[0], node.kwargs.get("donated", False)),
-                         None)]
+                outs = [(b.add_input(node.out_types[0], input_marks(node)), None)]
             else:
                 outs = self.visit(n, node, preds)
             for i, out in enumerate(outs):

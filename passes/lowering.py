@@ -187,7 +187,7 @@ class _Lowering:
 
     def lower(self) -> LoopProgram:
         g = self.graph
-        inputs, donated = [], set()
+        inputs, donated, updated_by = [], set(), {}
         for n in g.order:
             node = g.node(n)
             outs = [Value(n, i) for i in range(len(node.out_types))]
@@ -195,6 +195,8 @@ class _Lowering:
                 inputs.append(self.new_buffer("in", node.out_types[0]))
                 if node.kwargs.get("donated"):
                     donated.add(inputs[-1])
+                if "updated_by" in node.kwargs:
+                    updated_by[inputs[-1]] = node.kwargs["updated_by"]
                 self.values[outs[0]] = self.in_memory(inputs[-1])
                 continue
             if node.prim == "constant":
@@ -237,7 +239,8 @@ class _Lowering:
                       for n in g.order}
         return LoopProgram(dict(self.buffers), tuple(inputs), dict(self.constants),
                            tuple(self.kernels), tuple(outputs), provenance,
-                           donated=frozenset(donated))
+                           donated=frozenset(donated),
+                           updates={b: outputs[k] for b, k in updated_by.items()})
 
     def worth_storing(self, lazy: Lazy) -> bool:
         """Is one store and a load per use cheaper than computing ``lazy`` at each use (an

@@ -325,19 +325,42 @@ def test_arguments_not_donated_are_never_written():
     torch.testing.assert_close(out, sgd(*before))
 
 
-def test_a_donated_argument_that_is_mutated_is_not_taken_over():
+def test_a_mutated_argument_holds_its_new_value_and_no_other_result():
     def f(w, g):
-        w.add_(g)  # written back into w after the call
+        w.add_(g)  # its new value is written into w: the result may not take w's memory
         return w * 2
 
-    w, g = torch.randn(16), torch.randn(16)
-    w_eager = w.clone()
-    expected = f(w_eager, g)
-    jitted = plait.jit(f, backend="cpp", donate_argnums=0)
-    assert not jitted.lower(w.clone(), g).memory["inplace"]
-    out = jitted(w, g)
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(w, w_eager)
+    for donate in ((), 0):
+        w, g = torch.randn(16), torch.randn(16)
+        w_eager = w.clone()
+        expected = f(w_eager, g)
+        jitted = plait.jit(f, backend="cpp", donate_argnums=donate)
+        lowered = jitted.lower(w.clone(), g)
+        program = lowered.compiled.program
+        assert lowered.memory["inplace"] == ((program.outputs[1], program.inputs[0]),)
+        address = w.data_ptr()
+        out = jitted(w, g)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(w, w_eager)
+        assert w.data_ptr() == address
+
+
+@pytest.mark.parametrize("cpp_wrapper", [True, False])
+def test_a_mutated_argument_written_in_place_is_read_before_it_changes(cpp_wrapper):
+    def f(x, y):
+        before = x * 3  # reads the old value; the new one is written into x's memory
+        x.mul_(y)
+        return before + x, x.sum()
+
+    base = torch.randn(6, 5)
+    for x in (base.clone(), base.clone().t()):  # contiguous, and a copy written back
+        y = torch.randn(x.shape)
+        x_eager = x.clone()
+        expected = f(x_eager, y)
+        with plait.config.patch(cpp_wrapper=cpp_wrapper):
+            got = plait.jit(f, backend="cpp")(x, y)
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(x, x_eager)
 
 
 def test_donation_errors():
