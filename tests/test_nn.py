@@ -167,6 +167,48 @@ def test_conv_vmap_batches_examples_or_kernels(in_dims):
                  torch.func.vmap(conv, in_dims=in_dims)(*args))
 
 
+def _prims_of(fn, *args) -> list[str]:
+    graph = plait.jit(fn).lower(*args).graph
+    return [graph.node(n).prim for n in graph.order]
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_pointwise_conv_is_a_matrix_product(nd, stride):
+    """NOTE [pointwise convolutions]: results and gradients against eager."""
+    conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    x, w, b = randn(2, 4, *[7 - d for d in range(nd)]), randn(6, 4, *[1] * nd), randn(6)
+    f = lambda x, w, b: conv(x, w, b, stride=stride)  # noqa: E731
+    check(f, x, w, b)
+    check_grad(f, x, w, b)
+    prims = _prims_of(f, x, w, b)
+    assert "dot_general" in prims and "conv" not in prims
+
+
+def test_a_pointwise_conv_stays_a_convolution_where_not_chosen(monkeypatch):
+    from plait.tracer import nn
+
+    monkeypatch.setattr(nn, "POINTWISE_CONV_AS_PRODUCT_DEVICES", frozenset())
+    x, w = randn(2, 4, 5, 5), randn(6, 4, 1, 1)
+    assert "conv" in _prims_of(F.conv2d, x, w)
+    # and where padded or grouped, it is a convolution on every device
+    monkeypatch.undo()
+    assert "conv" in _prims_of(lambda x, w: F.conv2d(x, w, padding=1), x, w)
+    assert "conv" in _prims_of(lambda x, w: F.conv2d(x, w[:, :2], groups=2), x, w)
+
+
+@pytest.mark.parametrize("in_dims", [(0, None), (None, 0), (0, 0)])
+def test_a_pointwise_conv_vmaps_and_differentiates_twice(in_dims):
+    x, w = randn(2, 4, 6, 6), randn(5, 4, 1, 1)
+    args = [randn(3, *a.shape) if d == 0 else a for a, d in zip((x, w), in_dims)]
+    conv = lambda x, w: F.conv2d(x, w, stride=2).tanh()  # noqa: E731
+    assert_close(plait.vmap(conv, in_dims=in_dims)(*args),
+                 torch.func.vmap(conv, in_dims=in_dims)(*args))
+    loss = lambda x, w: conv(x, w).pow(2).sum()  # noqa: E731
+    assert_close(plait.hessian(loss)(x.double(), w.double()),
+                 torch.func.hessian(loss)(x.double(), w.double()))
+
+
 def test_conv_hessian_with_respect_to_its_input():
     """jacfwd over jacrev: 324 basis vectors vmapped through the convolution's backward."""
     x, w = randn(1, 4, 9, 9).double(), randn(4, 1, 3, 3).double()
