@@ -344,6 +344,28 @@ def test_a_training_loop_replays_graphs(micro_batches):
 
 
 @cuda
+def test_running_statistics_written_in_place_under_replays():
+    """A training-mode BatchNorm's running statistics (mutated inputs, whose new values the
+    programs write into them) match eager's after every replayed step, as do the weights."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 1)).cuda()
+    eager, compiled = make(), make()
+    compiled.load_state_dict(eager.state_dict())
+    run = plait.jit(compiled, backend="triton")
+    for model, call in ((eager, eager), (compiled, run)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(6):
+            call(torch.randn(4, 3, 8, 8, device="cuda", generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for (name, got), want in zip(compiled.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(got, want, msg=name)
+
+
+@cuda
 def test_held_results_survive_later_replays_on_the_gpu():
     f = plait.jit(lambda x, w: torch.softmax(x @ w, -1), backend="triton")
     w = torch.randn(64, 64, device="cuda")

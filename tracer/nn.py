@@ -461,7 +461,9 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
 # first: [N, *S, C] @ [C, C_out]. On the CPU the library's convolution costs a small
 # ResNet 20-35 us a call forward and 50-65 backward at its sizes, where the products take
 # 4-9 and 7-20; the channels-last layout (NOTE [channels-last convolutions]) cancels the
-# transposes around the product with its neighbours'. On CUDA cuDNN's convolutions stay.
+# transposes around the product with its neighbours'. On CUDA cuDNN's convolutions stay: as
+# products, ResNet-50's training step took 44.6 ms on an H200 against 26.1 (cuDNN runs
+# float32 convolutions in TF32, where float32 products are not).
 POINTWISE_CONV_AS_PRODUCT_DEVICES = frozenset({"cpu"})
 
 
