@@ -431,6 +431,7 @@ class Jitted:
                              "donated. Drop them from donate_argnums or static_argnums.")
         self.backend = backend
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._latest = None  # the entry last called: the cache's last
         self._states: dict = {}  # argument signature -> the state its last trace read
         self._trace_floats = True  # until a trace needs one as a number (_floats_turn_static)
         self._signatures: collections.deque = collections.deque(maxlen=2)
@@ -529,7 +530,9 @@ class Jitted:
         else:
             if _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
                 _cache_log.debug("hit %s", debug.function_name(self.fn))
-            self._cache.move_to_end((key, read[0]))
+            if compiled is not self._latest:  # else it is the last already (its key, a
+                self._cache.move_to_end((key, read[0]))  # module's state, costs to hash)
+        self._latest = compiled
         return compiled(tensors + read[1])
 
     def _interpreted(self, args, kwargs):
@@ -572,6 +575,7 @@ class Jitted:
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        self._latest = None
         self._states.clear()
 
     def __get__(self, obj, objtype=None):
