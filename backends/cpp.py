@@ -60,12 +60,13 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
+import sympy
 import torch
 
 from ..config import config
 from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
-                           is_inner, walk)
+                           is_inner, loop_vars, walk)
 from . import codegen, cpp_wrapper
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, column_wise,
                       KERNEL_NAME, kernel_error, levels, with_error_codes)
@@ -231,6 +232,18 @@ template <class To, class From> inline To plait_convert(From a) {
 """
 
 # reduction op -> (accumulator's initial value, update statement); {T}: the accumulator's type
+# NOTE [point invariants]
+# The innermost loop is the vectorized one; where others run outside it, a value of the
+# innermost point alone would be computed again at each of their iterations: a BatchNorm's
+# per-channel scale, 1 / sqrt(var / n + eps), at every pixel of a channels-last activation,
+# or, in a column-wise kernel (NOTE [column-wise reductions]), at every row of its backward's
+# column sums. Such values, where they take a costly op, are computed once per point into
+# arrays before those loops: for a pointwise kernel once per call (an innermost loop of at
+# most _MAX_INVARIANT_POINTS), for a column-wise one once per chunk.
+_COSTLY = frozenset(_STD_MATH + ["div", "pow", "reciprocal", "rsqrt", "fmod", "remainder"])
+_MAX_INVARIANT_POINTS = 4096
+_MAX_INVARIANTS = 16  # arrays on the stack
+
 _REDUCTIONS = {
     "sum": ("0", "{acc} += {v};"),
     "prod": ("1", "{acc} *= {v};"),
@@ -381,6 +394,11 @@ class _KernelWriter:
         # a pointwise kernel keeps its innermost loop out of the collapse, for vectorization
         n_parallel = len(xs) if k.reduction_sizes or len(xs) < 2 else len(xs) - 1
         indent = "  "
+        bound: dict = {}
+        if not k.reduction_sizes and math.prod(k.sizes[:-1]) > 1 and \
+                k.sizes[-1] <= _MAX_INVARIANT_POINTS:
+            bound = self._invariants(lines, indent, set(loop_vars("x", len(xs) - 1)), "0",
+                                     _int(k.sizes[-1]), k.sizes[-1])
         for i, (x, n) in enumerate(zip(xs, k.sizes)):
             if i == 0 and parallel and n_parallel:
                 collapse = f" collapse({n_parallel})" if n_parallel > 1 else ""
@@ -396,7 +414,9 @@ class _KernelWriter:
             if s.value.dtype != buffer_types[s.buffer].dtype:
                 raise BackendError(f"kernel {k.name} stores a {s.value.dtype} value into "
                                    f"{s.buffer} of {buffer_types[s.buffer].dtype}")
-        bound: dict = {}
+        if self.columns:
+            bound = self._invariants(lines, indent, set(loop_vars("r", len(
+                k.reduction_sizes))), "xb", "xe", _COLUMNS)
         passes = levels(*(s.value for s in k.stores))
         inner = [s for s in k.stores if is_inner(s)]
         self.stashes = self._stashes(passes, inner)
@@ -465,6 +485,38 @@ class _KernelWriter:
             if costly:
                 stashes[max(costly, key=lambda red: len(walk(red.body)))] = s
         return stashes
+
+    def _invariants(self, lines: list, indent: str, varying: set, first: str, extent: str,
+                    size: int) -> dict:
+        """NOTE [point invariants]: the costly values that no loop variable in ``varying``
+        changes, each computed once per point of the innermost loop (from ``first``, over
+        ``extent`` points) into an array of ``size``; node -> its element."""
+        k = self.kernel
+        nodes = walk(*(s.value for s in k.stores))
+        varies: dict = {}  # node -> does it change along the ``varying`` loops
+        costly: dict = {}  # node -> does computing it take a costly op
+        for e in nodes:
+            own = isinstance(e, Reduce) or bool(varying & getattr(
+                e, "index", getattr(e, "expr", sympy.S.Zero)).free_symbols)
+            varies[e] = own or any(varies[c] for c in children(e))
+            costly[e] = (isinstance(e, Apply) and e.op in _COSTLY) or any(
+                costly[c] for c in children(e))
+        hoisted = [e for e in dict.fromkeys(c for e in nodes if varies[e]
+                                            and not isinstance(e, Reduce) for c in children(e))
+                   if not varies[e] and costly[e]][:_MAX_INVARIANTS]
+        if not hoisted:
+            return {}
+        x = f"x{len(k.sizes) - 1}"
+        point = f"{x} - {first}" if first != "0" else x
+        names = {e: f"c{self.count + j}" for j, e in enumerate(hoisted)}
+        self.count += len(hoisted)
+        lines += [f"{indent}{_ctype(e.dtype)} {name}[{size}];" for e, name in names.items()]
+        lines += [f"{indent}#pragma omp simd",
+                  f"{indent}for (int64_t {x} = {first}; {x} < {extent}; ++{x}) {{"]
+        scope = _Scope(self, lines, indent + "  ", {})
+        lines += [f"{indent}  {name}[{point}] = {scope.value(e)};" for e, name in names.items()]
+        lines.append(f"{indent}}}")
+        return {e: f"{name}[{point}]" for e, name in names.items()}
 
     def _point_loop(self, lines: list, indent: str) -> str:
         """In column mode, the loop over the chunk's points, innermost and vectorized."""

@@ -580,6 +580,30 @@ def test_column_reductions_run_points_innermost(fn):
     assert "xb += 64" in jitted.lower(x).kernels[0].source
 
 
+def _scale(var, w):
+    return w / torch.sqrt(var / 7 + 1e-5)  # per channel: costly, the same at every row
+
+
+@pytest.mark.parametrize("fn, nest", [
+    (lambda x, var, w: x * _scale(var, w), "for (int64_t x0 = 0; x0 < 90"),
+    (lambda x, var, w: (x * _scale(var, w)).sum(0), "for (int64_t r0 = 0; r0 < 90"),
+    (lambda x, var, w: x.view(9, 10, 150) * _scale(var, w) + w, "for (int64_t x0 = 0; x0 < 9"),
+], ids=["pointwise", "column_sums", "pointwise_3d"])
+def test_point_invariants_are_computed_once_per_point(fn, nest):
+    """NOTE [point invariants]: a value of the innermost point alone (a per-channel scale of
+    [rows, channels] data) is computed before the loops that repeat it, into an array, and
+    the results are eager's, NaN and infinity included."""
+    x, var, w = (torch.randn(90, 150, dtype=torch.float64), torch.rand(150, dtype=torch.float64),
+                 torch.randn(150, dtype=torch.float64))
+    var[3], w[4] = -1.0, float("inf")  # a NaN scale and an infinite one
+    jitted = plait.jit(fn, backend="cpp")
+    torch.testing.assert_close(jitted(x, var, w), fn(x, var, w), equal_nan=True)
+    (source,) = [k.source for k in jitted.lower(x, var, w).kernels if "std::sqrt" in k.source]
+    # once, in the arrays' loop before the nest
+    assert source.count("std::sqrt") == 1 and "c0[" in source
+    assert source.index("std::sqrt") < source.index(nest)
+
+
 @pytest.mark.parametrize("fn, exps", [
     (lambda x: torch.softmax(x, -1), 1),
     (lambda x: torch.softmax(x, 0), 1),  # column-wise too
