@@ -173,11 +173,13 @@ def _prims_of(fn, *args) -> list[str]:
 
 
 @pytest.mark.parametrize("nd", [1, 2, 3])
-@pytest.mark.parametrize("stride", [1, 2])
-def test_a_pointwise_conv_is_a_matrix_product(nd, stride):
-    """NOTE [pointwise convolutions]: results and gradients against eager."""
+@pytest.mark.parametrize("kernel, stride", [(1, 1), (1, 2), (2, 2), (3, 3)])
+def test_a_pointwise_or_patch_conv_is_a_matrix_product(nd, kernel, stride):
+    """NOTE [convolutions as products]: 1x1 kernels, strided or not, and kernels that tile
+    the input (7 = 3 * 2 + 1: the remainder left out); results and gradients against
+    eager."""
     conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
-    x, w, b = randn(2, 4, *[7 - d for d in range(nd)]), randn(6, 4, *[1] * nd), randn(6)
+    x, w, b = randn(2, 4, *[7 - d for d in range(nd)]), randn(6, 4, *[kernel] * nd), randn(6)
     f = lambda x, w, b: conv(x, w, b, stride=stride)  # noqa: E731
     check(f, x, w, b)
     check_grad(f, x, w, b)
@@ -185,16 +187,20 @@ def test_a_pointwise_conv_is_a_matrix_product(nd, stride):
     assert "dot_general" in prims and "conv" not in prims
 
 
-def test_a_pointwise_conv_stays_a_convolution_where_not_chosen(monkeypatch):
+def test_a_conv_stays_a_convolution_where_not_chosen(monkeypatch):
     from plait.tracer import nn
 
-    monkeypatch.setattr(nn, "POINTWISE_CONV_AS_PRODUCT_DEVICES", frozenset())
+    monkeypatch.setattr(nn, "CONV_AS_PRODUCT_DEVICES", frozenset())
     x, w = randn(2, 4, 5, 5), randn(6, 4, 1, 1)
     assert "conv" in _prims_of(F.conv2d, x, w)
-    # and where padded or grouped, it is a convolution on every device
+    # and where padded, grouped, or its windows overlap or skip pixels, it is a
+    # convolution on every device
     monkeypatch.undo()
     assert "conv" in _prims_of(lambda x, w: F.conv2d(x, w, padding=1), x, w)
     assert "conv" in _prims_of(lambda x, w: F.conv2d(x, w[:, :2], groups=2), x, w)
+    w3 = randn(6, 4, 3, 3)
+    assert "conv" in _prims_of(lambda x, w: F.conv2d(x, w, stride=2), x, w3)
+    assert "conv" in _prims_of(lambda x, w: F.conv2d(x, w, stride=3, dilation=2), x, w3)
 
 
 @pytest.mark.parametrize("in_dims", [(0, None), (None, 0), (0, 0)])

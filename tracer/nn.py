@@ -446,31 +446,49 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
         out = bind("conv", x, w, window_strides=(1,) * nd, padding=tuple(
             (s - p, s - p + op) for s, p, op in zip(span, padding, output_padding)),
                    lhs_dilation=stride, rhs_dilation=dilation, feature_group_count=groups)
-    elif groups == 1 and not any(padding) and all(k == 1 for k in type_of(w).shape[2:]) and \
-            torch.device(type_of(x).device).type in POINTWISE_CONV_AS_PRODUCT_DEVICES:
-        out = _pointwise_conv(x, w, stride)
+    elif _is_product(type_of(w).shape[2:], stride, padding, dilation, groups) and \
+            torch.device(type_of(x).device).type in CONV_AS_PRODUCT_DEVICES:
+        out = _conv_as_product(x, w, stride)
     else:
         out = bind("conv", x, w, window_strides=stride, padding=tuple((p, p) for p in padding),
                    lhs_dilation=(1,) * nd, rhs_dilation=dilation, feature_group_count=groups)
     return out if bias is None else out + bias.reshape((-1,) + (1,) * nd)
 
 
-# NOTE [pointwise convolutions]
-# A convolution with a 1x1 kernel, no padding and one group (a bottleneck's first and last,
-# a downsampling shortcut) is a matrix product over the channels of the input, strided
-# first: [N, *S, C] @ [C, C_out]. On the CPU the library's convolution costs a small
-# ResNet 20-35 us a call forward and 50-65 backward at its sizes, where the products take
-# 4-9 and 7-20; the channels-last layout (NOTE [channels-last convolutions]) cancels the
-# transposes around the product with its neighbours'. On CUDA cuDNN's convolutions stay: as
-# products, ResNet-50's training step took 44.6 ms on an H200 against 26.1 (cuDNN runs
-# float32 convolutions in TF32, where float32 products are not).
-POINTWISE_CONV_AS_PRODUCT_DEVICES = frozenset({"cpu"})
+# NOTE [convolutions as products]
+# An ungrouped, unpadded convolution whose windows are single pixels (a 1x1 kernel: a
+# bottleneck's first and last, a downsampling shortcut, strided first) or tile the input
+# (kernel = stride: a ViT's patch embedding, a ConvNeXt's stem and downsampling) is a matrix
+# product over channels or patches: [N, *S, C * prod(k)] @ [C * prod(k), C_out]. On the CPU
+# the library's convolution costs a small ResNet 20-35 us a call forward and 50-65 backward
+# at its sizes, where the products take 4-9 and 7-20; the channels-last layout (NOTE
+# [channels-last convolutions]) cancels the transposes around a 1x1 product with its
+# neighbours'. On CUDA cuDNN's convolutions stay: as products, ResNet-50's training step
+# took 44.6 ms on an H200 against 26.1 (cuDNN runs float32 convolutions in TF32, where
+# float32 products are not).
+CONV_AS_PRODUCT_DEVICES = frozenset({"cpu"})
 
 
-def _pointwise_conv(x, w, stride):
-    if any(s > 1 for s in stride):
-        x = x[(..., *(slice(None, None, s) for s in stride))]
-    return torch.matmul(x.movedim(1, -1), w.flatten(1).t()).movedim(-1, 1)
+def _is_product(kernel, stride, padding, dilation, groups: int) -> bool:
+    pixels = all(k == 1 for k in kernel)
+    return groups == 1 and not any(padding) and (
+        pixels or (tuple(kernel) == tuple(stride) and all(d == 1 for d in dilation)))
+
+
+def _conv_as_product(x, w, stride):
+    """NOTE [convolutions as products]."""
+    kernel = type_of(w).shape[2:]
+    if all(k == 1 for k in kernel):
+        x = x[(..., *(slice(None, None, s) for s in stride))].movedim(1, -1)
+    else:  # [N, C, *S] -> [N, *S / k, C * prod(k)], a remainder left out as the windows do
+        n, c, *size = type_of(x).shape
+        out = [m // k for m, k in zip(size, kernel)]
+        x = x[(..., *(slice(0, o * k) for o, k in zip(out, kernel)))]
+        x = x.reshape(n, c, *[v for o, k in zip(out, kernel) for v in (o, k)])
+        nd = len(kernel)
+        x = x.permute(0, *range(2, 2 + 2 * nd, 2), 1, *range(3, 3 + 2 * nd, 2))
+        x = x.reshape(n, *out, c * math.prod(kernel))
+    return torch.matmul(x, w.flatten(1).t()).movedim(-1, 1)
 
 
 # ---------------------------------------------------------------------------------------
