@@ -43,6 +43,26 @@ def test_views_and_padding_need_no_copies(fn):
     assert _kinds(_lowered(fn, torch.randn(4, 5))) == ["Kernel"]
 
 
+@pytest.mark.parametrize("index", [(slice(None), slice(None, None, 2), slice(1, None, 3)),
+                                   (slice(2, 3, 5),), (slice(1, 7, 3), slice(2, None))],
+                         ids=["two_strided_dims", "one_element", "cropped"])
+def test_a_strided_slice_gradient_is_one_kernel_without_tables(index):
+    """The gradient of a strided slice spreads the cotangent with pads and a reshape, which
+    lowering reads through: one kernel of direct loads (no index table, no indirect load),
+    whose results, and second derivatives, are eager's."""
+    x = torch.randn(9, 9, 10, dtype=torch.float64)
+    ct = torch.randn(x[index].shape, dtype=torch.float64)
+    grad = lambda x, ct: plait.vjp(lambda x: x[index].sin(), x)[1](ct)[0]  # noqa: E731
+    program = _lowered(grad, x, ct)
+    assert _kinds(program) == ["Kernel"]
+    assert not any(isinstance(e, Load) and e.indirect
+                   for s in program.kernels[0].stores for e in walk(s.value))
+    assert not program.constants
+    small = x[:6, :5, :7].clone()
+    loss = lambda x: x[index].sin().square().sum()  # noqa: E731
+    torch.testing.assert_close(plait.hessian(loss)(small), torch.func.hessian(loss)(small))
+
+
 def test_reductions_inline_their_operand():
     x = torch.randn(6, 7)
     program = _lowered(lambda x: (x * x).sum(1), x)

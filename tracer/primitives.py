@@ -611,17 +611,21 @@ define("pad", _pad_infer, _pad_impl)
 
 @vjp_rule("slice")
 def _slice_vjp(cts, x, *, outs, start, limit, step):
+    """Zeros around the cotangent: a pad, which lowers to a select. Along a strided dim the
+    cotangent is first spread out, each element followed by step - 1 zeros (a new dim
+    padded and merged in: reads through index arithmetic, no table), the last ones cropped
+    where they would pass x's end."""
     ct = cts[0]
-    if all(st == 1 for st in step):  # zeros around it: a pad, which lowers to a select
-        high = tuple(n - s - m for n, s, m in zip(x.shape, start, ct.shape))
-        return (_bind("pad", ct, low=tuple(start), high=high, value=0),)
-    for d, (s, st) in enumerate(zip(start, step)):
-        if st > 1 or s or ct.shape[d] != x.shape[d]:
-            grown = list(ct.shape)
-            grown[d] = x.shape[d]
-            ct = torch.slice_scatter(ct.new_zeros(grown), ct, d, s,
-                                     s + (ct.shape[d] - 1) * st + 1, st)
-    return (ct,)
+    for d, st in enumerate(step):
+        if st > 1:
+            shape = list(ct.shape)
+            spread = _bind("pad", ct.unsqueeze(d + 1), low=(0,) * (len(shape) + 1),
+                           high=tuple(st - 1 if i == d + 1 else 0 for i in range(len(shape) + 1)),
+                           value=0)
+            room = min(shape[d] * st, x.shape[d] - start[d])
+            ct = spread.reshape(shape[:d] + [shape[d] * st] + shape[d + 1:]).narrow(d, 0, room)
+    high = tuple(n - s - m for n, s, m in zip(x.shape, start, ct.shape))
+    return (_bind("pad", ct, low=tuple(start), high=high, value=0),)
 
 
 @vjp_rule("pad")
