@@ -60,7 +60,6 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
-import sympy
 import torch
 
 from ..config import config
@@ -231,7 +230,6 @@ template <class To, class From> inline To plait_convert(From a) {
 }
 """
 
-# reduction op -> (accumulator's initial value, update statement); {T}: the accumulator's type
 # NOTE [point invariants]
 # The innermost loop is the vectorized one; where others run outside it, a value of the
 # innermost point alone would be computed again at each of their iterations: a BatchNorm's
@@ -244,6 +242,7 @@ _COSTLY = frozenset(_STD_MATH + ["div", "pow", "reciprocal", "rsqrt", "fmod", "r
 _MAX_INVARIANT_POINTS = 4096
 _MAX_INVARIANTS = 16  # arrays on the stack
 
+# reduction op -> (accumulator's initial value, update statement); {T}: the accumulator's type
 _REDUCTIONS = {
     "sum": ("0", "{acc} += {v};"),
     "prod": ("1", "{acc} *= {v};"),
@@ -496,8 +495,10 @@ class _KernelWriter:
         varies: dict = {}  # node -> does it change along the ``varying`` loops
         costly: dict = {}  # node -> does computing it take a costly op
         for e in nodes:
-            own = isinstance(e, Reduce) or bool(varying & getattr(
-                e, "index", getattr(e, "expr", sympy.S.Zero)).free_symbols)
+            index = e.index if isinstance(e, Load) else e.expr if isinstance(e, IndexValue) \
+                else None
+            own = isinstance(e, Reduce) or (index is not None and bool(
+                varying & index.free_symbols))
             varies[e] = own or any(varies[c] for c in children(e))
             costly[e] = (isinstance(e, Apply) and e.op in _COSTLY) or any(
                 costly[c] for c in children(e))

@@ -25,9 +25,10 @@ passes/pipeline.py): ``reuse -> reorder -> overlap -> plan``, each behind its sw
   into it costs no bytes of its own. A mutated input (running statistics, an optimizer's
   state) is taken over by its own new value alone (``LoopProgram.updates``): the caller
   writes that output into it after the call, which then costs nothing, where it was a
-  result handed over and a copy per input (30 of a small ResNet's forward). Comm buffers never take over nor are taken over (they
-  live in their pools), and neither is a collective's operand (the collective may read it
-  until its wait, placed later by ``overlap``).
+  result handed over and a copy per input (30 of a small ResNet's forward). Comm buffers
+  never take over nor are taken over (they live in their pools), and neither is a
+  collective's operand (the collective may read it until its wait, placed later by
+  ``overlap``).
 * ``reorder``: kernels depend on the writers of what they read, for a takeover the taking
   kernel on every other reader of the storage it takes, and the readers of a collective's
   results on its Wait. Fenced kernels (control edges) and effectful externs (checks, random
