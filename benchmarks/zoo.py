@@ -3,9 +3,11 @@
 BatchNorm and a ConvNeXt. ``MODELS`` maps a name to ``(make_model, make_batch)`` at a size
 given by ``small`` (the tests') or not (the benchmark's); ``main`` times a training step
 (``loss.backward()`` and SGD) eager, under ``torch.compile(model)`` and under
-``plait.jit(model)``, and checks every parameter's gradient against eager's.
+``plait.jit(model)``, and checks every parameter's gradient against eager's; with
+``--forward``, the forward alone (the loss, under ``torch.no_grad``), checked likewise.
 
     .venv/bin/python benchmarks/zoo.py [--models llama,vit,resnet,convnext] [--device cuda]
+                                       [--forward]
 """
 from __future__ import annotations
 
@@ -243,6 +245,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of timed steps (default 3 on a GPU, 10 on the CPU)")
+    parser.add_argument("--forward", action="store_true",
+                        help="time the forward alone (the loss, under torch.no_grad)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="timed steps of each column per round (default 3 on a GPU, 10 "
                              "on the CPU)")
@@ -261,16 +265,19 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    print(f"training step (loss.backward(), SGD), {args.device}: the median of {rounds} "
-          f"rounds of {repeat} steps of each column in turn")
-    print(f"{'model':>9} {'':>14} {'first s':>8} {'step ms':>9} {'peak MB':>8} {'grad err':>9}")
+    what = "forward (torch.no_grad)" if args.forward else "training step (loss.backward(), SGD)"
+    print(f"{what}, {args.device}: the median of {rounds} rounds of {repeat} steps of each "
+          "column in turn")
+    error_of = "loss err" if args.forward else "grad err"
+    print(f"{'model':>9} {'':>14} {'first s':>8} {'step ms':>9} {'peak MB':>8} {error_of:>9}")
     for name in args.models.split(","):
         make, batch = MODELS[name](small=not cuda)
         torch.manual_seed(0)
         reference = make().to(args.device)
         inputs = batch(args.device)
-        reference(*inputs).backward()
-        want = {k: p.grad for k, p in reference.named_parameters()}
+        loss = reference(*inputs)
+        loss.backward()
+        want = {k: p.grad for k, p in reference.named_parameters()} | {"loss": loss.detach()}
         columns = []
         for label, wrap in (("eager", lambda m: m), ("torch.compile", torch.compile),
                             ("plait.jit", plait.jit)):
@@ -280,6 +287,9 @@ def main() -> None:
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
             def step(run=run, opt=opt):
+                if args.forward:
+                    with torch.no_grad():
+                        return run(*inputs)
                 opt.zero_grad(set_to_none=True)
                 run(*inputs).backward()
                 opt.step()
@@ -303,9 +313,11 @@ def main() -> None:
                     sync()
                     times.append((time.perf_counter() - start) * 1e3)
         for label, model, opt, step, first, times in columns:
-            # the gradients of a warm step (replayed, where plait captured a graph)
-            error = max(((p.grad - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-6))
-                        .item() for k, p in model.named_parameters())
+            # the loss or the gradients of a warm step (replayed, where plait captured a graph)
+            got = {"loss": step()} if args.forward else {k: p.grad for k, p in
+                                                          model.named_parameters()}
+            error = max(((g - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-6))
+                        .item() for k, g in got.items())
             opt.zero_grad(set_to_none=True)  # above the model's and the batch's memory
             graphs = held_bytes() if label == "plait.jit" else 0
             peak = peak_bytes(step, args.device, graphs)
