@@ -369,6 +369,13 @@ def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     # indices with clamps, contiguous along the columns of each part
     concat = jitted(lambda a, b: torch.cat([a, b * 2], 1).sum(0), x, x).source
     assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in concat
+    # as many as make COLUMNS_SEGMENT bytes of each row of the narrowest operand: a bool
+    # mask's 32 columns, bfloat16's 16
+    wide, mask = torch.randn(300, 64), torch.rand(300, 64) > 0.5
+    # (jitted checks each against eager)
+    assert "XBLOCK=32," in jitted(lambda x, m: torch.where(m, x, 0.0).sum(0), wide, mask).source
+    assert "XBLOCK=16," in jitted(lambda x: x.sum(0), wide.bfloat16()).source
+    assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in jitted(lambda x: x.sum(0), wide).source
 
 
 def test_few_long_rows_take_the_biggest_chunks_and_more_warps(monkeypatch):
