@@ -376,6 +376,13 @@ def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     assert "XBLOCK=32," in jitted(lambda x, m: torch.where(m, x, 0.0).sum(0), wide, mask).source
     assert "XBLOCK=16," in jitted(lambda x: x.sum(0), wide.bfloat16()).source
     assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in jitted(lambda x: x.sum(0), wide).source
+    # and COLUMNS_STORING_XBLOCK where the kernel also stores each point (a gradient, summed
+    # for a bias's)
+    fn = lambda x: (x.exp() * 2, (x.exp() * 2).sum(0))  # noqa: E731
+    stored = plait.jit(fn, backend="triton")
+    torch.testing.assert_close(stored(wide), fn(wide), rtol=1e-5, atol=1e-4)  # 300-row sums
+    assert len(stored.lower(wide).kernels) == 1
+    assert f"XBLOCK={triton_backend.COLUMNS_STORING_XBLOCK}," in stored.lower(wide).source
 
 
 def test_few_long_rows_take_the_biggest_chunks_and_more_warps(monkeypatch):
