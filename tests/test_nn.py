@@ -71,6 +71,12 @@ def test_conv_shape_errors_are_plait_errors():
         plait.jit(F.conv2d)(randn(1, 4, 5, 5), randn(6, 3, 3, 3))  # channels do not match
     with pytest.raises(PlaitError):
         plait.jit(F.conv2d)(randn(1, 4, 2, 2), randn(6, 4, 3, 3))  # input smaller than kernel
+    # as eager refuses them, also where the convolution would be a product (NOTE
+    # [convolutions as products]): a tiling kernel larger than the input, an empty input
+    with pytest.raises(PlaitError):
+        plait.jit(lambda x, w: F.conv2d(x, w, stride=2))(randn(1, 4, 1, 1), randn(6, 4, 2, 2))
+    with pytest.raises(PlaitError):
+        plait.jit(F.conv2d)(torch.randn(1, 4, 0, 3), randn(6, 4, 1, 1))
 
 
 def check_grad(fn, *args):

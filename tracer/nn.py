@@ -446,8 +446,8 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
         out = bind("conv", x, w, window_strides=(1,) * nd, padding=tuple(
             (s - p, s - p + op) for s, p, op in zip(span, padding, output_padding)),
                    lhs_dilation=stride, rhs_dilation=dilation, feature_group_count=groups)
-    elif _is_product(type_of(w).shape[2:], stride, padding, dilation, groups) and \
-            torch.device(type_of(x).device).type in CONV_AS_PRODUCT_DEVICES:
+    elif _is_product(type_of(x).shape[2:], type_of(w).shape[2:], stride, padding, dilation,
+                     groups) and torch.device(type_of(x).device).type in CONV_AS_PRODUCT_DEVICES:
         out = _conv_as_product(x, w, stride)
     else:
         out = bind("conv", x, w, window_strides=stride, padding=tuple((p, p) for p in padding),
@@ -469,10 +469,11 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
 CONV_AS_PRODUCT_DEVICES = frozenset({"cpu"})
 
 
-def _is_product(kernel, stride, padding, dilation, groups: int) -> bool:
+def _is_product(size, kernel, stride, padding, dilation, groups: int) -> bool:
+    """(An input smaller than its kernel, or empty, is the convolution's to refuse.)"""
     pixels = all(k == 1 for k in kernel)
-    return groups == 1 and not any(padding) and (
-        pixels or (tuple(kernel) == tuple(stride) and all(d == 1 for d in dilation)))
+    return groups == 1 and not any(padding) and all(n >= k > 0 for n, k in zip(size, kernel)) \
+        and (pixels or (tuple(kernel) == tuple(stride) and all(d == 1 for d in dilation)))
 
 
 def _conv_as_product(x, w, stride):
