@@ -233,9 +233,10 @@ def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
         if n not in pinned or prim == "input" or is_effectful(g.node(n)):
             continue
         read = {v.node for v in g.operands(n)} & pinned
-        if read & strided and len(read) > 1 or prim == "slice" and \
-                max(g.node(n).kwargs["step"]) > 1 and \
-                not all(r in redo or g.node(r).prim == "input" for r in read):
+        combines = len(read) > 1 and bool(read & strided)
+        slices_saved = prim == "slice" and max(g.node(n).kwargs["step"]) > 1 and \
+            not all(r in redo or g.node(r).prim == "input" for r in read)
+        if combines or slices_saved:
             if prim in _LAYOUT or prim in ELEMENTWISE:
                 strided.add(n)
             continue

@@ -30,7 +30,7 @@ import torch
 from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .aten import handles, type_of
-from .primitives import _check, define, vjp_rule
+from .primitives import _check, define, pad_dim, spread_strided, vjp_rule
 from ..config import config
 from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, on_tracers
 
@@ -470,7 +470,8 @@ CONV_AS_PRODUCT_DEVICES = frozenset({"cpu"})
 
 
 def _is_product(size, kernel, stride, padding, dilation, groups: int) -> bool:
-    """(An input smaller than its kernel, or empty, is the convolution's to refuse.)"""
+    """Is the convolution a product (NOTE [convolutions as products])? Not where its input
+    is smaller than its kernel, or empty: the convolution refuses those, as eager does."""
     pixels = all(k == 1 for k in kernel)
     return groups == 1 and not any(padding) and all(n >= k > 0 for n, k in zip(size, kernel)) \
         and (pixels or (tuple(kernel) == tuple(stride) and all(d == 1 for d in dilation)))
@@ -688,7 +689,7 @@ def _strided_max_pool(x, tables):
                     for (pos, _), n in zip(tables, spatial))
     padded = x
     for dim, (pos, _), (n, _, _, padding, _) in zip(dims, tables, windows):
-        padded = _pad_dim(padded, dim, padding, max(0, int(pos.max()) + 1 - n), lowest)
+        padded = pad_dim(padded, dim, padding, max(0, int(pos.max()) + 1 - n), lowest)
     best = which = real = None
     for k, js in enumerate(itertools.product(*(range(w[1]) for w in windows))):
         value = padded[(...,) + tuple(slice(j * d, j * d + (pos.shape[0] - 1) * s + 1, s)
@@ -717,13 +718,6 @@ def _strided_max_pool(x, tables):
 
 def _lowest(dtype: torch.dtype):
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
-
-
-def _pad_dim(x, dim: int, low: int, high: int, value):
-    if not (low or high):
-        return x
-    return torch.nn.functional.pad(x, [0, 0] * (type_of(x).ndim - 1 - dim) + [low, high],
-                                   value=value)
 
 
 def _window_mask(masks: list, device):
@@ -766,19 +760,9 @@ class StridedMaxPoolRule:
         for k, js in enumerate(itertools.product(*(range(w[1]) for w in self.windows))):
             term = torch.where(which == k, g, 0)
             for dim, j, (n, _, stride, padding, dilation) in zip(self.dims, js, self.windows):
-                term = _spread(term, dim, stride, j * dilation - padding, n)
+                term = spread_strided(term, dim, stride, j * dilation - padding, n)
             dx = term if dx is None else dx + term
         return [dx.to(type_of(x).dtype), None, None]
-
-
-def _spread(y, dim: int, stride: int, offset: int, n: int):
-    """y's entries i along ``dim`` at positions offset + stride * i of a zero-filled dim of
-    size n, those outside it dropped: a strided slice's transpose, as pads and reshapes."""
-    if stride > 1:  # [.., o, ..] -> [.., o, stride, ..] -> [.., o * stride, ..]
-        y = _pad_dim(y.unsqueeze(dim + 1), dim + 1, 0, stride - 1, 0).flatten(dim, dim + 1)
-    start, size = max(-offset, 0), type_of(y).shape[dim] + max(offset, 0)
-    y = _pad_dim(y, dim, max(offset, 0), max(0, start + n - size), 0)
-    return y.narrow(dim, start, n)
 
 
 def _mean_pool(x, tables, counts, divisor_override=None):

@@ -611,21 +611,36 @@ define("pad", _pad_infer, _pad_impl)
 
 @vjp_rule("slice")
 def _slice_vjp(cts, x, *, outs, start, limit, step):
-    """Zeros around the cotangent: a pad, which lowers to a select. Along a strided dim the
-    cotangent is first spread out, each element followed by step - 1 zeros (a new dim
-    padded and merged in: reads through index arithmetic, no table), the last ones cropped
-    where they would pass x's end."""
+    """Zeros around the cotangent: a pad, which lowers to a select; a strided dim spread
+    first (``spread_strided``)."""
     ct = cts[0]
     for d, st in enumerate(step):
         if st > 1:
-            shape = list(ct.shape)
-            spread = _bind("pad", ct.unsqueeze(d + 1), low=(0,) * (len(shape) + 1),
-                           high=tuple(st - 1 if i == d + 1 else 0 for i in range(len(shape) + 1)),
-                           value=0)
-            room = min(shape[d] * st, x.shape[d] - start[d])
-            ct = spread.reshape(shape[:d] + [shape[d] * st] + shape[d + 1:]).narrow(d, 0, room)
-    high = tuple(n - s - m for n, s, m in zip(x.shape, start, ct.shape))
-    return (_bind("pad", ct, low=tuple(start), high=high, value=0),)
+            ct = spread_strided(ct, d, st, start[d], x.shape[d])
+    low = tuple(0 if st > 1 else s for s, st in zip(start, step))
+    high = tuple(n - lo - m for n, lo, m in zip(x.shape, low, ct.shape))
+    return (_bind("pad", ct, low=low, high=high, value=0),)
+
+
+def spread_strided(y, dim: int, step: int, offset: int, n: int):
+    """y's entries i along ``dim`` at positions offset + step * i of a zero-filled dim of
+    size n, those outside it dropped: a strided slice's transpose, as pads and a reshape,
+    which lowering reads through (no index table). Max pooling's scan spreads its
+    gradient with it too (NOTE [strided max pooling], tracer/nn.py)."""
+    if step > 1:  # [.., o, ..] -> [.., o, step, ..] -> [.., o * step, ..]
+        y = pad_dim(y.unsqueeze(dim + 1), dim + 1, 0, step - 1).flatten(dim, dim + 1)
+    first, size = max(-offset, 0), y.shape[dim] + max(offset, 0)
+    y = pad_dim(y, dim, max(offset, 0), max(0, first + n - size))
+    return y.narrow(dim, first, n)
+
+
+def pad_dim(y, dim: int, low: int, high: int, value=0):
+    """y padded along ``dim`` alone, with ``value``."""
+    if not (low or high):
+        return y
+    ends = [(low, high) if i == dim else (0, 0) for i in range(len(y.shape))]
+    return _bind("pad", y, low=tuple(lo for lo, _ in ends), high=tuple(hi for _, hi in ends),
+                 value=value)
 
 
 @vjp_rule("pad")
