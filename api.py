@@ -431,7 +431,7 @@ class Jitted:
                              "donated. Drop them from donate_argnums or static_argnums.")
         self.backend = backend
         self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._latest = None  # the entry last called: the cache's last
+        self._latest = (None, None, None)  # the last call's key, state signature and entry
         self._states: dict = {}  # argument signature -> the state its last trace read
         self._trace_floats = True  # until a trace needs one as a number (_floats_turn_static)
         self._signatures: collections.deque = collections.deque(maxlen=2)
@@ -504,7 +504,12 @@ class Jitted:
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
         state = self._states.get(key)  # NOTE [live state]
         read = state.read() if state is not None else None
-        compiled = self._cache.get((key, read[0])) if read is not None else None
+        if read is None:
+            compiled = None
+        elif read[0] is self._latest[1] and key == self._latest[0]:
+            compiled = self._latest[2]  # the last call's: its state's signature, unhashed
+        else:
+            compiled = self._cache.get((key, read[0]))
         if compiled is None:
             name = debug.function_name(self.fn)
             _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
@@ -530,9 +535,9 @@ class Jitted:
         else:
             if _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
                 _cache_log.debug("hit %s", debug.function_name(self.fn))
-            if compiled is not self._latest:  # else it is the last already (its key, a
-                self._cache.move_to_end((key, read[0]))  # module's state, costs to hash)
-        self._latest = compiled
+            if compiled is not self._latest[2]:  # else it is the last already
+                self._cache.move_to_end((key, read[0]))
+        self._latest = key, read[0], compiled
         return compiled(tensors + read[1])
 
     def _interpreted(self, args, kwargs):
@@ -575,7 +580,7 @@ class Jitted:
 
     def clear_cache(self) -> None:
         self._cache.clear()
-        self._latest = None
+        self._latest = (None, None, None)
         self._states.clear()
 
     def __get__(self, obj, objtype=None):
@@ -586,17 +591,21 @@ class Jitted:
 
 class JittedModule(torch.nn.Module):
     """``plait.jit(module)``: the module, compiled, as ``torch.compile(module)`` returns it.
-    Its parameters, buffers, ``state_dict`` and ``train()``/``eval()`` are the original
-    module's (``_orig_mod``), read at each call (NOTE [live state]); ``jitted`` is the
-    ``Jitted`` of the module's call, for ``lower`` and ``trace_count``."""
+    Its parameters, buffers, ``state_dict``, ``train()``/``eval()`` and hooks are the
+    original module's (``_orig_mod``), read at each call (NOTE [live state]); ``jitted`` is
+    the ``Jitted`` of the module's call, for ``lower`` and ``trace_count``."""
 
     def __init__(self, module: torch.nn.Module, jitted: Jitted):
         super().__init__()
         self._orig_mod = module
         self.__dict__["jitted"] = jitted
 
-    def forward(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        # the module's own call, its hooks and torch's global ones, is what is traced; this
+        # wrapper's, nn.Module's, would run the global hooks a second time
         return self.jitted(*args, **kwargs)
+
+    forward = __call__
 
     def __getattr__(self, name: str):
         try:
@@ -611,17 +620,24 @@ class JittedModule(torch.nn.Module):
     def lower(self, *args, **kwargs) -> Lowered:
         return self.jitted.lower(*args, **kwargs)
 
-    def state_dict(self, *args, **kwargs):
-        return self._orig_mod.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args, **kwargs):
-        return self._orig_mod.load_state_dict(*args, **kwargs)
+def _original_modules(name: str):
+    """``JittedModule``'s method ``name``: the original module's (hooks registered on the
+    wrapper are the module's, and traced with its call)."""
 
-    def named_parameters(self, *args, **kwargs):
-        return self._orig_mod.named_parameters(*args, **kwargs)
+    def method(self, *args, **kwargs):
+        return getattr(self._orig_mod, name)(*args, **kwargs)
 
-    def named_buffers(self, *args, **kwargs):
-        return self._orig_mod.named_buffers(*args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+for _name in ("state_dict", "load_state_dict", "named_parameters", "named_buffers",
+              "register_forward_pre_hook", "register_forward_hook",
+              "register_full_backward_pre_hook", "register_full_backward_hook",
+              "register_backward_hook"):
+    setattr(JittedModule, _name, _original_modules(_name))
+del _name
 
 
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),

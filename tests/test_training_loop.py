@@ -143,6 +143,65 @@ def test_train_eval_switching_with_dropout():
     assert jitted.trace_count == 2  # one per mode, each reused
 
 
+def test_hooks_registered_after_the_first_call_are_traced_and_removed_ones_dropped():
+    model = _mlp()
+    jitted = plait.jit(model)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        jitted(x)
+        handles = [model[0].register_forward_hook(lambda m, i, out: out * 0.5),
+                   model[2].register_forward_pre_hook(lambda m, i: (i[0] + 1,)),
+                   jitted.register_forward_hook(lambda m, i, out: out - 3)]  # the model's
+        assert_close(jitted(x), model(x))
+        handles.pop(1).remove()
+        assert_close(jitted(x), model(x))
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, i, out: out + 1)
+        try:
+            assert_close(jitted(x), model(x))  # each module's call once, not the wrapper's
+        finally:
+            handle.remove()
+        assert_close(jitted(x), model(x))
+    for h in handles:
+        h.remove()
+
+
+def test_a_module_backward_hook_is_refused_with_the_way_out():
+    model = _mlp()
+    jitted = plait.jit(model)
+    x = torch.randn(5, 6)
+    jitted(x)
+    model[0].register_full_backward_hook(lambda m, grad_in, grad_out: None)
+    with pytest.raises(TraceError, match="backward hook.*tensor.register_hook"):
+        jitted(x)
+
+
+def test_a_changed_tuple_attribute_retraces():
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+    jitted = plait.jit(conv)
+    x = torch.randn(1, 2, 7, 7)
+    with torch.no_grad():
+        assert jitted(x).shape == (1, 3, 7, 7)
+        conv.padding = (0, 2)
+        assert_close(jitted(x), conv(x))
+        conv.padding = (1, 1)
+        assert_close(jitted(x), conv(x))
+    assert jitted.trace_count == 2
+
+
+def test_a_parameter_replaced_by_an_equal_one_gets_the_gradient():
+    model = torch.nn.Linear(3, 1)
+    model.scale = torch.nn.Parameter(torch.tensor(2.0))
+    model.forward = lambda x: torch.nn.Linear.forward(model, x) * model.scale
+    jitted = plait.jit(model)
+    x = torch.randn(4, 3)
+    jitted(x).sum().backward()
+    old, model.scale = model.scale, torch.nn.Parameter(torch.tensor(2.0))
+    jitted(x).sum().backward()
+    assert model.scale.grad is not None
+    assert_close(model.scale.grad, old.grad)
+
+
 def test_jit_on_a_method():
     class Block(torch.nn.Module):
         def __init__(self):

@@ -17,7 +17,7 @@ from . import collectives as _collectives  # noqa: F401
 from .custom import traceable_apply
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
-from .state import State, bindings, follow, module_state, reach, tensor_key
+from .state import State, bindings, follow, module_state, reach
 from .trace import (Trace, captured_write_error, check_dtype, is_dense, state_writes,
                     tracing)
 
@@ -45,10 +45,8 @@ class TracedFunction:
     mutated_inputs: tuple[int, ...]
     # Tracers of enclosing traces the function captured: the graph's last inputs, in order.
     captured: tuple = ()
-    # The captured state the graph reads after the arguments' tensors (NOTE [live state]):
-    # its reader, and the signature traced
+    # The captured state the graph reads after the arguments' tensors (NOTE [live state])
     state: State | None = None
-    state_signature: tuple = ()
 
 
 def _as_plait_error(e: RuntimeError) -> PlaitError | None:
@@ -111,9 +109,9 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     modules = [follow(roots[r], path) for r, path in reachable.modules]
     structures, state_tensors = [], []
     for module in modules:
-        structure, tensors = module_state(module)
-        structures.append(structure)
-        state_tensors.append(tensors)
+        read = module_state(module)
+        structures.append(read.structure)
+        state_tensors.append(read.tensors)
     with tracing(trace):
         inputs = []
         for x in [leaves[i] for i in tensor_pos] + [t for ts in state_tensors for t in ts]:
@@ -179,10 +177,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         reachable.tensors[key] for key in trace.lifted), tuple(
         (t, t._version) for t in fixed), tuple((*reachable.tensors[key], t)
                                                for key, t in trace.pinned.items()))
-    lifted = [trace.live[key] for key in trace.lifted]
-    signature = (tuple(structures), tuple(
-        map(tensor_key, [t for ts in state_tensors for t in ts] + lifted)))
     return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated),
-                          tuple(trace.captured), state if live else None, signature)
+                          tuple(trace.captured), state if live else None)
 
 
