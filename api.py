@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
+import operator
 import time
 import types
 from typing import Callable, Sequence
@@ -236,17 +238,18 @@ class _Compiled:
         self._written = {i: "is donated (donate_argnums)" for i in donated} | {
             i: "is mutated by the function" for i in self._mutated}
         self._programs: dict[tuple[int, ...], _Differentiable] = {}
-        # the inputs the graph reads: those torch.autograd may want gradients of (an input
-        # that requires grad but is never read gets none, as in eager)
+        # whether the graph reads each input: those torch.autograd may want gradients of (an
+        # input that requires grad but is never read gets none, as in eager)
         graph = traced.graph
-        self._read = frozenset(i for i, n in enumerate(graph.inputs) if graph.users(n))
+        self._read = [bool(graph.users(n)) for n in graph.inputs]
 
     def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False):
         """``interpreted``: the program runs torch's ops (the eager backend) under a mode or
         transform that records them, torch.autograd's own recording included."""
         if self._written and not interpreted:
             _check_not_aliased(tensors, self._written)
-        wrt = tuple(i for i, t in enumerate(tensors) if t.requires_grad and i in self._read) \
+        wrt = tuple(itertools.compress(itertools.count(), map(
+            operator.and_, map(_requires_grad, tensors), self._read))) \
             if torch.is_grad_enabled() and not interpreted else ()
         if wrt:
             program = self._programs.get(wrt)
@@ -350,6 +353,9 @@ class _Node(torch.autograd.Function):
         return (None, None, *grads)
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+
+
 def _written_back(outs: list, tensors: list, mutated: tuple, kept: list) -> list:
     """A program's results: its last outputs, the new values of the ``mutated`` inputs, are
     written into them (as eager's in-place ops would), and the results made distinct from
@@ -379,7 +385,8 @@ def _distinct(outs: list, inputs: list) -> list:
     in-place write to one must not show through another. An argument returned as is stays."""
     if not all(map(_has_storage, outs)):  # a fake or wrapped tensor (_interpreted)
         return outs
-    taken = {t.untyped_storage().data_ptr(): t for t in inputs if t.numel()}
+    # (an empty input may share a storage too: a result then copied needlessly, not wrongly)
+    taken = dict(zip(_storages(inputs), inputs))
     result, returned = [], set()
     for out in outs:
         ptr = out.untyped_storage().data_ptr() if out.numel() else None
@@ -392,11 +399,18 @@ def _distinct(outs: list, inputs: list) -> list:
     return result
 
 
+def _storages(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's storage's address, in sweeps of torch's methods (at every call)."""
+    return list(map(torch.UntypedStorage.data_ptr, map(torch.Tensor.untyped_storage, tensors)))
+
+
 def _check_not_aliased(tensors, written: dict[int, str]) -> None:
     """A graph treats its inputs as distinct values; if one that is written (mutated by the
     function, or donated for results; ``written``: argument -> why) shares memory with
     another, the write would show through both."""
-    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    storages = _storages(tensors)
+    if len(set(storages)) == len(storages):
+        return
     counts = collections.Counter(storages)
     for i, why in written.items():
         if counts[storages[i]] > 1:
