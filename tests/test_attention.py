@@ -148,6 +148,16 @@ def test_switched_off_by_config():
         assert_close(jitted(q, k, v), attention(q, k, v), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("keys, fused", [(197, False), (1024, True)])
+def test_float32_attention_on_cuda_over_few_keys_stays_written_out(keys, fused):
+    q, k, v = (x.cuda() for x in _qkv(2, 3, keys, 16))
+    assert ("attention" in _prims(plait.make_graph(attention)(q, k, v))) == fused
+    assert_close(plait.jit(attention)(q, k, v), attention(q, k, v), atol=1e-5, rtol=1e-5)
+    half = [x.half() for x in (q, k, v)]  # half precision fuses at any length
+    assert "attention" in _prims(plait.make_graph(attention)(*half))
+
+
 CAUSAL = {
     "masked_fill": lambda q, k, v: (q @ k.mT * 0.5).masked_fill(
         ~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(), float("-inf"))

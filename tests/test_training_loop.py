@@ -189,6 +189,21 @@ def test_a_changed_tuple_attribute_retraces():
     assert jitted.trace_count == 2
 
 
+def test_a_parameter_whose_data_changes_shape_or_dtype_retraces():
+    model = torch.nn.Linear(3, 2)
+    jitted = plait.jit(model)
+    with torch.no_grad():
+        jitted(torch.randn(4, 3))
+        model.weight.data = torch.randn(5, 3)  # the same Parameter object, new data
+        model.bias.data = torch.randn(5)
+        x = torch.randn(4, 3)
+        assert_close(jitted(x), model(x))
+        model.double()  # torch's _apply: .data replaced again
+        x = x.double()
+        assert_close(jitted(x), model(x))
+    assert jitted.trace_count == 3
+
+
 def test_a_parameter_replaced_by_an_equal_one_gets_the_gradient():
     model = torch.nn.Linear(3, 1)
     model.scale = torch.nn.Parameter(torch.tensor(2.0))
