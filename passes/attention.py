@@ -266,11 +266,11 @@ def fuse_attention(graph: Graph) -> Graph:
 
     def visit(b, n, operands, preds):
         node = graph.node(n)
-        if preds or node.prim != "dot_general" or _stays_written(
-                node.out_types[0], graph.type_of(graph.operands(n)[0]).shape[-1]):
+        if preds or node.prim != "dot_general":
             return None
         found = match(graph, node.kwargs, *graph.operands(n))
-        if found is None or not _exclusive(graph, n, found[-1], pinned):
+        if found is None or not _exclusive(graph, n, found[-1], pinned) or _stays_written(
+                node.out_types[0], graph.type_of(graph.operands(n)[0]).shape[-1]):
             return None
         # the same pattern among the new nodes, unless a node of it was fused already
         # (an attention whose output is matmul'd again inside this one)
