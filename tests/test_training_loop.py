@@ -189,6 +189,20 @@ def test_a_changed_tuple_attribute_retraces():
     assert jitted.trace_count == 2
 
 
+def test_a_module_whose_class_is_swapped_retraces():
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    jitted = plait.jit(model)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        jitted(x)
+        model[0].__class__ = Doubled
+        assert_close(jitted(x), model(x))
+
+
 def test_a_parameter_whose_data_changes_shape_or_dtype_retraces():
     model = torch.nn.Linear(3, 2)
     jitted = plait.jit(model)

@@ -234,11 +234,14 @@ class ModuleState:
     tensors: list[torch.Tensor]
     dicts: list[dict]
     tensor_dicts: list[dict]
+    modules: list[torch.nn.Module]
+    classes: list[type] = attrs.field(init=False)  # a class swapped in place retraces too
     copies: list[dict] = attrs.field(init=False)
     names: list = attrs.field(init=False)
     held: list = attrs.field(init=False)
 
     def __attrs_post_init__(self):
+        object.__setattr__(self, "classes", list(map(type, self.modules)))
         object.__setattr__(self, "copies", list(map(dict, self.dicts)))
         object.__setattr__(self, "names", list(itertools.chain.from_iterable(self.tensor_dicts)))
         object.__setattr__(self, "held", list(itertools.chain.from_iterable(
@@ -249,15 +252,15 @@ class ModuleState:
         Read at every call, so compared in C: the attributes by equality (an equal value
         traces alike; the copies hold the objects, so a replaced one's id is not reused),
         the tensors by identity (an equal tensor is not the same parameter)."""
-        return (self.dicts == self.copies
+        return (self.dicts == self.copies and list(map(type, self.modules)) == self.classes
                 and list(itertools.chain.from_iterable(self.tensor_dicts)) == self.names
                 and all(map(operator.is_, itertools.chain.from_iterable(
                     map(dict.values, self.tensor_dicts)), self.held)))
 
 
 def module_state(module: torch.nn.Module) -> ModuleState:
-    """A module tree's structure (each module's identity, attributes (``_described``) and
-    hooks, each parameter and buffer's name and, for tied ones, which tensor it shares, and
+    """A module tree's structure (each module's identity, class, attributes
+    (``_described``) and hooks, each parameter and buffer's name and, for tied ones, which tensor it shares, and
     torch's global module hooks) and its distinct tensors, in
     ``named_modules(remove_duplicate=False)``'s order: walked here, as torch's generators
     cost a fifth more."""
@@ -265,6 +268,7 @@ def module_state(module: torch.nn.Module) -> ModuleState:
     tensors: list[torch.Tensor] = []
     dicts: list[dict] = list(_GLOBAL_HOOKS)
     tensor_dicts: list[dict] = []
+    modules: list[torch.nn.Module] = []
     index: dict[int, int] = {}
     stack = [("", module)]
     while stack:
@@ -273,7 +277,8 @@ def module_state(module: torch.nn.Module) -> ModuleState:
         hooks = [attrs_[k] for k in _HOOK_NAMES]
         dicts += [attrs_, attrs_["_modules"], *hooks]
         tensor_dicts += [attrs_["_parameters"], attrs_["_buffers"]]
-        structure.append((name, _Same(m), tuple(
+        modules.append(m)
+        structure.append((name, _Same(m), _Same(type(m)), tuple(
             [(k, _described(v)) for k, v in attrs_.items() if k not in _NOT_DESCRIBED]),
             tuple(map(_hooks, _HOOK_NAMES, hooks))))
         for kind in ("_parameters", "_buffers"):
@@ -287,7 +292,7 @@ def module_state(module: torch.nn.Module) -> ModuleState:
         if children := attrs_["_modules"]:
             prefix = name + "." if name else ""
             stack += reversed([(prefix + k, c) for k, c in children.items() if c is not None])
-    return ModuleState(tuple(structure), tensors, dicts, tensor_dicts)
+    return ModuleState(tuple(structure), tensors, dicts, tensor_dicts, modules)
 
 
 def bindings(structure: tuple) -> dict[str, int]:
