@@ -203,6 +203,18 @@ def test_a_module_whose_class_is_swapped_retraces():
         assert_close(jitted(x), model(x))
 
 
+def test_an_attribute_replaced_by_an_uncomparable_object_is_read_again():
+    model = torch.nn.Linear(3, 2)
+    model.table = np.arange(3.0)  # an array: == of two of them is elementwise
+    model.forward = lambda x: torch.nn.Linear.forward(model, x) * float(model.table.sum())
+    jitted = plait.jit(model)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        assert_close(jitted(x), model(x))
+        model.table = np.arange(3.0) * 2
+        assert_close(jitted(x), model(x))
+
+
 def test_a_parameter_whose_data_changes_shape_or_dtype_retraces():
     model = torch.nn.Linear(3, 2)
     jitted = plait.jit(model)

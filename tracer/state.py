@@ -251,11 +251,16 @@ class ModuleState:
         """Do its dicts hold what they held? Then its structure and tensors are the tree's.
         Read at every call, so compared in C: the attributes by equality (an equal value
         traces alike; the copies hold the objects, so a replaced one's id is not reused),
-        the tensors by identity (an equal tensor is not the same parameter)."""
-        return (self.dicts == self.copies and list(map(type, self.modules)) == self.classes
-                and list(itertools.chain.from_iterable(self.tensor_dicts)) == self.names
-                and all(map(operator.is_, itertools.chain.from_iterable(
-                    map(dict.values, self.tensor_dicts)), self.held)))
+        the tensors by identity (an equal tensor is not the same parameter). An attribute
+        replaced by one that cannot be compared (an array, whose ``==`` is elementwise) makes
+        the tree read again."""
+        try:
+            return (self.dicts == self.copies and list(map(type, self.modules)) == self.classes
+                    and list(itertools.chain.from_iterable(self.tensor_dicts)) == self.names
+                    and all(map(operator.is_, itertools.chain.from_iterable(
+                        map(dict.values, self.tensor_dicts)), self.held)))
+        except Exception:  # noqa: BLE001 - a user object's __eq__ may raise anything
+            return False
 
 
 def module_state(module: torch.nn.Module) -> ModuleState:
