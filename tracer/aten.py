@@ -472,12 +472,15 @@ def _plain(op, rule):
 
 def _pow(a, b):
     """torch._refs.pow's body (its special exponents) without the symbolic-shapes machinery
-    it imports to compare them."""
+    it imports to compare them, and a cube as eager's kernels compute it (``x * x * x``, not
+    ``std::pow``: GELU's tanh form cubes)."""
     if not isinstance(b, torch.Tensor):
         if b == 1.0:
             return a.clone()
         if b == 2.0:
             return a * a
+        if b == 3.0:
+            return a * a * a
         if b == 0.5:
             return torch.sqrt(a)
     elif not isinstance(a, torch.Tensor):
