@@ -303,7 +303,11 @@ def main(registry: dict = MODELS, description: str = __doc__) -> None:
                 opt.step()
 
             start = time.perf_counter()
-            step()
+            try:
+                step()
+            except plait.errors.PlaitError as e:  # a refusal: the model's other columns run
+                print(f"{name:>9} {label:>14} refused: {str(e).splitlines()[0][:160]}")
+                continue
             sync()
             first = time.perf_counter() - start
             for _ in range(6):  # warm: plait captures its CUDA graphs from the third call,

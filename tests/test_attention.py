@@ -158,6 +158,28 @@ def test_float32_attention_on_cuda_over_few_keys_stays_written_out(keys, fused):
     assert "attention" in _prims(plait.make_graph(attention)(*half))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("mask", ["additive", "boolean"])
+def test_a_masked_scaled_dot_product_attention_differentiates_on_any_device(mask, device):
+    """With a mask, torch's call would pick a fused kernel by device (on CUDA, the
+    memory-efficient one) that plait cannot differentiate: it traces torch's math form."""
+    q, k, v = (x.to(device) for x in _qkv(2, 4, 8, 16))
+    g = torch.Generator().manual_seed(1)
+    attn_mask = (torch.randn(8, 8, generator=g) if mask == "additive" else
+                 torch.rand(2, 1, 8, 8, generator=g) > 0.3).to(device)
+
+    def loss(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).square().sum()
+
+    graph = plait.make_graph(plait.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert "opaque" not in _prims(graph)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    assert_close(plait.grad(loss, argnums=(0, 1, 2))(q, k, v), want, atol=1e-5, rtol=1e-5)
+    assert_close(torch.autograd.grad(plait.jit(loss)(*leaves), leaves), want, atol=1e-5,
+                 rtol=1e-5)
+
+
 CAUSAL = {
     "masked_fill": lambda q, k, v: (q @ k.mT * 0.5).masked_fill(
         ~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(), float("-inf"))

@@ -290,13 +290,21 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
                                   is_causal=False, scale=None, enable_gqa=False):
     """``F.scaled_dot_product_attention`` without a mask or dropout: the attention
     primitive (grouped-query attention's key and value heads repeated by broadcasting).
-    Anything else runs torch's decomposition."""
+    Anything else traces torch's math form: left to torch, the call would pick a fused
+    kernel by device (on CUDA, the memory-efficient one takes a mask), which plait does not
+    differentiate."""
     tensors = (query, key, value)
-    if attn_mask is not None or dropout_p or not config.fuse_attention or not any(
-            isinstance(x, TracerTensor) or torch._is_functional_tensor(x) for x in tensors) \
+    if not any(isinstance(x, TracerTensor) or torch._is_functional_tensor(x) for x in tensors):
+        return NotImplemented
+    if attn_mask is not None or dropout_p or not config.fuse_attention \
             or len({x.dtype for x in tensors}) != 1 or not query.dtype.is_floating_point \
             or not query.ndim == key.ndim == value.ndim >= 2:
-        return NotImplemented
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the call converts it
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device) \
+                .masked_fill(attn_mask.logical_not(), float("-inf"))
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+            enable_gqa=enable_gqa)[0]
     heads, kv_heads = (query.shape[-3], key.shape[-3]) if query.ndim > 2 else (1, 1)
     groups = heads // kv_heads if enable_gqa and kv_heads and heads % kv_heads == 0 else 1
     batch = (*key.shape[:-3], kv_heads * groups, *key.shape[-2:]) if groups > 1 else None
