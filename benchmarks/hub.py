@@ -30,17 +30,16 @@ class LossOf(nn.Module):
         return self.loss(self.model, *batch)
 
 
-def _language_model(config: tuple, seq: int, batch: int):
-    """A transformers model trained on tokens that are their own labels (the causal models
-    shift them; BERT predicts every token; T5 decodes them)."""
+def _language_model(model: str, config: str, settings: dict, seq: int, batch: int):
+    """transformers' ``model`` of ``config(**settings)``, trained on tokens that are their
+    own labels (the causal models shift them; BERT predicts every token; T5 decodes them)."""
     import transformers
 
     def make():
-        model = getattr(transformers, config[0])(getattr(transformers, config[1])(**config[2]))
-        return LossOf(model, lambda m, ids, _: m(input_ids=ids, labels=ids).loss)
+        built = getattr(transformers, model)(getattr(transformers, config)(**settings))
+        return LossOf(built, lambda m, ids, _: m(input_ids=ids, labels=ids).loss)
 
-    vocab = config[2]["vocab_size"]
-    return make, lambda device: tokens(vocab, batch, seq, device)
+    return make, lambda device: tokens(settings["vocab_size"], batch, seq, device)
 
 
 def _image_model(make_model, loss, small: bool):
@@ -59,9 +58,9 @@ def _logits_loss(m, x, y):
 
 def gpt2(small: bool):
     size = dict(n_layer=2, n_embd=64, n_head=4) if small else {}
-    return _language_model(("GPT2LMHeadModel", "GPT2Config", dict(
+    return _language_model("GPT2LMHeadModel", "GPT2Config", dict(
         vocab_size=256 if small else 50304, n_positions=1024, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, **size)), 32 if small else 1024, 2 if small else 8)
+        embd_pdrop=0.0, attn_pdrop=0.0, **size), 32 if small else 1024, 2 if small else 8)
 
 
 def llama(small: bool):
@@ -69,24 +68,24 @@ def llama(small: bool):
                 num_attention_heads=4, num_key_value_heads=1) if small else dict(
         num_hidden_layers=8, hidden_size=1024, intermediate_size=4096,
         num_attention_heads=16, num_key_value_heads=4)
-    return _language_model(("LlamaForCausalLM", "LlamaConfig", dict(
-        vocab_size=256 if small else 32000, max_position_embeddings=1024, **size)),
+    return _language_model("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=256 if small else 32000, max_position_embeddings=1024, **size),
         32 if small else 1024, 2 if small else 4)
 
 
 def bert(small: bool):
     size = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=256,
                 num_attention_heads=4) if small else {}
-    return _language_model(("BertForMaskedLM", "BertConfig", dict(
+    return _language_model("BertForMaskedLM", "BertConfig", dict(
         vocab_size=256 if small else 30522, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, **size)), 32 if small else 512, 2 if small else 8)
+        attention_probs_dropout_prob=0.0, **size), 32 if small else 512, 2 if small else 8)
 
 
 def t5(small: bool):
     size = dict(num_layers=2, d_model=64, d_ff=256, d_kv=16, num_heads=4) if small else {}
-    return _language_model(("T5ForConditionalGeneration", "T5Config", dict(
+    return _language_model("T5ForConditionalGeneration", "T5Config", dict(
         vocab_size=256 if small else 32128, dropout_rate=0.0, decoder_start_token_id=0,
-        **size)), 32 if small else 512, 2 if small else 8)
+        **size), 32 if small else 512, 2 if small else 8)
 
 
 def vit(small: bool):
