@@ -117,6 +117,22 @@ def test_a_cube_is_multiplied_out_as_eager_computes_it():
     assert_close(plait.jit(lambda i: (i ** 3, i ** 3.0))(i), (i ** 3, i ** 3.0))
 
 
+def test_libraries_see_a_compiler_while_plait_traces():
+    """Libraries keep their data-dependent shortcuts out of compiled code by asking
+    ``torch.compiler.is_compiling()`` (transformers skips a padding mask that masks nothing
+    by reading it): true while plait traces, false again after."""
+
+    def masked(x, mask):
+        if not torch.compiler.is_compiling() and bool(mask.all()):
+            return x
+        return x * mask
+
+    x, mask = torch.randn(4), torch.tensor([1.0, 1.0, 0.0, 1.0])
+    assert_close(plait.jit(masked)(x, mask), masked(x, mask))
+    assert_close(plait.grad(lambda x: masked(x, mask).sum())(x), mask)
+    assert not torch.compiler.is_compiling()
+
+
 def test_decorator_forms():
     @plait.jit
     def f(x):

@@ -816,13 +816,27 @@ def tracing(trace: Trace):
         # without mkldnn, torch's decompositions take their plain paths (an LSTM's layers
         # as matrix products, not one mkldnn_rnn_layer whose workspace only a run sizes)
         with _FunctionCapture(), no_dynamo_import(), _TraceMode(), torch.enable_grad(), \
-                _set_fwd_grad_enabled(True), _mkldnn_disabled(), \
+                _set_fwd_grad_enabled(True), _mkldnn_disabled(), _compiling_announced(), \
                 contextlib.ExitStack() as contexts:
             for context in TRACING_CONTEXTS:
                 contexts.enter_context(context())
             yield trace
     finally:
         _TRACES.pop()
+
+
+@contextlib.contextmanager
+def _compiling_announced():
+    """``torch.compiler.is_compiling()`` is True while plait traces, as under torch.compile:
+    libraries ask it to keep data-dependent shortcuts out of code being compiled (transformers
+    reads a padding mask to skip it when it masks nothing, unless compiling), and a traced
+    value cannot be read."""
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
 
 
 @contextlib.contextmanager
