@@ -265,8 +265,8 @@ class ModuleState:
 
 def module_state(module: torch.nn.Module) -> ModuleState:
     """A module tree's structure (each module's identity, class, attributes
-    (``_described``) and hooks, each parameter and buffer's name and, for tied ones, which tensor it shares, and
-    torch's global module hooks) and its distinct tensors, in
+    (``_described``) and hooks, each parameter and buffer's name and, for tied ones, which
+    tensor it shares, and torch's global module hooks) and its distinct tensors, in
     ``named_modules(remove_duplicate=False)``'s order: walked here, as torch's generators
     cost a fifth more."""
     structure: list = [tuple(map(_hooks, _HOOK_NAMES, _GLOBAL_HOOKS))]
