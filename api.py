@@ -356,6 +356,14 @@ class _Node(torch.autograd.Function):
 _requires_grad = operator.attrgetter("requires_grad")
 
 
+def _torch_modes() -> tuple:
+    """torch's global settings that a trace reads, keyed like the arguments (NOTE [live
+    state]): the default dtype (of factories given none) and autocast's per device."""
+    return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+            *(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
+              for d in ("cpu", "cuda")))
+
+
 def _written_back(outs: list, tensors: list, mutated: tuple, kept: list) -> list:
     """A program's results: its last outputs, the new values of the ``mutated`` inputs, are
     written into them (as eager's in-place ops would), and the results made distinct from
@@ -459,7 +467,7 @@ class Jitted:
                                            self._trace_floats)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend = get_backend(resolve_backend(self.backend or config.backend, tensors))
-        key = (signature, backend.cache_key(), config.cache_key())
+        key = (signature, backend.cache_key(), config.cache_key(), _torch_modes())
         return leaves, tree, tensors, key, backend.name
 
     def lower(self, *args, **kwargs) -> Lowered:

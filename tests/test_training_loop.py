@@ -93,6 +93,25 @@ def test_a_tensor_value_the_trace_reads_is_guarded():
     assert f.trace_count == 2
 
 
+def test_the_default_dtype_and_autocast_are_read_at_each_call():
+    """A factory without a dtype takes torch's default, and autocast casts a product's
+    operands, as they are when the function traces: a change of either retraces."""
+    w = torch.randn(8, 8)
+    f = plait.jit(lambda x: (x @ w).sum(-1) + torch.ones(4))
+    x = torch.randn(4, 8)
+    previous = torch.get_default_dtype()
+    try:
+        for dtype in (torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            assert f(x).dtype == (x @ w).sum(-1).add(torch.ones(4)).dtype == dtype
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the product in bfloat16
+        assert_close(f(x), (x @ w).sum(-1) + torch.ones(4))
+    assert_close(f(x), (x @ w).sum(-1) + torch.ones(4))
+    assert f.trace_count == 3
+
+
 @pytest.mark.parametrize("name, fn", [
     ("numpy", lambda x: torch.from_numpy(x.numpy() * 2)),
     ("__array__", lambda x: torch.from_numpy(np.asarray(x) * 2)),
