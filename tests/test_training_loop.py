@@ -93,6 +93,27 @@ def test_a_tensor_value_the_trace_reads_is_guarded():
     assert f.trace_count == 2
 
 
+SCALE = 2.0
+
+
+def test_a_number_a_function_captures_is_read_at_each_call():
+    """A global or closure number the trace reads as a constant retraces when rebound; each
+    value's compilation is kept."""
+    offset = 1.0
+
+    def f(x):
+        return x * SCALE + offset
+
+    jitted, x = plait.jit(f), torch.ones(3)
+    global SCALE
+    try:
+        for SCALE, offset in ((2.0, 1.0), (3.0, 1.0), (3.0, -1.0), (2.0, 1.0)):
+            assert_close(jitted(x), f(x))
+    finally:
+        SCALE = 2.0
+    assert jitted.trace_count == 3  # the first values' compilation served again
+
+
 def test_the_default_dtype_and_autocast_are_read_at_each_call():
     """A factory without a dtype takes torch's default, and autocast casts a product's
     operands, as they are when the function traces: a change of either retraces."""

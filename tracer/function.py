@@ -176,7 +176,8 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     state = State(roots, reachable.modules, tuple(
         reachable.tensors[key] for key in trace.lifted), tuple(
         (t, t._version) for t in fixed), tuple((*reachable.tensors[key], t)
-                                               for key, t in trace.pinned.items()))
+                                               for key, t in trace.pinned.items()),
+        reachable.scalars)
     return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated),
                           tuple(trace.captured), state if live else None)
 

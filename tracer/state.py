@@ -15,6 +15,10 @@ function's Python objects once per trace and names each tensor and module it fin
   mutated argument.
 * Any other tensor found (a closure or global tensor, a plain attribute) becomes an input
   when the function first reads it (``Trace.constant`` asks ``lift``).
+* A Python number or string held by a function's global or closure cell (``scale =
+  2.0``) is read back from that dict or cell at each call and is part of the signature:
+  rebinding it retraces. One inside another object (a dict's item, a config's attribute
+  outside a module) is baked.
 * A tensor the walk does not find (one made inside the function, or reached through a path
   it does not follow) is baked as a constant, and its version counter is kept: an in-place
   write to it retraces. So is a live tensor whose value the trace read (``.item()``, split
@@ -48,6 +52,7 @@ Path = tuple  # steps from a root: (True, attribute name) or (False, item key)
 _SCALARS = frozenset({bool, int, float, str, type(None)})
 _VALUES = _SCALARS | {torch.dtype, torch.device, torch.layout, torch.memory_format}
 _WALK_BUDGET = 20_000  # objects visited per walk; what lies beyond is baked, version-guarded
+_GUARDED_SCALARS = 256  # a function's captured numbers and strings read back at each call
 _ITEMS = 1000  # items followed per container
 _LIBRARIES = ("torch", "plait")  # their functions' globals are not user state
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
@@ -73,10 +78,12 @@ def follow(root: Any, path: Path) -> Any:
 
 @attrs.frozen
 class Reachable:
-    """What ``reach`` found: module roots and other tensors, each with its (root, path)."""
+    """What ``reach`` found: module roots, other tensors and the scalars functions capture,
+    each with its (root, path)."""
 
     modules: tuple[tuple[int, Path], ...]
     tensors: dict[int, tuple[int, Path]]  # id(tensor) -> (root, path)
+    scalars: tuple[tuple[Any, Any], ...] = ()  # (globals dict, name) or (closure cell, None)
 
 
 def _global_names(code: types.CodeType) -> Iterator[str]:
@@ -130,8 +137,13 @@ def reach(roots: Sequence[Any]) -> Reachable:
     tensors: dict[int, tuple[int, Path]] = {}
     seen: set[int] = set()
     stack = [(r, (), root) for r, root in enumerate(roots)][::-1]
+    scalars: list[tuple[Any, Any]] = []
     while stack and len(seen) < _WALK_BUDGET:
         r, path, obj = stack.pop()
+        if type(obj) in _SCALARS and _function_slot(path) and len(scalars) < _GUARDED_SCALARS:
+            # where it is read back from: the dict or cell itself, not the path (at each call)
+            scalars.append((follow(roots[r], path[:-1]),
+                            path[-1][1] if path[-2] == (True, "__globals__") else None))
         if id(obj) in seen or isinstance(obj, _SKIPPED) or type(obj) in _SCALARS:
             continue
         seen.add(id(obj))
@@ -155,7 +167,15 @@ def reach(roots: Sequence[Any]) -> Reachable:
             stack.append((r, path + step, child))
     inner = {id(m) for _, _, root in modules.values() for m in root.modules() if m is not root}
     return Reachable(tuple((r, p) for key, (r, p, _) in modules.items() if key not in inner),
-                     tensors)
+                     tensors, tuple(scalars))
+
+
+def _function_slot(path: Path) -> bool:
+    """Does ``path`` end at a function's global or closure cell (where a Python number a
+    trace reads as a constant is the caller's to rebind: ``scale = 3.0``)? Defaults sit in
+    a tuple: not rebound but by replacing it."""
+    return len(path) >= 2 and (path[-2] == (True, "__globals__")
+                               or path[-1] == (True, "cell_contents"))
 
 
 def _filled(cell) -> bool:
@@ -317,6 +337,7 @@ class State:
     tensors: tuple[tuple[int, Path], ...] = ()  # lifted, in input order
     baked: tuple[tuple[torch.Tensor, int], ...] = ()
     pinned: tuple[tuple[int, Path, torch.Tensor], ...] = ()  # live tensors whose value was read
+    scalars: tuple[tuple[Any, Any], ...] = ()  # the numbers and strings functions capture
     # ``read``'s memo: each module root's object and state as last read, and the signature
     _read: dict = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
@@ -345,7 +366,10 @@ class State:
                 tensors.append(t)
             if any(follow(self.roots[r], path) is not t for r, path, t in self.pinned):
                 return None
-            signature = (tuple(structures), tensor_keys(tensors))
+            values = [place.cell_contents if name is None else place[name]
+                      for place, name in self.scalars]
+            signature = (tuple(structures), tensor_keys(tensors),
+                         tuple(zip(map(type, values), values)))
         except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError):
             return None
         if any(t._version != version for t, version in self.baked):
