@@ -358,7 +358,8 @@ _requires_grad = operator.attrgetter("requires_grad")
 
 def _torch_modes() -> tuple:
     """torch's global settings that a trace reads, keyed like the arguments (NOTE [live
-    state]): the default dtype (of factories given none) and autocast's per device."""
+    state]): the default dtype (of factories given none), deterministic mode (which some
+    decompositions follow) and autocast's, per device."""
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
             *(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
               for d in ("cpu", "cuda")))

@@ -338,8 +338,8 @@ class State:
     baked: tuple[tuple[torch.Tensor, int], ...] = ()
     pinned: tuple[tuple[int, Path, torch.Tensor], ...] = ()  # live tensors whose value was read
     scalars: tuple[tuple[Any, Any], ...] = ()  # the numbers and strings functions capture
-    # ``read``'s memo: each module root's object and state as last read, and the signature
-    _read: dict = attrs.field(factory=dict, init=False, eq=False, repr=False)
+    _last: _LastRead = attrs.field(factory=lambda: _LastRead(), init=False, eq=False,
+                                   repr=False)
 
     def read(self) -> tuple[tuple, list[torch.Tensor]] | None:
         """(signature, tensors: the modules' then the lifted ones), or None where a path no
@@ -348,17 +348,17 @@ class State:
         and a signature equal to the last is that object (``Jitted`` then needs no hash)."""
         structures: list = []
         tensors: list[torch.Tensor] = []
-        memo = self._read
+        trees = self._last.trees
         try:
             for i, (r, path) in enumerate(self.modules):
                 module = follow(self.roots[r], path)
                 if not isinstance(module, torch.nn.Module):
                     return None
-                last = memo.get(i)
-                if last is None or last[0] is not module or not last[1].current():
-                    last = memo[i] = module, module_state(module)
-                structures.append(last[1].structure)
-                tensors += last[1].tensors
+                tree = trees.get(i)
+                if tree is None or tree.modules[0] is not module or not tree.current():
+                    tree = trees[i] = module_state(module)
+                structures.append(tree.structure)
+                tensors += tree.tensors
             for r, path in self.tensors:
                 t = follow(self.roots[r], path)
                 if not isinstance(t, torch.Tensor):
@@ -374,7 +374,17 @@ class State:
             return None
         if any(t._version != version for t, version in self.baked):
             return None
-        if signature == memo.get("signature"):
-            signature = memo["signature"]
-        memo["signature"] = signature
+        if signature == self._last.signature:
+            signature = self._last.signature
+        self._last.signature = signature
         return signature, tensors
+
+
+class _LastRead:
+    """``State.read``'s memo: each module root's state as last read, and the signature."""
+
+    __slots__ = ("trees", "signature")
+
+    def __init__(self):
+        self.trees: dict[int, ModuleState] = {}
+        self.signature: tuple | None = None
