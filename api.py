@@ -544,6 +544,9 @@ class Jitted:
                     return self(*args, **kwargs)
                 raise
             self._note_retrace(args, kwargs, key)
+            if state is not None and read is None:  # compiled under a state no longer read
+                for stale in [k for k in self._cache if k[0] == key]:
+                    del self._cache[stale]
             state = self._states[key] = lowered.traced.state
             read = state.read()
             if read is None:

@@ -110,15 +110,16 @@ def autograd_programs(module) -> list:
             for d in compiled._programs.values() for p in (d._forward, d._backward)]
 
 
-def kernel_descriptions(lowered: list) -> dict[str, str]:
-    """plait's generated kernels' names -> the ops the first step running it computes."""
+def kernel_descriptions(lowered: list) -> dict[str, tuple[str, str]]:
+    """plait's generated kernels' names -> (the ops the first step running it computes, its
+    source)."""
     out = {}
     for low in lowered:
         compiled = low.compiled
         for i, w in getattr(compiled, "writers", {}).items():
             if w.name not in out:
                 lines = compiled.program.describe(compiled.program.kernels[i])
-                out[w.name] = "; ".join(dict.fromkeys(lines))[:150]
+                out[w.name] = "; ".join(dict.fromkeys(lines))[:150], w.source()
     return out
 
 
@@ -134,6 +135,8 @@ def main() -> None:
     parser.add_argument("--launched-by", metavar="TEXT",
                         help="also list the ops (with their callers) that launch the kernels "
                              "whose name contains TEXT")
+    parser.add_argument("--sources", metavar="DIR",
+                        help="write the source of each of plait's kernels listed into DIR")
     args = parser.parse_args()
     from models import fresh_caches
 
@@ -225,7 +228,11 @@ def main() -> None:
         for k, (n, ms) in top:
             text = k if len(k) < 90 else k[:87] + "..."
             if k in described:
-                text += f" ({described[k]})"
+                text += f" ({described[k][0]})"
+                if args.sources:
+                    os.makedirs(args.sources, exist_ok=True)
+                    with open(os.path.join(args.sources, k + ".py"), "w") as f:
+                        f.write(described[k][1])
             print(f"| {ms:.3f} | {n} | {text} |")
 
 

@@ -114,6 +114,82 @@ def test_a_number_a_function_captures_is_read_at_each_call():
     assert jitted.trace_count == 3  # the first values' compilation served again
 
 
+CONFIG = {"p": 2.0, "inner": {"shift": 1.0}}
+ACTIVATION = torch.relu
+
+
+def test_numbers_held_in_captured_containers_and_objects_are_read_at_each_call():
+    """A dict's item, a list's item, a plain object's attribute (also one a module holds)
+    and a rebound container retrace; values seen before are served from the cache."""
+    class Config:
+        eps = None
+
+        def __init__(self):
+            self.scale = 3.0
+
+    config, sizes = Config(), [2, 2]
+    block = torch.nn.Linear(4, 4)
+    block.config = config
+
+    def f(x):
+        y = block(x).reshape(sizes) * CONFIG["p"] + CONFIG["inner"]["shift"]
+        return y * block.config.scale
+
+    jitted, x = plait.jit(f), torch.randn(4)
+    global CONFIG
+    try:
+        for change in (lambda: None, lambda: CONFIG.update(p=5.0),
+                       lambda: CONFIG["inner"].update(shift=-1.0),
+                       lambda: setattr(config, "scale", 0.5),
+                       lambda: sizes.__setitem__(slice(None), [4, 1]),
+                       lambda: globals().update(CONFIG={"p": 7.0, "inner": {"shift": 0.0}})):
+            change()
+            assert_close(jitted(x), f(x))
+        CONFIG["p"] = 2.0
+        assert_close(jitted(x), f(x))
+        CONFIG["p"] = 7.0  # seen before under this state: served from the cache
+        assert_close(jitted(x), f(x))
+        assert jitted.trace_count == 7
+    finally:
+        CONFIG = {"p": 2.0, "inner": {"shift": 1.0}}
+
+
+def test_a_rebound_captured_function_retraces():
+    def f(x):
+        return ACTIVATION(x) + 1
+
+    jitted, x = plait.jit(f), torch.randn(5)
+    global ACTIVATION
+    try:
+        assert_close(jitted(x), f(x))
+        ACTIVATION = torch.tanh
+        assert_close(jitted(x), f(x))
+    finally:
+        ACTIVATION = torch.relu
+    assert_close(jitted(x), f(x))
+    assert jitted.trace_count == 3  # another object at a slot retraces: identities are not kept
+
+
+def test_compilations_under_a_replaced_state_are_not_served_again():
+    """A retrace for another object at a slot drops what was compiled under the old one: a
+    signature seen before (train mode) under the old activation is compiled again."""
+    model = torch.nn.Linear(3, 3)
+
+    def f(x):
+        return ACTIVATION(model(x)) * (2.0 if model.training else 1.0)
+
+    jitted, x = plait.jit(f), torch.randn(3)
+    global ACTIVATION
+    try:
+        for change in (model.train, model.eval, lambda: globals().update(ACTIVATION=torch.tanh),
+                       model.train):
+            change()
+            assert_close(jitted(x), f(x))
+    finally:
+        ACTIVATION = torch.relu
+    assert jitted.trace_count == 4
+
+
 def test_the_default_dtype_and_autocast_are_read_at_each_call():
     """A factory without a dtype takes torch's default, and autocast casts a product's
     operands, as they are when the function traces: a change of either retraces."""

@@ -17,7 +17,7 @@ from . import collectives as _collectives  # noqa: F401
 from .custom import traceable_apply
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
-from .state import State, bindings, follow, module_state, reach
+from .state import State, bindings, follow, module_state, reach, slot_guards
 from .trace import (Trace, captured_write_error, check_dtype, is_dense, state_writes,
                     tracing)
 
@@ -177,7 +177,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         reachable.tensors[key] for key in trace.lifted), tuple(
         (t, t._version) for t in fixed), tuple((*reachable.tensors[key], t)
                                                for key, t in trace.pinned.items()),
-        reachable.scalars)
+        *slot_guards(reachable.slots))
     return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated),
                           tuple(trace.captured), state if live else None)
 

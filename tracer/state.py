@@ -15,10 +15,14 @@ function's Python objects once per trace and names each tensor and module it fin
   mutated argument.
 * Any other tensor found (a closure or global tensor, a plain attribute) becomes an input
   when the function first reads it (``Trace.constant`` asks ``lift``).
-* A Python number or string held by a function's global or closure cell (``scale =
-  2.0``) is read back from that dict or cell at each call and is part of the signature:
-  rebinding it retraces. One inside another object (a dict's item, a config's attribute
-  outside a module) is baked.
+* A *slot* the caller may rebind outside a module (a function's global or closure cell,
+  a dict's or list's item, a plain object's attribute: ``scale = 2.0``, ``cfg["p"] = 0.1``,
+  ``config.eps = 1e-6``, ``act = torch.tanh``) is read back at each call: a number,
+  string, dtype or device by value, as part of the signature; anything else but a tensor or
+  module (which have their own guards) by identity, and another object there retraces.
+  Each container read from is itself a slot of its holder, so rebinding ``cfg`` is seen
+  too. The first ``_GUARDED_SLOTS`` slots of the walk are guarded; what lies beyond is
+  baked.
 * A tensor the walk does not find (one made inside the function, or reached through a path
   it does not follow) is baked as a constant, and its version counter is kept: an in-place
   write to it retraces. So is a live tensor whose value the trace read (``.item()``, split
@@ -52,7 +56,7 @@ Path = tuple  # steps from a root: (True, attribute name) or (False, item key)
 _SCALARS = frozenset({bool, int, float, str, type(None)})
 _VALUES = _SCALARS | {torch.dtype, torch.device, torch.layout, torch.memory_format}
 _WALK_BUDGET = 20_000  # objects visited per walk; what lies beyond is baked, version-guarded
-_GUARDED_SCALARS = 256  # a function's captured numbers and strings read back at each call
+_GUARDED_SLOTS = 512  # captured slots read back at each call
 _ITEMS = 1000  # items followed per container
 _LIBRARIES = ("torch", "plait")  # their functions' globals are not user state
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
@@ -67,6 +71,8 @@ _NOT_DESCRIBED = frozenset(_MODULE_DICTS) | {
                                                        "_hooks_always_called"))}
 _SKIPPED = (types.ModuleType, type, types.BuiltinFunctionType, types.CodeType, str, bytes,
             torch.device, torch.dtype)
+_UNGUARDED = (torch.Tensor, torch.nn.Module, types.ModuleType)  # guarded apart, or never rebound
+_CELL = object()  # a slot's key where the slot is a closure cell's contents
 
 
 def follow(root: Any, path: Path) -> Any:
@@ -78,12 +84,12 @@ def follow(root: Any, path: Path) -> Any:
 
 @attrs.frozen
 class Reachable:
-    """What ``reach`` found: module roots, other tensors and the scalars functions capture,
-    each with its (root, path)."""
+    """What ``reach`` found: module roots, other tensors, each with its (root, path), and
+    the slots the caller may rebind (NOTE [live state])."""
 
     modules: tuple[tuple[int, Path], ...]
     tensors: dict[int, tuple[int, Path]]  # id(tensor) -> (root, path)
-    scalars: tuple[tuple[Any, Any], ...] = ()  # (globals dict, name) or (closure cell, None)
+    slots: tuple[tuple[Any, Any], ...] = ()  # (dict or list, key) or (closure cell, _CELL)
 
 
 def _global_names(code: types.CodeType) -> Iterator[str]:
@@ -100,50 +106,57 @@ def _under(path: Path, name: str) -> Path:
     return path
 
 
-def _children(obj: Any) -> list[tuple[Path, Any]]:
-    """The objects ``obj`` holds that the walk follows, each with its path from ``obj``."""
+def _children(obj: Any) -> list[tuple[Path, Any, tuple | None]]:
+    """The objects ``obj`` holds that the walk follows, each with its path from ``obj`` and
+    the slot it is read from where the caller may rebind it, else None."""
     if isinstance(obj, types.FunctionType):
-        found = [(((True, "__closure__"), (False, i), (True, "cell_contents")), cell.cell_contents)
+        found = [(((True, "__closure__"), (False, i), (True, "cell_contents")),
+                  cell.cell_contents, (cell, _CELL))
                  for i, cell in enumerate(obj.__closure__ or ()) if _filled(cell)]
-        found += [(((True, "__defaults__"), (False, i)), v)
+        found += [(((True, "__defaults__"), (False, i)), v, None)
                   for i, v in enumerate(obj.__defaults__ or ())]
-        found += [(((True, "__kwdefaults__"), (False, k)), v)
+        found += [(((True, "__kwdefaults__"), (False, k)), v, None)
                   for k, v in (obj.__kwdefaults__ or {}).items()]
-        if not str(obj.__globals__.get("__name__")).startswith(_LIBRARIES):
-            found += [(((True, "__globals__"), (False, n)), obj.__globals__[n])
-                      for n in dict.fromkeys(_global_names(obj.__code__))
-                      if n in obj.__globals__]
+        names = obj.__globals__
+        if not str(names.get("__name__")).startswith(_LIBRARIES):
+            found += [(((True, "__globals__"), (False, n)), names[n], (names, n))
+                      for n in dict.fromkeys(_global_names(obj.__code__)) if n in names]
         return found
     if isinstance(obj, types.MethodType):
-        return [(((True, "__self__"),), obj.__self__), (((True, "__func__"),), obj.__func__)]
+        return [(((True, "__self__"),), obj.__self__, None),
+                (((True, "__func__"),), obj.__func__, None)]
     if isinstance(obj, functools.partial):
-        return [(((True, "func"),), obj.func), (((True, "args"),), obj.args),
-                (((True, "keywords"),), obj.keywords)]
-    if isinstance(obj, (list, tuple)):
-        return [(((False, i),), v) for i, v in enumerate(obj[:_ITEMS])]
+        return [(((True, "func"),), obj.func, None), (((True, "args"),), obj.args, None),
+                (((True, "keywords"),), obj.keywords, None)]
+    if isinstance(obj, tuple):
+        return [(((False, i),), v, None) for i, v in enumerate(obj[:_ITEMS])]
+    if isinstance(obj, list):
+        return [(((False, i),), v, (obj, i)) for i, v in enumerate(obj[:_ITEMS])]
     if isinstance(obj, dict):
-        return [(((False, k),), v) for k, v in list(obj.items())[:_ITEMS] if type(k) in _SCALARS]
+        return [(((False, k),), v, (obj, k)) for k, v in list(obj.items())[:_ITEMS]
+                if type(k) in _SCALARS]
     attributes = getattr(obj, "__dict__", None)
     if isinstance(attributes, dict):  # a plain object, or a callable one (a jitted function)
-        return [(((True, "__dict__"), (False, k)), v) for k, v in attributes.items()]
+        return [(((True, "__dict__"), (False, k)), v, (attributes, k))
+                for k, v in attributes.items()]
     return []
 
 
 def reach(roots: Sequence[Any]) -> Reachable:
     """Walk the objects ``roots`` hold (closures, the globals a function's code names,
-    defaults, bound objects, partials, containers, objects' attributes, modules) for tensors
-    and modules. The modules inside a module found are read with it."""
+    defaults, bound objects, partials, containers, objects' attributes, modules) for tensors,
+    modules and rebindable slots. The modules inside a module found are read with it, and
+    their attributes are its structure's (``module_state``), not slots."""
     modules: dict[int, tuple[int, Path, torch.nn.Module]] = {}
     tensors: dict[int, tuple[int, Path]] = {}
     seen: set[int] = set()
-    stack = [(r, (), root) for r, root in enumerate(roots)][::-1]
-    scalars: list[tuple[Any, Any]] = []
+    stack = [(r, (), root, None) for r, root in enumerate(roots)][::-1]
+    slots: dict[tuple[int, Any], tuple[Any, Any]] = {}  # one each: by (id(place), key)
     while stack and len(seen) < _WALK_BUDGET:
-        r, path, obj = stack.pop()
-        if type(obj) in _SCALARS and _function_slot(path) and len(scalars) < _GUARDED_SCALARS:
-            # where it is read back from: the dict or cell itself, not the path (at each call)
-            scalars.append((follow(roots[r], path[:-1]),
-                            path[-1][1] if path[-2] == (True, "__globals__") else None))
+        r, path, obj, slot = stack.pop()
+        if slot is not None and not isinstance(obj, _UNGUARDED) and \
+                len(slots) < _GUARDED_SLOTS:
+            slots.setdefault((id(slot[0]), slot[1]), slot)
         if id(obj) in seen or isinstance(obj, _SKIPPED) or type(obj) in _SCALARS:
             continue
         seen.add(id(obj))
@@ -158,24 +171,67 @@ def reach(roots: Sequence[Any]) -> Reachable:
             for name, m in obj.named_modules():
                 seen.add(id(m))
                 sub = _under((), name)
-                children += [(sub + ((True, "__dict__"), (False, k)), v)
+                children += [(sub + ((True, "__dict__"), (False, k)), v, None)
                              for k, v in vars(m).items() if k not in _MODULE_DICTS]
                 forward = getattr(type(m), "forward", None)
                 if isinstance(forward, types.FunctionType):
-                    children.append((sub + ((True, "__class__"), (True, "forward")), forward))
-        for step, child in reversed(children):
-            stack.append((r, path + step, child))
+                    children.append((sub + ((True, "__class__"), (True, "forward")), forward,
+                                     None))
+        for step, child, child_slot in reversed(children):
+            stack.append((r, path + step, child, child_slot))
     inner = {id(m) for _, _, root in modules.values() for m in root.modules() if m is not root}
     return Reachable(tuple((r, p) for key, (r, p, _) in modules.items() if key not in inner),
-                     tensors, tuple(scalars))
+                     tensors, tuple(slots.values()))
 
 
-def _function_slot(path: Path) -> bool:
-    """Does ``path`` end at a function's global or closure cell (where a Python number a
-    trace reads as a constant is the caller's to rebind: ``scale = 3.0``)? Defaults sit in
-    a tuple: not rebound but by replacing it."""
-    return len(path) >= 2 and (path[-2] == (True, "__globals__")
-                               or path[-1] == (True, "cell_contents"))
+def slot_guards(slots: Sequence[tuple[Any, Any]]) -> tuple[Slots, Slots]:
+    """The slots as a ``State`` reads them, from what they hold now (after the trace, which
+    may have written some): (those read by value, those read by identity). A slot emptied
+    or now holding a tensor or module is left to those guards."""
+    by_value, by_identity = [], []
+    for place, key in slots:
+        try:
+            value = place.cell_contents if key is _CELL else place[key]
+        except (KeyError, IndexError, ValueError):
+            continue
+        if type(value) in _VALUES:
+            by_value.append((place, key))
+        elif not isinstance(value, _UNGUARDED):
+            by_identity.append((place, key))
+    return Slots(by_value), Slots(by_identity, by_identity=True)
+
+
+class Slots:
+    """Slots read at every call, grouped by their dict, list or cell so that ``read`` is
+    two sweeps in C; ``by_identity``, the objects they hold now, which ``same`` compares."""
+
+    __slots__ = ("_places", "_getters", "_groups", "_group_getters", "objects")
+
+    def __init__(self, slots: Sequence[tuple[Any, Any]], by_identity: bool = False):
+        keys: dict[int, tuple[Any, list]] = {}
+        for place, key in slots:
+            keys.setdefault(id(place), (place, []))[1].append(key)
+        alone = [(place, k[0]) for place, k in keys.values() if len(k) == 1]
+        together = [(place, k) for place, k in keys.values() if len(k) > 1]
+        self._places = [place for place, _ in alone]
+        self._getters = [_CONTENTS if key is _CELL else operator.itemgetter(key)
+                         for _, key in alone]
+        self._groups = [place for place, _ in together]
+        self._group_getters = [operator.itemgetter(*k) for _, k in together]
+        self.objects = tuple(self.read()) if by_identity else ()
+
+    def read(self) -> list:
+        """What the slots hold (raises KeyError, IndexError or ValueError for an emptied
+        one)."""
+        return [*map(operator.call, self._getters, self._places),
+                *itertools.chain.from_iterable(
+                    map(operator.call, self._group_getters, self._groups))]
+
+    def same(self) -> bool:
+        return all(map(operator.is_, self.read(), self.objects))
+
+
+_CONTENTS = operator.attrgetter("cell_contents")
 
 
 def _filled(cell) -> bool:
@@ -337,7 +393,8 @@ class State:
     tensors: tuple[tuple[int, Path], ...] = ()  # lifted, in input order
     baked: tuple[tuple[torch.Tensor, int], ...] = ()
     pinned: tuple[tuple[int, Path, torch.Tensor], ...] = ()  # live tensors whose value was read
-    scalars: tuple[tuple[Any, Any], ...] = ()  # the numbers and strings functions capture
+    values: Slots = Slots(())  # the slots read by value (``slot_guards``)
+    held: Slots = Slots(())  # and by identity
     _last: _LastRead = attrs.field(factory=lambda: _LastRead(), init=False, eq=False,
                                    repr=False)
 
@@ -366,10 +423,11 @@ class State:
                 tensors.append(t)
             if any(follow(self.roots[r], path) is not t for r, path, t in self.pinned):
                 return None
-            values = [place.cell_contents if name is None else place[name]
-                      for place, name in self.scalars]
-            signature = (tuple(structures), tensor_keys(tensors),
-                         tuple(zip(map(type, values), values)))
+            if not self.held.same():
+                return None
+            values = self.values.read()  # 1, 1.0 and True trace differently: typed
+            signature = (tuple(structures), tensor_keys(tensors), tuple(values),
+                         tuple(map(type, values)))
         except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError):
             return None
         if any(t._version != version for t, version in self.baked):
