@@ -337,8 +337,9 @@ def main(registry: dict = MODELS, description: str = __doc__) -> None:
             peak = float("nan") if peak is None else peak / 2 ** 20
             print(f"{name:>9} {label:>14} {first:>8.2f} {statistics.median(times):>9.2f} "
                   f"{peak:>8.0f} {error:>9.1e}", flush=True)
-        del columns, model, opt, step
-        gc.collect()  # the compiled programs (and CUDA graphs) are gone before the next model
+        del columns, model, opt, step, run, got
+        gc.collect()  # the compiled programs (and CUDA graphs: held_bytes counts every live
+        # one) are gone before the next model
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from ..tracer.trace import Trace, bind, tracing
 from .attention import fuse_attention
 from .layout import channels_last
 from .interpret import inline, replay
+from .lowering import reads_memory
 
 
 def differentiable(t: TensorType) -> bool:
@@ -274,6 +275,99 @@ def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
         return trace.builder.build([trace.value_of(x) for x in outs + grads])
 
 
+def _backward_part(g: Graph, n_outputs: int, tangent: set[int], pinned: set[int],
+                   recomputed: dict) -> tuple[set[int], dict[Value, None]]:
+    """The joint graph's nodes the backward program runs, and the forward values it reads
+    (the residuals, in the order first reached)."""
+    in_backward: set[int] = set()
+    residuals: dict[Value, None] = {}
+    stack = list(g.outputs[n_outputs:])
+    while stack:
+        v = stack.pop()
+        node = g.node(v.node)
+        if v.node in in_backward or v in residuals or v.node in tangent and node.prim == "input":
+            continue
+        if node.prim != "input" and (v.node in tangent or v.node not in pinned
+                                     or v.node in recomputed):
+            in_backward.add(v.node)
+            stack += g.operands(v.node)
+        else:
+            residuals[v] = None
+    return in_backward, residuals
+
+
+def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set[int],
+                    residuals: dict[Value, None]) -> set[int]:
+    """The recomputed nodes better saved (NOTE [saved instead of redone]): those whose
+    values a region of recomputed nodes hands to the backward's own work, where they are
+    values the forward computes anyway and take no more bytes than the saved values that
+    only that region reads."""
+    redone = [n for n in g.order if n in in_backward and n in recomputed]
+    region = {n: n for n in redone}
+
+    def root(n: int) -> int:
+        while region[n] != n:
+            region[n] = n = region[region[n]]
+        return n
+
+    for n in redone:
+        for v in g.operands(n):
+            if v.node in region:
+                region[root(v.node)] = root(n)
+    computed: set[int] = set()  # what the forward computes for its outputs
+    stack = [v.node for v in g.outputs[:n_outputs]]
+    while stack:
+        n = stack.pop()
+        if n not in computed:
+            computed.add(n)
+            stack += [v.node for v in g.operands(n)]
+    # the forward's outputs and what its library calls read (a view, as its copy)
+    stored_anyway = {v.node for v in g.outputs[:n_outputs]} | {
+        v.node for n in computed if reads_memory(g.node(n).prim) for v in g.operands(n)}
+    handed: dict[int, set[Value]] = {}  # region -> its values the backward's work reads
+    reads: dict[int, set[Value]] = {}  # region -> the residuals it reads
+    shared: set[Value] = set()  # residuals read by the backward's work or by two regions
+
+    def hand(v: Value) -> None:
+        """``v`` of a region is read outside it: stored, or if a view the forward does not
+        store, what it views (a broadcast of a row's sum stays redone from the sum)."""
+        if g.node(v.node).prim not in _LAYOUT or v.node in stored_anyway:
+            handed.setdefault(root(v.node), set()).add(v)
+            return
+        for u in g.operands(v.node):
+            if u.node in region:
+                hand(u)
+            elif u in residuals:
+                shared.add(u)
+
+    for n in in_backward:
+        mine = root(n) if n in region else None
+        for v in g.operands(n):
+            if v.node in region and root(v.node) != mine:
+                hand(v)
+            if v in residuals:
+                if mine is None:
+                    shared.add(v)
+                else:
+                    reads.setdefault(mine, set()).add(v)
+    for v in g.outputs[n_outputs:]:
+        if v.node in region:
+            hand(v)
+    owners: dict[Value, int] = {}
+    for r, vs in reads.items():
+        for v in vs:
+            if owners.setdefault(v, r) != r:
+                shared.add(v)
+    stored: set[int] = set()
+    for r, values in handed.items():
+        freed = sum(g.type_of(v).nbytes for v in reads.get(r, ()) - shared
+                    if g.node(v.node).prim != "input")
+        if all(v.node in stored_anyway for v in values) and \
+                sum(g.type_of(v).nbytes for v in values) <= freed:
+            stored.update(v.node for v in values)
+    return stored
+
+
 def split(joint_graph: Graph, n_primals: int, n_outputs: int,
           unchanged: frozenset[int] = frozenset()) -> tuple[Graph, Graph, tuple[int, ...]]:
     """The forward program (primals -> outputs, residuals) and the backward one (primals
@@ -289,20 +383,10 @@ def split(joint_graph: Graph, n_primals: int, n_outputs: int,
         elif operands & pinned or is_effectful(g.node(n)):
             pinned.add(n)
     recomputed = _recomputed(g, pinned)
-    in_backward: set[int] = set()
-    residuals: dict[Value, None] = {}
-    stack = list(g.outputs[n_outputs:])
-    while stack:
-        v = stack.pop()
-        node = g.node(v.node)
-        if v.node in in_backward or v in residuals or v.node in tangent and node.prim == "input":
-            continue
-        if node.prim != "input" and (v.node in tangent or v.node not in pinned
-                                     or v.node in recomputed):
-            in_backward.add(v.node)
-            stack += g.operands(v.node)
-        else:
-            residuals[v] = None
+    in_backward, residuals = _backward_part(g, n_outputs, tangent, pinned, recomputed)
+    if stored := _stored_instead(g, n_outputs, recomputed, in_backward, residuals):
+        recomputed = {n: nodes for n, nodes in recomputed.items() if n not in stored}
+        in_backward, residuals = _backward_part(g, n_outputs, tangent, pinned, recomputed)
     position = {g.inputs[i]: i for i in unchanged}
     read = [v for v in residuals if v.node in position]
     saved = [v for v in residuals if v.node not in position]

@@ -494,6 +494,12 @@ _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
 }
 
 
+def reads_memory(prim: str) -> bool:
+    """Does a node of ``prim`` read its operands from buffers (an extern), rather than
+    inline them (a lazy value, a reduction's or a gather's operand expression)?"""
+    return prim not in _LAZY and prim not in REDUCTIONS and prim != "gather"
+
+
 def inline_checkpoints(graph: Graph) -> Graph:
     """Each ``checkpoint`` node replaced by its body (NOTE [checkpoint] in control.py): its
     recomputation is in the graph by now, and no later pass merges computations."""
