@@ -656,6 +656,7 @@ class _KernelWriter:
         # The default block sizes (the kernel's constexpr parameters, in order) and the points
         # each block walks (no block is longer, rounded up to a power of 2).
         self.tiled = None if self.row_kernel else _transposed_loop(k)
+        self.columns = False
         self.extents = {"XBLOCK": self.numel}
         if self.tiled is not None:  # 2-D tiles: y the other outer loops, tiled loop last
             self.yloops = [i for i in range(len(k.sizes) - 1) if i != self.tiled] + [self.tiled]
@@ -670,7 +671,7 @@ class _KernelWriter:
             # a column sum keeps COLUMNS_XBLOCK neighbouring columns per tile however long its
             # rows: a persistent tile of long rows has too few (a [4, 1024] tile of a split
             # bias gradient ran 5x slower on an H100 than [8, 512] chunks)
-            columns = column_wise(k, mixed=True)
+            self.columns = columns = column_wise(k, mixed=True)
             limit = min(PERSISTENT_MAX, COLUMNS_RBLOCK) if columns else PERSISTENT_MAX
             self.persistent = self.rnumel <= limit
             if self.persistent:
@@ -1016,6 +1017,10 @@ class _KernelWriter:
             rblock = self.blocks["RBLOCK"]
             shapes = [(x, rblock) for x in (1, 2, 4, 8, 16) if x * rblock <= 4 * TILE_MAX]
             warps = (2, 4, 8, 16)
+        elif self.columns:  # neighbouring columns by chunks of rows
+            shapes = [(x, r) for x in (8, 16, 32, 64, 128) for r in (16, 32, 64, 128, 256, 512)
+                      if 512 <= x * r <= 2 * TILE_MAX]
+            warps = (4, 8)
         else:
             shapes = [(x, r) for r in (512, 1024, 2048, 4096) for x in (1, 2, 4)
                       if x * r <= 2 * TILE_MAX]

@@ -296,6 +296,18 @@ def _backward_part(g: Graph, n_outputs: int, tangent: set[int], pinned: set[int]
     return in_backward, residuals
 
 
+# NOTE [saved instead of redone]
+# Recomputing a value is free in memory only where what it is redone from is saved anyway.
+# The recomputed nodes the backward runs form regions (joined where one reads another); a
+# region reads saved values and hands values to the backward's own work (the nodes fed by
+# cotangents). Where every value it hands is one the forward stores anyway (an operand of a
+# library call, whose lazy views lowering stores for it, or a forward output) and together
+# they take no more bytes than the saved values only that region reads, they are saved
+# instead: the same memory, and the backward no longer recomputes them. Attention written
+# out over heads cut from one projection: the heads its products read are saved, not the
+# projection (then biased and copied per head again in the backward: ViT-B/16's 36 such
+# copies). A view the forward does not store (a broadcast of a row's sum) is looked
+# through to what it views.
 def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set[int],
                     residuals: dict[Value, None]) -> set[int]:
     """The recomputed nodes better saved (NOTE [saved instead of redone]): those whose

@@ -482,6 +482,7 @@ AUTOTUNED = {
     "tiled": (lambda x: x.t() * 2, (torch.randn(37, 45),)),
     "persistent_rows": (lambda x: torch.softmax(x, -1), (torch.randn(9, 40),)),
     "looped_rows": (lambda x: torch.log_softmax(x, -1), (torch.randn(2, 4100),)),
+    "column_sums": (lambda x: x.sum(0), (torch.randn(1030, 24),)),
     "in_place": (_layer_norm_of_matmul, (torch.randn(6, 5), torch.randn(5, 24))),
 }
 
@@ -507,6 +508,9 @@ def test_autotuning_keeps_the_fastest_launch_and_remembers_it(case, tmp_path, mo
         chosen = {w.name: w.candidates()[-1] for w in compiled.writers.values()}
         assert tuning == {f"{name} on interpreter": c for name, c in chosen.items()}
         assert all(len(w.candidates()) > 4 for w in compiled.writers.values())
+        if case == "column_sums":  # tiles of neighbouring columns, by chunks of rows
+            assert {(c["XBLOCK"], c["RBLOCK"]) for w in compiled.writers.values()
+                    for c in w.candidates()} >= {(32, 16), (32, 128), (16, 256)}
 
         def no_timing(launch, device):
             raise AssertionError("a tuned kernel was timed again")

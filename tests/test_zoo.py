@@ -2,6 +2,7 @@
 ResNet with BatchNorm, a ConvNeXt), trained through ``plait.jit(model)`` and
 ``loss.backward()`` at small sizes: every gradient, the loss and BatchNorm's running
 statistics against eager's, over two steps of SGD."""
+import math
 import os
 import sys
 
@@ -50,3 +51,34 @@ def test_model_trains_as_in_eager(name, layout):
             assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=f"step {step}: {k}")
     for (k, got), want in zip(model.named_buffers(), eager.buffers()):
         assert_close(got, want, rtol=1e-5, atol=1e-6, msg=k)  # BatchNorm's statistics
+
+
+def test_heads_a_product_reads_are_saved_rather_than_redone(monkeypatch):
+    """A ViT block with its attention written out: the query, key and value heads (and the
+    heads' merged output) are stored by the forward for its products anyway, in the bytes of
+    the projections they are cut from, which only their recomputation would read. They are
+    saved (NOTE [saved instead of redone]), the projections are not, and the gradients are
+    eager's."""
+    from zoo import ViTBlock
+
+    def saved_by(make_block, x):
+        torch.manual_seed(0)
+        block = make_block()
+        jitted = plait.jit(block)
+        jitted(x).square().sum().backward()
+        want = torch.autograd.grad(block(x).square().sum(), list(block.parameters()))
+        for p, w in zip(block.parameters(), want):
+            assert_close(p.grad, w, rtol=1e-4, atol=1e-5)
+        (compiled,) = jitted.jitted._cache.values()
+        (program,) = compiled._programs.values()
+        forward = program._forward.graph
+        return sorted(forward.type_of(v).shape for v in forward.outputs[program.n_outputs:])
+
+    monkeypatch.setattr(plait.config, "fuse_attention", False)
+    x = torch.randn(4, 32, 64)
+    saved = saved_by(lambda: ViTBlock(64, 4), x)
+    assert saved.count((16, 32, 16)) == 3 and (128, 192) not in saved, saved
+    monkeypatch.setattr(plait.passes.autodiff, "_stored_instead", lambda *args: set())
+    redone = saved_by(lambda: ViTBlock(64, 4), x)
+    assert (128, 192) in redone and saved != redone
+    assert sum(map(math.prod, saved)) == sum(map(math.prod, redone))  # the same bytes
