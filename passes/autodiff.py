@@ -37,7 +37,6 @@ from ..tracer.trace import Trace, bind, tracing
 from .attention import fuse_attention
 from .layout import channels_last
 from .interpret import inline, replay
-from .lowering import reads_memory
 
 
 def differentiable(t: TensorType) -> bool:
@@ -314,6 +313,7 @@ def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set
     values a region of recomputed nodes hands to the backward's own work, where they are
     values the forward computes anyway and take no more bytes than the saved values that
     only that region reads."""
+    from .lowering import reads_memory  # here: a warm start loads programs, never lowering
     redone = [n for n in g.order if n in in_backward and n in recomputed]
     region = {n: n for n in redone}
 
