@@ -154,6 +154,42 @@ def test_numbers_held_in_captured_containers_and_objects_are_read_at_each_call()
         CONFIG = {"p": 2.0, "inner": {"shift": 1.0}}
 
 
+def test_an_attribute_the_code_never_names_is_not_guarded():
+    """A captured object's attribute that no code walked names (a trainer's step counter
+    beside the model the function calls) changes every call without a retrace; one the
+    module's own methods read (through a helper of forward) is guarded."""
+    class Block(torch.nn.Module):
+        def __init__(self, settings):
+            super().__init__()
+            self.linear, self.settings = torch.nn.Linear(4, 4), settings
+
+        def forward(self, x):
+            return self._scaled(self.linear(x))
+
+        def _scaled(self, y):
+            return y * self.settings.gain
+
+    class Trainer:
+        def __init__(self):
+            self.step, self.settings = 0, type("Settings", (), {})()
+            self.settings.gain = 2.0
+            self.model = Block(self.settings)
+
+    trainer, x = Trainer(), torch.randn(4)
+
+    def f(x):
+        return trainer.model(x)
+
+    jitted = plait.jit(f)
+    for _ in range(3):
+        trainer.step += 1
+        assert_close(jitted(x), f(x))
+    assert jitted.trace_count == 1
+    trainer.settings.gain = -1.0
+    assert_close(jitted(x), f(x))
+    assert jitted.trace_count == 2
+
+
 def test_a_rebound_captured_function_retraces():
     def f(x):
         return ACTIVATION(x) + 1

@@ -21,8 +21,11 @@ function's Python objects once per trace and names each tensor and module it fin
   string, dtype or device by value, as part of the signature; anything else but a tensor or
   module (which have their own guards) by identity, and another object there retraces.
   Each container read from is itself a slot of its holder, so rebinding ``cfg`` is seen
-  too. The first ``_GUARDED_SLOTS`` slots of the walk are guarded; what lies beyond is
-  baked.
+  too. An attribute or string key that no code the walk passed names (its functions' and
+  its modules' classes' names and string constants) is left out: the code cannot read it
+  but through ``getattr`` with a computed name, and guarding it would retrace on every
+  change of, say, a trainer's step counter. The first ``_GUARDED_SLOTS`` slots are guarded;
+  what lies beyond is baked.
 * A tensor the walk does not find (one made inside the function, or reached through a path
   it does not follow) is baked as a constant, and its version counter is kept: an in-place
   write to it retraces. So is a live tensor whose value the trace read (``.item()``, split
@@ -99,6 +102,27 @@ def _global_names(code: types.CodeType) -> Iterator[str]:
             yield from _global_names(const)
 
 
+def _code_strings(code: types.CodeType) -> Iterator[str]:
+    """The names and string constants of ``code`` and the code nested in it: the attributes
+    and keys it may read (``cfg.eps``, ``cfg["p"]``)."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, types.CodeType):
+            yield from _code_strings(const)
+
+
+def _method_strings(module_class: type) -> Iterator[str]:
+    """``_code_strings`` of the functions a module class defines (its forward's helpers),
+    torch's own classes left out."""
+    for cls in module_class.__mro__:
+        if not cls.__module__.startswith(_LIBRARIES):
+            for f in vars(cls).values():
+                if isinstance(f, types.FunctionType):
+                    yield from _code_strings(f.__code__)
+
+
 def _under(path: Path, name: str) -> Path:
     """The path of submodule ``name`` (dotted) of the module at ``path``."""
     for part in name.split(".") if name else ():
@@ -152,10 +176,11 @@ def reach(roots: Sequence[Any]) -> Reachable:
     seen: set[int] = set()
     stack = [(r, (), root, None) for r, root in enumerate(roots)][::-1]
     slots: dict[tuple[int, Any], tuple[Any, Any]] = {}  # one each: by (id(place), key)
+    read: set[str] = set()  # the names and strings of the code walked (``_code_strings``)
+    classes: set[type] = set()
     while stack and len(seen) < _WALK_BUDGET:
         r, path, obj, slot = stack.pop()
-        if slot is not None and not isinstance(obj, _UNGUARDED) and \
-                len(slots) < _GUARDED_SLOTS:
+        if slot is not None and not isinstance(obj, _UNGUARDED):
             slots.setdefault((id(slot[0]), slot[1]), slot)
         if id(obj) in seen or isinstance(obj, _SKIPPED) or type(obj) in _SCALARS:
             continue
@@ -165,10 +190,15 @@ def reach(roots: Sequence[Any]) -> Reachable:
             continue
         if not isinstance(obj, torch.nn.Module):
             children = _children(obj)
+            if isinstance(obj, types.FunctionType):
+                read.update(_code_strings(obj.__code__))
         else:  # its tree's plain attributes and forward functions
             modules[id(obj)] = (r, path, obj)
             children = []
             for name, m in obj.named_modules():
+                if type(m) not in classes:
+                    classes.add(type(m))
+                    read.update(_method_strings(type(m)))
                 seen.add(id(m))
                 sub = _under((), name)
                 children += [(sub + ((True, "__dict__"), (False, k)), v, None)
@@ -180,8 +210,12 @@ def reach(roots: Sequence[Any]) -> Reachable:
         for step, child, child_slot in reversed(children):
             stack.append((r, path + step, child, child_slot))
     inner = {id(m) for _, _, root in modules.values() for m in root.modules() if m is not root}
+    # an attribute or string key no code walked names is not read by it: left unguarded
+    # (a trainer's step counter beside the model a function calls retraces nothing)
+    guarded = [(place, key) for place, key in slots.values()
+               if not isinstance(key, str) or key in read][:_GUARDED_SLOTS]
     return Reachable(tuple((r, p) for key, (r, p, _) in modules.items() if key not in inner),
-                     tensors, tuple(slots.values()))
+                     tensors, tuple(guarded))
 
 
 def slot_guards(slots: Sequence[tuple[Any, Any]]) -> tuple[Slots, Slots]:
