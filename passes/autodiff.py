@@ -311,8 +311,8 @@ def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set
                     residuals: dict[Value, None]) -> set[int]:
     """The recomputed nodes better saved (NOTE [saved instead of redone]): those whose
     values a region of recomputed nodes hands to the backward's own work, where they are
-    values the forward computes anyway and take no more bytes than the saved values that
-    only that region reads."""
+    values the forward stores anyway and take no more bytes than the saved values that only
+    that region reads."""
     from .lowering import reads_memory  # here: a warm start loads programs, never lowering
     redone = [n for n in g.order if n in in_backward and n in recomputed]
     region = {n: n for n in redone}
@@ -372,7 +372,7 @@ def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set
                 shared.add(v)
     stored: set[int] = set()
     for r, values in handed.items():
-        freed = sum(g.type_of(v).nbytes for v in reads.get(r, ()) - shared
+        freed = sum(g.type_of(v).nbytes for v in reads.get(r, set()) - shared
                     if g.node(v.node).prim != "input")
         if all(v.node in stored_anyway for v in values) and \
                 sum(g.type_of(v).nbytes for v in values) <= freed:

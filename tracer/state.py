@@ -117,7 +117,7 @@ def _method_strings(module_class: type) -> Iterator[str]:
     """``_code_strings`` of the functions a module class defines (its forward's helpers),
     torch's own classes left out."""
     for cls in module_class.__mro__:
-        if not cls.__module__.startswith(_LIBRARIES):
+        if not str(cls.__module__).startswith(_LIBRARIES):
             for f in vars(cls).values():
                 if isinstance(f, types.FunctionType):
                     yield from _code_strings(f.__code__)
