@@ -43,6 +43,7 @@ import torch
 
 from ..config import config
 from ..graph import Graph, GraphBuilder, Value, rewrite
+from ..tracer.aten import SoftmaxRule
 from ..tracer.primitives import get_primitive, is_effectful
 from ..tracer.trace import current_trace
 from .interpret import graph_of, inline
@@ -50,9 +51,15 @@ from .interpret import graph_of, inline
 
 def _batch_view(g, v: Value, members: set | None = None) -> Value:
     """``v`` with reshapes that keep its last two dims (and, where ``members`` is given,
-    converts between floating dtypes) skipped; skipped nodes join ``members``."""
+    converts between floating dtypes and softmax's derivative marker) skipped; skipped nodes
+    join ``members``."""
     while True:
         node = g.node(v.node)
+        if node.prim == "custom_vjp" and members is not None and \
+                isinstance(node.kwargs["rule"], SoftmaxRule):
+            members.add(v.node)
+            v = g.operands(v.node)[-1]
+            continue
         if node.prim not in ("reshape", "convert") or (node.prim == "convert" and members is None):
             return v
         (x,) = g.operands(v.node)

@@ -333,16 +333,33 @@ def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set
         if n not in computed:
             computed.add(n)
             stack += [v.node for v in g.operands(n)]
-    # the forward's outputs and what its library calls read (a view, as its copy)
-    stored_anyway = {v.node for v in g.outputs[:n_outputs]} | {
-        v.node for n in computed if reads_memory(g.node(n).prim) for v in g.operands(n)}
+    def viewed(v: Value) -> Value | None:
+        """What ``v`` reshapes in place: a value that is not itself a view."""
+        if g.node(v.node).prim != "reshape":
+            return None
+        (u,) = g.operands(v.node)
+        return u if g.node(u.node).prim not in _LAYOUT else None
+
+    # the forward's outputs and what its library calls read (a view, as its copy; the value
+    # a reshape views in place)
+    stored_anyway = {v.node for v in g.outputs[:n_outputs]}
+    for n in computed:
+        if reads_memory(g.node(n).prim):
+            for v in g.operands(n):
+                stored_anyway.add(v.node)
+                if (u := viewed(v)) is not None:
+                    stored_anyway.add(u.node)
     handed: dict[int, set[Value]] = {}  # region -> its values the backward's work reads
     reads: dict[int, set[Value]] = {}  # region -> the residuals it reads
     shared: set[Value] = set()  # residuals read by the backward's work or by two regions
 
     def hand(v: Value) -> None:
-        """``v`` of a region is read outside it: stored, or if a view the forward does not
-        store, what it views (a broadcast of a row's sum stays redone from the sum)."""
+        """``v`` of a region is read outside it: stored, or if it reshapes a value in
+        place or is a view the forward does not store, what it views (a broadcast of a
+        row's sum stays redone from the sum)."""
+        if (u := viewed(v)) is not None and u.node in region:
+            hand(u)
+            return
         if g.node(v.node).prim not in _LAYOUT or v.node in stored_anyway:
             handed.setdefault(root(v.node), set()).add(v)
             return

@@ -127,6 +127,27 @@ def test_vmap_of_unvectorized_primitive_loops():
     torch.testing.assert_close(plait.vmap(torch.linalg.cholesky)(x), torch.linalg.cholesky(x))
 
 
+def test_softmax_derivatives_by_its_rule_batched_and_of_second_order():
+    """Softmax's result carries its own VJP (``SoftmaxRule``): per-example gradients stay
+    one vectorized softmax (the rule batches), and its Hessian and JVP are eager's."""
+    w = torch.randn(5, 7)
+
+    def f(x):
+        return (torch.softmax(x, -1) * w).sum()
+
+    x, xs, t = torch.randn(5, 7), torch.randn(3, 5, 7), torch.randn(5, 7)
+    per_example = plait.jit(plait.vmap(plait.grad(f)))
+    assert_close(per_example(xs), torch.func.vmap(torch.func.grad(f))(xs))
+    graph = per_example.lower(xs).graph
+    assert [graph.node(n).prim for n in graph.order].count("exp") == 1  # not a loop
+    assert_close(plait.hessian(f)(x), torch.func.hessian(f)(x), atol=1e-5, rtol=1e-4)
+    assert_close(plait.jvp(f, (x,), (t,))[1], torch.func.jvp(f, (x,), (t,))[1])
+
+    def half(x):
+        return torch.softmax(x.to(torch.bfloat16), 0).float().square().sum()
+    assert_close(plait.grad(half)(x), torch.func.grad(half)(x), atol=1e-2, rtol=1e-2)
+
+
 def test_vmap_randomness():
     with pytest.raises(UnsupportedOpError, match="randomness"):
         plait.vmap(lambda x: x + torch.rand(3))(torch.zeros(2, 3))

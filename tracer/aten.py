@@ -1578,24 +1578,53 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return torch.where(torch.reshape(zero, out.shape), 0.0, out)
 
 
+@attrs.frozen
+class SoftmaxRule:
+    """The VJP of softmax (a ``custom_vjp`` rule, NOTE [custom functions]): eager's formula,
+    ``p * (ct - sum(ct * p))`` along ``dim``, computed in float32 for half types. It reads
+    the probabilities alone; differentiating the decomposition reads the exponentials and
+    their sums too, so a backward that has the probabilities saved (attention written out,
+    whose product with the values reads them) still redid them from the scores."""
+
+    dim: int  # non-negative
+
+    def backward(self, ct, output: int, operands: tuple) -> list:
+        x, p = operands
+        wide = torch.promote_types(p.dtype, torch.float32)
+        p, ct = p.to(wide), ct.to(wide)
+        return [(p * (ct - (ct * p).sum(self.dim, keepdim=True))).to(x.dtype), None]
+
+    def batched(self) -> SoftmaxRule:
+        """The rule with a batch dim in front (``vmap``)."""
+        return attrs.evolve(self, dim=self.dim + 1)
+
+    def permuted(self, perm: tuple[int, ...]) -> SoftmaxRule:
+        """The rule of the same softmax of transpose(x, perm)'s data laid out as x."""
+        return attrs.evolve(self, dim=perm[self.dim])
+
+
 def _softmax_rule(log: bool):
     """torch's decomposition of (log_)softmax (computed in float32 for half types), with the
     max subtracted for stability a constant to derivatives: the result does not depend on
     it (eager's derivative formulas never read it), and differentiating through it counts
-    the ties of each row's max, two more passes over every row."""
+    the ties of each row's max, two more passes over every row. Softmax's result takes the
+    VJP of ``SoftmaxRule``."""
     def rule(x, dim, half_to_float):
         t = type_of(x)
         if t.ndim == 0 or t.shape[dim % t.ndim] == 0:
             return NotImplemented  # an empty row: torch's decomposition handles it
         half = t.dtype in (torch.float16, torch.bfloat16)
-        x = x.to(torch.float32) if half else x
-        shifted = x - bind("stop_gradient", torch.amax(x, dim, keepdim=True))
+        wide = x.to(torch.float32) if half else x
+        shifted = wide - bind("stop_gradient", torch.amax(wide, dim, keepdim=True))
         if log:
             out = shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True))
         else:
             unnormalized = torch.exp(shifted)
             out = unnormalized / torch.sum(unnormalized, dim, keepdim=True)
-        return out if half_to_float else out.to(t.dtype)
+        out = out if half_to_float else out.to(t.dtype)
+        if log or not out.dtype.is_floating_point:
+            return out
+        return bind("custom_vjp", x, out, rule=SoftmaxRule(dim % t.ndim), output=0)
 
     return rule
 

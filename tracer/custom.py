@@ -8,7 +8,8 @@ operand, whose operands are also the function's tensor inputs and every tensor t
 saved (``ctx.save_for_backward``, or tensors kept as ``ctx`` attributes). Its VJP rule calls
 the user's ``backward`` on the replayed operands, so the derivative is the user's, and the
 forward's own ops get none. Forward mode derives its rule from that VJP (NOTE [autodiff]);
-``vmap`` runs it once per example. Lowering treats ``custom_vjp`` as the value itself.
+``vmap`` runs it once per example, unless the rule batches (plait's own softmax rule:
+``batched``). Lowering treats ``custom_vjp`` as the value itself.
 """
 from __future__ import annotations
 
@@ -161,6 +162,16 @@ def _custom_functions_traced():
 
 TRACING_CONTEXTS.append(_custom_functions_traced)
 
+def _batched_custom(operands, batched, axis_size, rule, output):
+    """A rule that batches (``rule.batched()``: its dims moved past a leading batch dim, as
+    softmax's) keeps its node, every operand batched; any other runs once per example."""
+    if not hasattr(rule, "batched"):
+        return NotImplemented
+    operands = [x if b else x.expand(axis_size, *x.shape) for x, b in zip(operands, batched)]
+    return bind("custom_vjp", *operands, rule=rule.batched(), output=output), [True]
+
+
 define("custom_vjp", lambda *types, rule, output: (types[-1],),
        lambda *operands, rule, output: operands[-1],
-       vjp=lambda cts, *operands, outs, rule, output: rule.backward(cts[0], output, operands))
+       vjp=lambda cts, *operands, outs, rule, output: rule.backward(cts[0], output, operands),
+       batch=_batched_custom)
