@@ -333,6 +333,7 @@ def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set
         if n not in computed:
             computed.add(n)
             stack += [v.node for v in g.operands(n)]
+
     def viewed(v: Value) -> Value | None:
         """What ``v`` reshapes in place: a value that is not itself a view."""
         if g.node(v.node).prim != "reshape":

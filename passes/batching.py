@@ -10,8 +10,9 @@ Batch dimensions are always leading, so each primitive's ``batch`` rule is short
 
 A rule is only called when some operand is batched. A primitive without a rule, or whose
 rule returns NotImplemented for these operands, runs once per example (a loop, unrolled in
-the graph: correct for every primitive, opaque ops included, but not vectorized). Random ops follow ``randomness``: "error" refuses them,
-"different" draws per example (the loop), "same" draws once for all examples.
+the graph: correct for every primitive, opaque ops included, but not vectorized). Random
+ops follow ``randomness``: "error" refuses them, "different" draws per example (the loop),
+"same" draws once for all examples.
 """
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ def vmap(graph: Graph, batched: Sequence[bool], axis_size: int,
                 outs, out_flags = _random(node, operands, flags, axis_size, randomness)
             else:
                 rule = get_primitive(node.prim).batch
-                batched = rule(operands, flags, axis_size, **node.kwargs) if rule \
+                result = rule(operands, flags, axis_size, **node.kwargs) if rule \
                     else NotImplemented
-                outs, out_flags = batched if batched is not NotImplemented else \
+                outs, out_flags = result if result is not NotImplemented else \
                     loop(node.prim, operands, flags, axis_size, node.kwargs)
                 outs = _outs(outs) if not isinstance(outs, list) else outs
             for i in range(len(node.out_types)):

@@ -162,6 +162,7 @@ def _custom_functions_traced():
 
 TRACING_CONTEXTS.append(_custom_functions_traced)
 
+
 def _batched_custom(operands, batched, axis_size, rule, output):
     """A rule that batches (``rule.batched()``: its dims moved past a leading batch dim, as
     softmax's) keeps its node, every operand batched; any other runs once per example."""
