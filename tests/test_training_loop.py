@@ -190,6 +190,28 @@ def test_an_attribute_the_code_never_names_is_not_guarded():
     assert jitted.trace_count == 2
 
 
+SCALES = [1.0, 2.0]
+SETTINGS = {"gain": 2.0}
+
+
+def test_an_item_added_to_a_captured_list_or_dict_of_values_retraces():
+    """The code iterates a list and looks a key up with a default: an item appended, or the
+    key added, changes what it computes."""
+    def f(x):
+        return sum(x * s for s in SCALES) + SETTINGS.get("bias", 0.0) * SETTINGS["gain"]
+
+    jitted, x = plait.jit(f), torch.randn(3)
+    try:
+        for change in (lambda: None, lambda: SCALES.append(3.0),
+                       lambda: SETTINGS.update(bias=1.5)):
+            change()
+            assert_close(jitted(x), f(x))
+    finally:
+        del SCALES[2:]
+        SETTINGS.pop("bias", None)
+    assert jitted.trace_count == 3
+
+
 def test_a_rebound_captured_function_retraces():
     def f(x):
         return ACTIVATION(x) + 1

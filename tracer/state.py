@@ -21,7 +21,8 @@ function's Python objects once per trace and names each tensor and module it fin
   string, dtype or device by value, as part of the signature; anything else but a tensor or
   module (which have their own guards) by identity, and another object there retraces.
   Each container read from is itself a slot of its holder, so rebinding ``cfg`` is seen
-  too. An attribute or string key that no code the walk passed names (its functions' and
+  too, and the length of a list or dict of such values (``scales = [1.0, 2.0]``) is read
+  by value: an item added to a list the code iterates, or a key its ``.get`` finds. An attribute or string key that no code the walk passed names (its functions' and
   its modules' classes' names and string constants) is left out: the code cannot read it
   but through ``getattr`` with a computed name, and guarding it would retrace on every
   change of, say, a trainer's step counter. The first ``_GUARDED_SLOTS`` slots are guarded;
@@ -75,7 +76,8 @@ _NOT_DESCRIBED = frozenset(_MODULE_DICTS) | {
 _SKIPPED = (types.ModuleType, type, types.BuiltinFunctionType, types.CodeType, str, bytes,
             torch.device, torch.dtype)
 _UNGUARDED = (torch.Tensor, torch.nn.Module, types.ModuleType)  # guarded apart, or never rebound
-_CELL = object()  # a slot's key where the slot is a closure cell's contents
+_CELL, _LENGTH = object(), object()  # slots' keys: a closure cell's contents, a length
+_READERS = {_CELL: operator.attrgetter("cell_contents"), _LENGTH: len}
 
 
 def follow(root: Any, path: Path) -> Any:
@@ -92,7 +94,8 @@ class Reachable:
 
     modules: tuple[tuple[int, Path], ...]
     tensors: dict[int, tuple[int, Path]]  # id(tensor) -> (root, path)
-    slots: tuple[tuple[Any, Any], ...] = ()  # (dict or list, key) or (closure cell, _CELL)
+    # (dict or list, key), (closure cell, _CELL) or (dict or list, _LENGTH)
+    slots: tuple[tuple[Any, Any], ...] = ()
 
 
 def _global_names(code: types.CodeType) -> Iterator[str]:
@@ -188,6 +191,8 @@ def reach(roots: Sequence[Any]) -> Reachable:
         if isinstance(obj, torch.Tensor):
             tensors.setdefault(id(obj), (r, path))
             continue
+        if slot is not None and _of_values(obj):
+            slots.setdefault((id(obj), _LENGTH), (obj, _LENGTH))
         if not isinstance(obj, torch.nn.Module):
             children = _children(obj)
             if isinstance(obj, types.FunctionType):
@@ -225,7 +230,7 @@ def slot_guards(slots: Sequence[tuple[Any, Any]]) -> tuple[Slots, Slots]:
     by_value, by_identity = [], []
     for place, key in slots:
         try:
-            value = place.cell_contents if key is _CELL else place[key]
+            value = _READERS[key](place) if key in _READERS else place[key]
         except (KeyError, IndexError, ValueError):
             continue
         if type(value) in _VALUES:
@@ -243,13 +248,17 @@ class Slots:
 
     def __init__(self, slots: Sequence[tuple[Any, Any]], by_identity: bool = False):
         keys: dict[int, tuple[Any, list]] = {}
+        alone = []  # (place, getter)
         for place, key in slots:
-            keys.setdefault(id(place), (place, []))[1].append(key)
-        alone = [(place, k[0]) for place, k in keys.values() if len(k) == 1]
+            if key in _READERS:
+                alone.append((place, _READERS[key]))
+            else:
+                keys.setdefault(id(place), (place, []))[1].append(key)
+        alone += [(place, operator.itemgetter(k[0])) for place, k in keys.values()
+                  if len(k) == 1]
         together = [(place, k) for place, k in keys.values() if len(k) > 1]
         self._places = [place for place, _ in alone]
-        self._getters = [_CONTENTS if key is _CELL else operator.itemgetter(key)
-                         for _, key in alone]
+        self._getters = [getter for _, getter in alone]
         self._groups = [place for place, _ in together]
         self._group_getters = [operator.itemgetter(*k) for _, k in together]
         self.objects = tuple(self.read()) if by_identity else ()
@@ -265,7 +274,19 @@ class Slots:
         return all(map(operator.is_, self.read(), self.objects))
 
 
-_CONTENTS = operator.attrgetter("cell_contents")
+
+def _of_values(obj) -> bool:
+    """Is ``obj`` a list of numbers, strings and their tuples, or a dict of them by such
+    keys (settings the code may iterate or look up with a default), whose length is then
+    guarded? A registry (``sys.modules``, flags by logger) grows as libraries load: not
+    guarded."""
+    if not isinstance(obj, (list, dict)) or len(obj) > _ITEMS:
+        return False
+    if isinstance(obj, dict) and not all(type(k) in _SCALARS for k in obj):
+        return False
+    items = obj.values() if isinstance(obj, dict) else obj
+    return all(type(v) in _VALUES or isinstance(v, tuple) and all(
+        type(u) in _VALUES for u in v) for v in items)
 
 
 def _filled(cell) -> bool:
