@@ -155,9 +155,10 @@ def test_numbers_held_in_captured_containers_and_objects_are_read_at_each_call()
 
 
 def test_an_attribute_the_code_never_names_is_not_guarded():
-    """A captured object's attribute that no code walked names (a trainer's step counter
-    beside the model the function calls) changes every call without a retrace; one the
-    module's own methods read (through a helper of forward) is guarded."""
+    """A captured object's attribute that no code walked names (a trainer's step counter,
+    and the list of losses it appends to, beside the model the function calls) changes every
+    call without a retrace; one the module's own methods read (through a helper of forward)
+    is guarded."""
     class Block(torch.nn.Module):
         def __init__(self, settings):
             super().__init__()
@@ -171,7 +172,7 @@ def test_an_attribute_the_code_never_names_is_not_guarded():
 
     class Trainer:
         def __init__(self):
-            self.step, self.settings = 0, type("Settings", (), {})()
+            self.step, self.losses, self.settings = 0, [], type("Settings", (), {})()
             self.settings.gain = 2.0
             self.model = Block(self.settings)
 
@@ -183,6 +184,7 @@ def test_an_attribute_the_code_never_names_is_not_guarded():
     jitted = plait.jit(f)
     for _ in range(3):
         trainer.step += 1
+        trainer.losses.append(float(trainer.step))
         assert_close(jitted(x), f(x))
     assert jitted.trace_count == 1
     trainer.settings.gain = -1.0

@@ -22,11 +22,12 @@ function's Python objects once per trace and names each tensor and module it fin
   module (which have their own guards) by identity, and another object there retraces.
   Each container read from is itself a slot of its holder, so rebinding ``cfg`` is seen
   too, and the length of a list or dict of such values (``scales = [1.0, 2.0]``) is read
-  by value: an item added to a list the code iterates, or a key its ``.get`` finds. An attribute or string key that no code the walk passed names (its functions' and
-  its modules' classes' names and string constants) is left out: the code cannot read it
-  but through ``getattr`` with a computed name, and guarding it would retrace on every
-  change of, say, a trainer's step counter. The first ``_GUARDED_SLOTS`` slots are guarded;
-  what lies beyond is baked.
+  by value: an item added to a list the code iterates, or a key its ``.get`` finds. What
+  is reached through an attribute or string key that no code the walk passed names (its
+  functions' and its modules' classes' names and string constants) is left out: the code
+  cannot read it but through ``getattr`` with a computed name, and guarding it would
+  retrace on every change of, say, a trainer's step counter or its list of losses. The
+  first ``_GUARDED_SLOTS`` slots are guarded; what lies beyond is baked.
 * A tensor the walk does not find (one made inside the function, or reached through a path
   it does not follow) is baked as a constant, and its version counter is kept: an in-place
   write to it retraces. So is a live tensor whose value the trace read (``.item()``, split
@@ -177,14 +178,17 @@ def reach(roots: Sequence[Any]) -> Reachable:
     modules: dict[int, tuple[int, Path, torch.nn.Module]] = {}
     tensors: dict[int, tuple[int, Path]] = {}
     seen: set[int] = set()
-    stack = [(r, (), root, None) for r, root in enumerate(roots)][::-1]
-    slots: dict[tuple[int, Any], tuple[Any, Any]] = {}  # one each: by (id(place), key)
+    # (root, path, object, its slot, the names and string keys of the slots it was reached
+    # through)
+    stack = [(r, (), root, None, ()) for r, root in enumerate(roots)][::-1]
+    # one each, by (id(place), key): (place, key, the names it was reached through)
+    slots: dict[tuple[int, Any], tuple[Any, Any, tuple]] = {}
     read: set[str] = set()  # the names and strings of the code walked (``_code_strings``)
     classes: set[type] = set()
     while stack and len(seen) < _WALK_BUDGET:
-        r, path, obj, slot = stack.pop()
+        r, path, obj, slot, names = stack.pop()
         if slot is not None and not isinstance(obj, _UNGUARDED):
-            slots.setdefault((id(slot[0]), slot[1]), slot)
+            slots.setdefault((id(slot[0]), slot[1]), (*slot, names))
         if id(obj) in seen or isinstance(obj, _SKIPPED) or type(obj) in _SCALARS:
             continue
         seen.add(id(obj))
@@ -192,7 +196,7 @@ def reach(roots: Sequence[Any]) -> Reachable:
             tensors.setdefault(id(obj), (r, path))
             continue
         if slot is not None and _of_values(obj):
-            slots.setdefault((id(obj), _LENGTH), (obj, _LENGTH))
+            slots.setdefault((id(obj), _LENGTH), (obj, _LENGTH, names))
         if not isinstance(obj, torch.nn.Module):
             children = _children(obj)
             if isinstance(obj, types.FunctionType):
@@ -213,12 +217,15 @@ def reach(roots: Sequence[Any]) -> Reachable:
                     children.append((sub + ((True, "__class__"), (True, "forward")), forward,
                                      None))
         for step, child, child_slot in reversed(children):
-            stack.append((r, path + step, child, child_slot))
+            key = child_slot[1] if child_slot is not None else None
+            stack.append((r, path + step, child, child_slot,
+                          names + (key,) if isinstance(key, str) else names))
     inner = {id(m) for _, _, root in modules.values() for m in root.modules() if m is not root}
-    # an attribute or string key no code walked names is not read by it: left unguarded
-    # (a trainer's step counter beside the model a function calls retraces nothing)
-    guarded = [(place, key) for place, key in slots.values()
-               if not isinstance(key, str) or key in read][:_GUARDED_SLOTS]
+    # what is reached through an attribute or string key that no code walked names is not
+    # read by it: left unguarded (a trainer's step counter, or the losses it appends to,
+    # beside the model a function calls retrace nothing)
+    guarded = [(place, key) for place, key, names in slots.values()
+               if read.issuperset(names)][:_GUARDED_SLOTS]
     return Reachable(tuple((r, p) for key, (r, p, _) in modules.items() if key not in inner),
                      tensors, tuple(guarded))
 
