@@ -305,8 +305,9 @@ def _backward_part(g: Graph, n_outputs: int, tangent: set[int], pinned: set[int]
 # instead: the same memory, and the backward no longer recomputes them. Attention written
 # out over heads cut from one projection: the heads its products read are saved, not the
 # projection (then biased and copied per head again in the backward: ViT-B/16's 36 such
-# copies). A view the forward does not store (a broadcast of a row's sum) is looked
-# through to what it views.
+# copies); softmax's probabilities (its rule reads them alone), not the scores. A reshape
+# of a value stands for that value (the same memory), and a view the forward does not store
+# (a broadcast of a row's sum) is looked through to what it views.
 def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set[int],
                     residuals: dict[Value, None]) -> set[int]:
     """The recomputed nodes better saved (NOTE [saved instead of redone]): those whose

@@ -49,7 +49,7 @@ import functools
 import itertools
 import operator
 import types
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import torch
@@ -81,6 +81,11 @@ _CELL, _LENGTH = object(), object()  # slots' keys: a closure cell's contents, a
 _READERS = {_CELL: operator.attrgetter("cell_contents"), _LENGTH: len}
 
 
+def _reader(key: Any) -> Callable[[Any], Any]:
+    """What reads a slot with ``key`` from its place (a dict, list or cell)."""
+    return _READERS.get(key) or operator.itemgetter(key)
+
+
 def follow(root: Any, path: Path) -> Any:
     obj = root
     for is_attr, key in path:
@@ -99,32 +104,26 @@ class Reachable:
     slots: tuple[tuple[Any, Any], ...] = ()
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
+def _code_names(code: types.CodeType, strings: bool = False) -> Iterator[str]:
+    """The names ``code`` and the code nested in it use (its globals and attributes), and
+    with ``strings`` its string constants too: the attributes and keys it may read
+    (``cfg.eps``, ``cfg["p"]``)."""
     yield from code.co_names
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _global_names(const)
-
-
-def _code_strings(code: types.CodeType) -> Iterator[str]:
-    """The names and string constants of ``code`` and the code nested in it: the attributes
-    and keys it may read (``cfg.eps``, ``cfg["p"]``)."""
-    yield from code.co_names
-    for const in code.co_consts:
-        if isinstance(const, str):
+            yield from _code_names(const, strings)
+        elif strings and isinstance(const, str):
             yield const
-        elif isinstance(const, types.CodeType):
-            yield from _code_strings(const)
 
 
 def _method_strings(module_class: type) -> Iterator[str]:
-    """``_code_strings`` of the functions a module class defines (its forward's helpers),
+    """``_code_names`` (with strings) of the functions a module class defines (its forward's helpers),
     torch's own classes left out."""
     for cls in module_class.__mro__:
         if not str(cls.__module__).startswith(_LIBRARIES):
             for f in vars(cls).values():
                 if isinstance(f, types.FunctionType):
-                    yield from _code_strings(f.__code__)
+                    yield from _code_names(f.__code__, strings=True)
 
 
 def _under(path: Path, name: str) -> Path:
@@ -148,7 +147,7 @@ def _children(obj: Any) -> list[tuple[Path, Any, tuple | None]]:
         names = obj.__globals__
         if not str(names.get("__name__")).startswith(_LIBRARIES):
             found += [(((True, "__globals__"), (False, n)), names[n], (names, n))
-                      for n in dict.fromkeys(_global_names(obj.__code__)) if n in names]
+                      for n in dict.fromkeys(_code_names(obj.__code__)) if n in names]
         return found
     if isinstance(obj, types.MethodType):
         return [(((True, "__self__"),), obj.__self__, None),
@@ -183,7 +182,7 @@ def reach(roots: Sequence[Any]) -> Reachable:
     stack = [(r, (), root, None, ()) for r, root in enumerate(roots)][::-1]
     # one each, by (id(place), key): (place, key, the names it was reached through)
     slots: dict[tuple[int, Any], tuple[Any, Any, tuple]] = {}
-    read: set[str] = set()  # the names and strings of the code walked (``_code_strings``)
+    read: set[str] = set()  # the names and strings of the code walked (``_code_names``)
     classes: set[type] = set()
     while stack and len(seen) < _WALK_BUDGET:
         r, path, obj, slot, names = stack.pop()
@@ -200,7 +199,7 @@ def reach(roots: Sequence[Any]) -> Reachable:
         if not isinstance(obj, torch.nn.Module):
             children = _children(obj)
             if isinstance(obj, types.FunctionType):
-                read.update(_code_strings(obj.__code__))
+                read.update(_code_names(obj.__code__, strings=True))
         else:  # its tree's plain attributes and forward functions
             modules[id(obj)] = (r, path, obj)
             children = []
@@ -237,7 +236,7 @@ def slot_guards(slots: Sequence[tuple[Any, Any]]) -> tuple[Slots, Slots]:
     by_value, by_identity = [], []
     for place, key in slots:
         try:
-            value = _READERS[key](place) if key in _READERS else place[key]
+            value = _reader(key)(place)
         except (KeyError, IndexError, ValueError):
             continue
         if type(value) in _VALUES:
@@ -255,14 +254,13 @@ class Slots:
 
     def __init__(self, slots: Sequence[tuple[Any, Any]], by_identity: bool = False):
         keys: dict[int, tuple[Any, list]] = {}
-        alone = []  # (place, getter)
+        alone = []  # (place, its slot's reader)
         for place, key in slots:
             if key in _READERS:
                 alone.append((place, _READERS[key]))
             else:
                 keys.setdefault(id(place), (place, []))[1].append(key)
-        alone += [(place, operator.itemgetter(k[0])) for place, k in keys.values()
-                  if len(k) == 1]
+        alone += [(place, _reader(k[0])) for place, k in keys.values() if len(k) == 1]
         together = [(place, k) for place, k in keys.values() if len(k) > 1]
         self._places = [place for place, _ in alone]
         self._getters = [getter for _, getter in alone]
@@ -279,7 +277,6 @@ class Slots:
 
     def same(self) -> bool:
         return all(map(operator.is_, self.read(), self.objects))
-
 
 
 def _of_values(obj) -> bool:

@@ -826,27 +826,27 @@ def tracing(trace: Trace):
 
 
 @contextlib.contextmanager
+def _setting(get: Callable[[], Any], set_: Callable[[Any], None], value: Any):
+    """A global setting of torch's set to ``value`` while the block runs."""
+    previous = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(previous)
+
+
 def _compiling_announced():
     """``torch.compiler.is_compiling()`` is True while plait traces, as under torch.compile:
     libraries ask it to keep data-dependent shortcuts out of code being compiled (transformers
     reads a padding mask to skip it when it masks nothing, unless compiling), and a traced
     value cannot be read."""
-    previous = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = previous
+    return _setting(lambda: torch.compiler._is_compiling_flag,
+                    lambda on: setattr(torch.compiler, "_is_compiling_flag", on), True)
 
 
-@contextlib.contextmanager
 def _mkldnn_disabled():
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
+    return _setting(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled, False)
 
 
 def bind(prim_name: str, *operands, **params):
