@@ -17,8 +17,7 @@ import torch
 
 from ..config import config
 from ..errors import BackendError, CheckError
-from ..graph.loops import (Extern, Kernel, Load, LoopProgram, Reduce, Wait, children, loop_vars,
-                           walk)
+from ..graph.loops import Extern, Kernel, LoopProgram, Wait
 from ..tracer.collectives import COMM_BUFFER_TYPES
 
 
@@ -105,85 +104,6 @@ def kernel_name(text: str) -> str:
     """A kernel's name, from its text with ``KERNEL_NAME`` where the name goes
     (NOTE [canonical kernels])."""
     return "kernel_" + hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def levels(*exprs) -> list[list]:
-    """The kernel's reductions, grouped into passes: a reduction whose body uses others
-    comes in a later pass than all of them."""
-    depth: dict = {}
-
-    def visit(red):
-        if red not in depth:
-            inside = reduces(red.body)
-            depth[red] = 1 + max((visit(r) for r in inside), default=-1)
-        return depth[red]
-
-    for red in reduces(*exprs):
-        visit(red)
-    return [[r for r, d in depth.items() if d == level]
-            for level in range(max(depth.values(), default=-1) + 1)]
-
-
-def column_wise(kernel: Kernel, mixed: bool = False) -> bool:
-    """Does the kernel reduce along a strided axis of data contiguous along its outer loop
-    (a column sum)? Then a program should take neighbouring outputs together. With
-    ``mixed``, one such load is enough, whatever the others (a tile of neighbouring rows
-    still reads contiguous chunks along them); without, every load must step by 0 or 1
-    along the outer loop."""
-    if not kernel.sizes or not kernel.reduction_sizes:
-        return False
-    body = [s.value for s in kernel.stores]
-    if any(r.op not in ("sum", "prod", "amax", "amin") for r in reduces(*body)):
-        return False
-    x = loop_vars("x", len(kernel.sizes))[-1]
-    r = loop_vars("r", len(kernel.reduction_sizes))[-1]
-    strides = [_strides(e.index, x, r, kernel.sizes[-1], kernel.reduction_sizes[-1], mixed)
-               for e in walk(*body) if isinstance(e, Load) and not e.indirect]
-    if not strides or None in strides:
-        return False
-    if mixed:
-        return any(sx == 1 and sr not in (0, 1) for sx, sr in strides)
-    return all(sx in (0, 1) for sx, _ in strides) and any(sr not in (0, 1) for _, sr in strides)
-
-
-def _strides(index, x, r, nx: int, nr: int, sampled: bool) -> tuple[int, int] | None:
-    """``index``'s steps along loop variables ``x`` and ``r``: its coefficients where it is
-    affine in them; else, with ``sampled``, the most common of its differences at points
-    across both ranges (the other loop variables at 0), leaving out those where it does not
-    move along ``x`` (a part of a concatenation is clamped outside its own columns); else
-    None (an unknown stride)."""
-    expanded = sympy.expand(index)
-    if expanded.is_polynomial(x, r) and sympy.degree(expanded, x) <= 1 \
-            and sympy.degree(expanded, r) <= 1:
-        return expanded.coeff(x, 1), expanded.coeff(r, 1)
-    if not sampled:
-        return None
-    others = {v: 0 for v in index.free_symbols - {x, r}}
-    at = lambda i, j: int(index.subs({**others, x: i, r: j}))  # noqa: E731
-    points = [(i * max(nx - 2, 0) // 7, j * max(nr - 2, 0) // 3)
-              for i in range(8) for j in range(4)]
-    steps = [(at(i + 1, j) - at(i, j), at(i, j + 1) - at(i, j)) for i, j in points]
-    moving = [s for s in steps if s[0] != 0] or steps
-    return max(set(moving), key=moving.count)
-
-
-def reduces(*exprs) -> list:
-    """The Reduce nodes of expression DAGs, not looking inside them."""
-    out, seen = [], set()
-
-    def visit(e):
-        if e in seen:
-            return
-        seen.add(e)
-        if isinstance(e, Reduce):
-            out.append(e)
-            return
-        for c in children(e):
-            visit(c)
-
-    for e in exprs:
-        visit(e)
-    return out
 
 
 # Binary ops that both target languages write as the same infix operator.

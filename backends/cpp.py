@@ -65,10 +65,10 @@ import torch
 from ..config import config
 from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
-                           is_inner, loop_vars, walk)
+                           column_wise, is_inner, levels, loop_vars, walk)
 from . import codegen, cpp_wrapper
-from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, column_wise,
-                      KERNEL_NAME, kernel_error, levels, with_error_codes)
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, KERNEL_NAME,
+                      kernel_error, with_error_codes)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",

@@ -23,7 +23,7 @@ axis on program-id axis 0 (CUDA allows axis 1 only 65535 programs).
 Reductions. A kernel with reduction loops works on ``[XBLOCK, RBLOCK]`` tiles: ``XBLOCK``
 outer points per program (``x..`` have shape ``[XBLOCK, 1]``) by ``RBLOCK`` points of the
 flattened reduction loops (``r..`` have shape ``[1, RBLOCK]``, recovered like the outer ones).
-Its reductions run in dependency-ordered passes (``codegen.levels``: softmax's max, then its sum)
+Its reductions run in dependency-ordered passes (``loops.levels``: softmax's max, then its sum)
 and its inner stores in a final pass (those that need no reduction in the first). When the rows fit in one tile (``R <= PERSISTENT_MAX``)
 the kernel is *persistent*: no loop, every pass shares the loaded tile and each Reduce is one
 ``tl.reduce`` over axis 1. Otherwise each pass loops over the rows in ``RBLOCK`` chunks,
@@ -99,13 +99,16 @@ from ..graph.loops import (
     Reduce,
     Wait,
     children,
+    column_wise,
     is_inner,
+    levels,
     loop_vars,
+    reduces,
     walk,
 )
 from . import codegen, compile_workers, cuda_graphs
-from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, cache_folder, column_wise,
-                      kernel_error, levels, reduces, with_error_codes, write_atomically)
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, cache_folder, kernel_error,
+                      with_error_codes, write_atomically)
 
 _log = logging.getLogger("plait.kernels")
 

@@ -140,6 +140,7 @@ class _Lowering:
         for v in graph.outputs:
             self.uses[v] = self.uses.get(v, 0) + 1
         self.ordered = {n for edge in graph.control_edges() for n in edge}
+        self.returned = set(graph.outputs)
 
     # -- buffers ---------------------------------------------------------------------------
     def new_buffer(self, prefix: str, type: TensorType, comm: CommKind | None = None) -> str:
@@ -321,15 +322,26 @@ class _Lowering:
         """An extern operand that is a view of a buffer: the buffer, and the view's steps
         ((tensor method, argument), ...) that the extern applies when it runs, so no copy is
         stored: a reshape of the whole buffer and, where the extern reads it as it is
-        (``_reads_transposed``), a transpose of that. (None, ()) otherwise."""
-        steps = []
+        (``_reads_transposed``), a transpose of that. (None, ()) otherwise. A lazy value
+        that the program returns is stored here, in its own shape, and the views become
+        views of its buffer, so that it is stored once (softmax's probabilities, kept for
+        the backward and reshaped for a batched product)."""
+        steps, views = [], []
         for prim, method, param in (("transpose", "permute", "permutation"),
                                     ("reshape", "reshape", "shape")):
             node = self.graph.node(v.node)
             if node.prim == prim and (prim == "reshape" or
                                       _reads_transposed(extern, node.kwargs[param])):
                 steps.insert(0, (method, node.kwargs[param]))
+                views.insert(0, v)
                 (v,) = self.graph.operands(v.node)
+        if steps and not self.held(self.values[v]) and v in self.returned:
+            self.realize(v)
+            for view in views:
+                node, (source,) = self.graph.node(view.node), self.graph.operands(view.node)
+                args = [self.values[source]]
+                self.values[view] = Lazy(node.out_types[0], _LAZY[node.prim](
+                    node, args, node.out_types[0]), origins=_origins(view.node, args))
         source = self.values[v]
         return (source.buffer, tuple(steps)) if steps and self.held(source) else (None, ())
 

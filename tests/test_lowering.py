@@ -79,6 +79,23 @@ def test_a_value_used_twice_is_stored_once():
     assert len(exp_stores) == 1  # exp(x - max) feeds the sum and the division from a buffer
 
 
+def test_a_returned_value_an_extern_reads_reshaped_is_stored_once():
+    """Softmax's probabilities, kept for the backward and reshaped for a batched product:
+    the product reads the returned buffer as it is."""
+    s, v = torch.randn(2, 3, 5, 5), torch.randn(6, 5, 4)
+
+    def attend(s, v):
+        p = torch.softmax(s, -1)
+        return torch.bmm(p.reshape(6, 5, 5), v), p
+
+    program = _lowered(attend, s, v)
+    stores = [st for k in program.kernels if isinstance(k, Kernel) for st in k.stores
+              if program.buffers[st.buffer].type.numel == s.numel()]
+    assert len(stores) == 1 and stores[0].buffer in program.outputs
+    (product,) = [k for k in program.kernels if isinstance(k, Extern)]
+    assert product.reads[0] == stores[0].buffer
+
+
 def test_cheap_values_are_recomputed_not_stored():
     x = torch.randn(3, 4)
     program = _lowered(lambda x: (x.t() + 1, x.t() * 2), x)  # x.t() is only an index rewrite

@@ -358,7 +358,7 @@ def test_online_softmax_reads_long_rows_once_before_storing(fn, passes, monkeypa
 
 def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     """Rows reduced along a strided axis (a column sum) launch several outputs per program,
-    so each chunk's loads coalesce; contiguous rows one (codegen.column_wise)."""
+    so each chunk's loads coalesce; contiguous rows one (loops.column_wise)."""
     monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 0)
     x = torch.randn(37, 8)
     columns = jitted(lambda x: x.sum(0), x).source
@@ -610,6 +610,22 @@ def test_long_reductions_to_few_outputs_split(name, fn, args, kernels):
     stages = jitted.lower(*args).stages
     before, after = len(stages["reindex"].kernels), len(stages["split"].kernels)
     assert (before, after) == (1, kernels) if kernels else after > before
+
+
+def test_column_sums_split_into_more_chunks_than_row_sums():
+    """A column sum's program takes several neighbouring outputs, so it splits its rows
+    into more, shorter chunks (of MIN_COLUMN_CHUNK rows or more) than a row sum to as few
+    outputs does (of MIN_CHUNK elements or more)."""
+    x = torch.randn(4096, 8)
+    for fn, rows, chunks in ((lambda x: x.sum(0), x, 4096 // split.MIN_COLUMN_CHUNK),
+                             (lambda x: x.t().sum(1), x, 4096 // split.MIN_COLUMN_CHUNK),
+                             (lambda x: x.sum(1), x.t().contiguous(), 4096 // split.MIN_CHUNK)):
+        jit = plait.jit(fn, backend="triton")
+        # summed in another order: within the rounding of a 4096-term float32 sum
+        torch.testing.assert_close(jit(rows), fn(rows), rtol=1e-5, atol=1e-4)
+        program = jit.lower(rows).stages["split"]
+        (partial,) = [b for b in program.buffers if "partial" in b]
+        assert program.buffers[partial].type.shape == (chunks, 8)
 
 
 def test_large_batch_statistics_take_one_pass(monkeypatch):
