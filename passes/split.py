@@ -40,7 +40,7 @@ import sympy
 import torch
 
 from ..graph.loops import (Apply, Buffer, Kernel, Load, LoopProgram, Reduce, Store, children,
-                           column_wise, is_inner, levels, loop_vars, walk, with_children)
+                           column_wise, is_inner, levels, loop_vars, reduces, with_children)
 from ..graph.types import TensorType
 from .fusion import rename
 
@@ -81,10 +81,13 @@ def _levels(k: Kernel) -> list[list[Reduce]] | None:
 def _chunks(k: Kernel) -> int:
     """How many chunks to split ``k``'s reduction into (1: not split)."""
     outputs, rows = math.prod(k.sizes), math.prod(k.reduction_sizes)
-    columns = column_wise(k, mixed=True)
+    if outputs >= SPLIT_OUTPUTS * COLUMN_TILE_OUTPUTS or rows < 2 * MIN_CHUNK \
+            or _levels(k) is None:
+        return 1
+    columns = column_wise(k, mixed=True)  # (its strides: only for a kernel that may split)
     wanted = SPLIT_OUTPUTS * (COLUMN_TILE_OUTPUTS if columns else 1)
     shortest = MIN_COLUMN_CHUNK if columns else MIN_CHUNK
-    if outputs >= wanted or rows < 2 * MIN_CHUNK or _levels(k) is None:
+    if outputs >= wanted:
         return 1
     first = k.reduction_sizes[0]
     fits = [c for c in range(2, first + 1) if first % c == 0 and rows // c >= shortest]
@@ -107,7 +110,7 @@ def _split(k: Kernel, chunks: int, device: str) -> tuple[list[Kernel], dict]:
     inner = [s for s in k.stores if is_inner(s)]
     # row stores that use no reduction (a GELU's gradient, whose column sums are the bias's)
     # are made where the first pass reads each point
-    early = [s for s in inner if not any(isinstance(e, Reduce) for e in walk(s.value))]
+    early = [s for s in inner if not reduces(s.value)]
     inner = [s for s in inner if s not in early]
     made, kernels, done = {}, [], {}  # done: a reduction of an earlier pass -> its total's load
     for level, reductions in enumerate(levels):

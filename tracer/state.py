@@ -117,8 +117,8 @@ def _code_names(code: types.CodeType, strings: bool = False) -> Iterator[str]:
 
 
 def _method_strings(module_class: type) -> Iterator[str]:
-    """``_code_names`` (with strings) of the functions a module class defines (its forward's helpers),
-    torch's own classes left out."""
+    """``_code_names`` (with strings) of the functions a module class defines (its
+    forward's helpers), torch's own classes left out."""
     for cls in module_class.__mro__:
         if not str(cls.__module__).startswith(_LIBRARIES):
             for f in vars(cls).values():
