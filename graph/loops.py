@@ -324,6 +324,7 @@ def column_wise(kernel: Kernel, mixed: bool = False) -> bool:
     return all(sx in (0, 1) for sx, _ in strides) and any(sr not in (0, 1) for _, sr in strides)
 
 
+@functools.lru_cache(maxsize=1 << 14)  # a model's blocks repeat their kernels' indices
 def _strides(index, x, r, nx: int, nr: int, sampled: bool) -> tuple[int, int] | None:
     """``index``'s steps along loop variables ``x`` and ``r``: its coefficients where it is
     affine in them; else, with ``sampled``, the most common of its differences at points
@@ -336,8 +337,9 @@ def _strides(index, x, r, nx: int, nr: int, sampled: bool) -> tuple[int, int] | 
         return expanded.coeff(x, 1), expanded.coeff(r, 1)
     if not sampled:
         return None
-    others = {v: 0 for v in index.free_symbols - {x, r}}
-    at = lambda i, j: int(index.subs({**others, x: i, r: j}))  # noqa: E731
+    others = {v: sympy.Integer(0) for v in index.free_symbols - {x, r}}
+    at = lambda i, j: int(index.xreplace({**others, x: sympy.Integer(i),  # noqa: E731
+                                          r: sympy.Integer(j)}))
     points = [(i * max(nx - 2, 0) // 7, j * max(nr - 2, 0) // 3)
               for i in range(8) for j in range(4)]
     steps = [(at(i + 1, j) - at(i, j), at(i, j + 1) - at(i, j)) for i, j in points]

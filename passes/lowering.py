@@ -34,6 +34,7 @@ out.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Iterable
 
@@ -102,7 +103,8 @@ def _loops(shape, prefix: str):
     return index, tuple(n for n in shape if n != 1)
 
 
-def _clamp(e, n):
+@functools.lru_cache(maxsize=1 << 14)  # sympy's Min/Max simplify as they build: slow, and a
+def _clamp(e, n):                        # model's blocks clamp the same indices
     return sympy.Max(0, sympy.Min(n - 1, e))
 
 
