@@ -151,16 +151,13 @@ LOOPED_RBLOCK = 512     # the chunk of longer rows
 ONLINE_CHUNKS = 4       # chunks per step of a loop with an online softmax (_update_online)
 LOOPED_XBLOCK = 1       # longer rows per program (on an H200, cross-entropy's 50304-long rows
                         # 0.454 ms, against 0.486 at 1024 x 2)
-COLUMNS_XBLOCK = 8      # outputs per program of a reduction along a strided axis (a column
-                        # sum): neighbouring columns make each chunk's loads coalesce (on an
-                        # H200, a 65536x2048 f32 column sum 190 us, against 954 at 1)
-COLUMNS_SEGMENT = 32    # ... and at least this many bytes of each row of its narrowest
-                        # operand: a bool mask's 8 bytes left a BatchNorm backward's column
-                        # sums at 1.6 TB/s on an H200 (281 us), 32 columns ran 128 us
-COLUMNS_STORING_XBLOCK = 16  # ... and this many where it also stores each point (a GELU's
-                        # gradient and its bias's: 160 -> 133 us for [12608, 3072] on an H200)
-COLUMNS_RBLOCK = 512    # the chunk of a column sum's rows (at most 2 * TILE_MAX a tile, or
-                        # TILE_MAX where it stores each point)
+COLUMNS_XBLOCK = 32     # outputs per program of a reduction along a strided axis (a column
+COLUMNS_RBLOCK = 64     # sum), and its chunk of rows: neighbouring columns make each chunk's
+                        # loads coalesce (on an H200, [12608, 3072] f32 52 us, against 72 at
+                        # [8, 512]; [200704, 256] bf16 42 against 49; 954 at one column)
+COLUMNS_STORING_XBLOCK = 64  # the same where it also stores each point (a GELU's gradient and
+COLUMNS_STORING_RBLOCK = 32  # its bias's, [12608, 3072] f32 on an H200: 125 us, against 144 at
+                        # [16, 256] and 155 at [8, 512])
 TILE_MAX = 4096         # XBLOCK * RBLOCK of a reduction tile
 FEW_ROWS = 128          # fewer long rows than this: FEW_ROWS_WARPS warps reduce each
 FEW_ROWS_WARPS = 32
@@ -452,15 +449,6 @@ def _tl(dtype: torch.dtype) -> str:
                            "function.") from None
 
 
-def _column_tile(narrowest: int, stores: bool) -> tuple[int, int]:
-    """A column sum's (columns, rows) a tile: COLUMNS_SEGMENT bytes of each row of its
-    narrowest operand (``narrowest`` bytes an element), and more columns and fewer rows where
-    it also ``stores`` each point (a gradient, summed for a bias's)."""
-    columns = max(COLUMNS_XBLOCK, COLUMNS_SEGMENT // narrowest,
-                  COLUMNS_STORING_XBLOCK if stores else 1)
-    return columns, min(COLUMNS_RBLOCK, (TILE_MAX if stores else 2 * TILE_MAX) // columns)
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -551,6 +539,36 @@ def _online_pairs(passes: list) -> dict:
     return pairs
 
 
+def _branch_conditions(*exprs) -> dict:
+    """NOTE [loads masked by their branch]. A concatenation or a pad lowers to ``where``s that
+    pick one of several clamped loads at each point, so every part would be read at every
+    point. A node whose only use leads (through nodes each with one user) into one branch of
+    ``where(c, a, b)`` is needed only where ``c`` (``a``) or ``~c`` (``b``) holds: this
+    maps it to those ``(c, taken)`` pairs, and its loads are masked by them too (reading 0
+    elsewhere, which the ``where`` drops). A reduction's body and an integer division's
+    operands (checked for zero divisors over the whole scope) are always needed."""
+    nodes = walk(*exprs)
+    users: dict = {}
+    for e in nodes:
+        for c in set(children(e)):
+            users.setdefault(c, []).append(e)
+    conditions, roots = {}, set(exprs)
+    for e in reversed(nodes):  # users before their operands
+        if e in roots or len(users.get(e, ())) != 1:
+            conditions[e] = ()
+            continue
+        (user,) = users[e]
+        if isinstance(user, Reduce) or (isinstance(user, Apply) and user.op in INT_DIVISIONS
+                                        and not user.dtype.is_floating_point):
+            conditions[e] = ()
+        elif isinstance(user, Apply) and user.op == "where" and user.args.count(e) == 1 \
+                and user.args[0] != e:
+            conditions[e] = conditions[user] + ((user.args[0], user.args[1] == e),)
+        else:
+            conditions[e] = conditions[user]
+    return conditions
+
+
 def _acc_dtype(red: Reduce) -> torch.dtype:
     """The accumulator's dtype: the body's, but a bool body is counted in the result's dtype
     (sum, prod) or compared as int8, and a half-precision one in float32."""
@@ -590,7 +608,7 @@ class _Scope:
         args = [self.value(c) for c in children(e)]
         if isinstance(e, Load):
             code = self.writer.load(e, [self.position(a, n) for a, (_, n) in
-                                        zip(args, e.indirect)], self.mask)
+                                        zip(args, e.indirect)], self.mask, self.branch(e))
         elif isinstance(e, Constant):
             code = _literal(e.value, e.dtype)
         elif isinstance(e, IndexValue):
@@ -616,6 +634,13 @@ class _Scope:
         name = self.names[e] = self.writer.local("t")
         self.emit(f"{name} = {code}")
         return name
+
+    def branch(self, e: Load) -> list[str]:
+        """The conditions of the ``where`` branches that alone need ``e`` (NOTE [loads masked
+        by their branch]), as far as this scope sees them: a condition computed in an inner
+        scope does not mask a load hoisted out of it."""
+        names = [(self.lookup(c), taken) for c, taken in self.writer.branches.get(e, ())]
+        return [n if taken else f"~{n}" for n, taken in names if n is not None]
 
     def position(self, p: str, n: int) -> str:
         """An indirect load's position, checked into range (NOTE [kernel errors])."""
@@ -649,6 +674,7 @@ class _KernelWriter:
         self.rnumel = math.prod(k.reduction_sizes)
         self.row_kernel = bool(k.reduction_sizes)
         nodes = walk(*(s.value for s in k.stores))
+        self.branches = _branch_conditions(*(s.value for s in k.stores))
         indices = [s.index for s in k.stores] + [e.index for e in nodes if isinstance(e, Load)] \
             + [e.expr for e in nodes if isinstance(e, IndexValue)]
         biggest = max([self.numel * max(1, self.rnumel)]
@@ -671,24 +697,20 @@ class _KernelWriter:
             # the longer axis walks program-id axis 0: CUDA allows axis 1 only 65535 programs
             self.y_first = ny >= nx
         elif self.row_kernel:
-            # a column sum keeps COLUMNS_XBLOCK neighbouring columns per tile however long its
-            # rows: a persistent tile of long rows has too few (a [4, 1024] tile of a split
-            # bias gradient ran 5x slower on an H100 than [8, 512] chunks)
+            # a column sum keeps COLUMNS_XBLOCK neighbouring columns per tile however long or
+            # short its rows, looping over them in chunks: a persistent tile has too few (a
+            # [4, 1024] tile of a split bias gradient ran 5x slower on an H100 than [8, 512]
+            # chunks; a [8, 512] tile of a split's 394 rows, 155 us on an H200, [64, 32] 125)
             self.columns = columns = column_wise(k, mixed=True)
-            limit = min(PERSISTENT_MAX, COLUMNS_RBLOCK) if columns else PERSISTENT_MAX
-            self.persistent = self.rnumel <= limit
+            self.persistent = not columns and self.rnumel <= PERSISTENT_MAX
             if self.persistent:
                 rblock = _pow2(self.rnumel)
                 rows = max(1, TILE_MAX // rblock)
             elif columns:
-                rows_vars = set(loop_vars("r", len(k.reduction_sizes)))
-                narrowest = min((buffer_types[e.buffer].dtype.itemsize for e in nodes
-                                 if isinstance(e, Load)
-                                 and rows_vars & sympy.sympify(e.index).free_symbols),
-                                default=4)
-                rows, rblock = _column_tile(narrowest, any(is_inner(s) for s in k.stores))
-                if self._few_rows():
-                    rblock = min(TILE_MAX // rows, _pow2(self.rnumel))
+                rows, rblock = (COLUMNS_STORING_XBLOCK, COLUMNS_STORING_RBLOCK) \
+                    if any(is_inner(s) for s in k.stores) else (COLUMNS_XBLOCK, COLUMNS_RBLOCK)
+                rblock = min(TILE_MAX // rows if self._few_rows() else rblock,
+                             _pow2(self.rnumel))
             else:
                 rows = LOOPED_XBLOCK
                 rblock = min(TILE_MAX // rows, _pow2(self.rnumel)) if self._few_rows() \
@@ -734,20 +756,22 @@ class _KernelWriter:
             return "[XBLOCK]"
         return "[XBLOCK, RBLOCK]" if inner else "[XBLOCK, 1]"
 
-    def load(self, e: Load, positions: list[str], scope_mask: str) -> str:
+    def load(self, e: Load, positions: list[str], scope_mask: str, branch: list[str]) -> str:
         """``positions``: the locals of an indirect load's checked positions (int64 tiles
-        of the ``scope_mask``'s shape, which masks the load)."""
+        of the ``scope_mask``'s shape, which masks the load); ``branch``: the conditions
+        under which alone its value is used."""
         names = {f"i{k}": p for k, p in enumerate(positions)}
         mask = scope_mask if positions else self._mask(_symbols(e.index))
         ptr = f"{self.params[e.buffer]} + {_index(e.index, names)}"
         if positions and not _symbols(e.index) & set(names):  # none used (a dim of size 1):
             ptr += f" + tl.zeros_like({positions[0]})"  # still a tile, as the positions are
-        if mask is None:  # one element for all lanes, in bounds: no mask. Loaded as a tile
-            # all the same, not 0-d: the interpreter mistypes a 0-d comparison result (its
-            # handle keeps the operands' dtype) once it is broadcast.
-            return f"tl.load({ptr} + tl.zeros({self._shape(False)}, tl.int32))"
+        if mask is None:  # one element for all lanes, in bounds. Loaded as a tile all the
+            # same, not 0-d: the interpreter mistypes a 0-d comparison result (its handle
+            # keeps the operands' dtype) once it is broadcast.
+            ptr += f" + tl.zeros({self._shape(False)}, tl.int32)"
+        mask = " & ".join(([mask] if mask else []) + branch)
         # (a 2-D tile's xmask spans the tile: tl.load broadcasts a narrower pointer to it)
-        return f"tl.load({ptr}, mask={mask}, other=0)"
+        return f"tl.load({ptr}, mask={mask}, other=0)" if mask else f"tl.load({ptr})"
 
     def index_value(self, e: IndexValue) -> str:
         if not _symbols(e.expr):

@@ -238,6 +238,17 @@ def _sibling(a: Kernel, b: Kernel, shared: set[str]) -> Kernel | None:
     return None
 
 
+def _siblings(a: Kernel, b: Kernel) -> Kernel | None:
+    """B joined to A; else, where A is elementwise and B a reduction, A joined to B (at A's
+    place: a backward's recomputed GELU inside its gradient's bias sums, reading the
+    pre-activation once)."""
+    shared = set(a.reads) & set(b.reads)
+    joined = _sibling(a, b, shared)
+    if joined is None and b.reduction_sizes and not a.reduction_sizes:
+        joined = _sibling(b, a, shared)
+    return joined
+
+
 def _sibling_plans(a: Kernel, b: Kernel):
     """(A's variables, B's variables, the merged loops): B's loops reordered onto A's, else
     both split into shared loops."""
@@ -359,7 +370,7 @@ class _Schedule:
             # everything B reads is written before A (A's own writes included)
             if any(self.writer.get(r, -1) >= i for r in self.at[j].reads):
                 continue
-            merged |= self._try(i, j, i, lambda a, b: _sibling(a, b, set(a.reads) & set(b.reads)))
+            merged |= self._try(i, j, i, _siblings)
         return merged
 
     def _try(self, i: int, j: int, place: int, merge) -> bool:

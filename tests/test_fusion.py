@@ -52,6 +52,22 @@ def test_siblings_in_transposed_loop_orders_share_a_kernel():
     assert len(_readers(program, program.inputs[0])) == 1
 
 
+def test_an_elementwise_kernel_joins_a_later_reduction_sharing_its_reads():
+    """A backward's recomputed activation (stored for a weight's product) and, later, its
+    gradient summed for the bias read the pre-activation once: the elementwise kernel joins
+    the reduction at its own place."""
+    def f(m, b, dy, w):
+        da = dy @ w
+        h = m + b
+        return torch.exp(h).t() @ dy, (torch.sigmoid(h) * da).sum(0)
+
+    m, b, dy, w = torch.randn(12, 8), torch.randn(8), torch.randn(12, 5), torch.randn(5, 8)
+    program = _fused(f, m, b, dy, w)
+    (kernel,) = [k for k in program.kernels if isinstance(k, Kernel)]
+    assert kernel.reduction_sizes and program.inputs[0] in kernel.reads
+    assert program.kernels.index(kernel) == 1  # before the product reading what it stores
+
+
 def test_fusion_stops_at_externs_and_mismatched_loops():
     x = torch.randn(4, 6)
     program = _fused(lambda x: (torch.exp(x) @ x.t()).sum(0) + x.sum(), x)

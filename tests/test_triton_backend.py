@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 
 import attrs
 
@@ -86,6 +87,22 @@ def test_where_with_clamped_loads_and_scalar_loads():
     run = compile_program(program({"x": ((6,), F32), "s": ((), F32), "y": ((10,), F32)},
                                   ["x", "s"], [k], ["y"]))
     torch.testing.assert_close(run([x, s])[0], torch.nn.functional.pad(x, (2, 2), value=s))
+
+
+def test_each_part_of_a_concatenation_is_loaded_only_where_it_is_taken():
+    """A concatenation lowers to nested ``where``s over clamped loads: each part's load is
+    masked by its branch's conditions, so it reads only its own points (a q/k/v gradient
+    with its bias's column sums read all three parts at every point before)."""
+    parts = [torch.randn(64, 8) for _ in range(3)]
+
+    def fn(a, b, c):
+        y = torch.cat([a * 2, b.exp(), c], 1)
+        return y, y.sum(0), torch.nn.functional.pad(a, (1, 1), value=3.0)
+
+    loads = [line.strip() for k in jitted(fn, *parts).kernels
+             for line in k.source.splitlines() if "tl.load(" in line]
+    assert len(loads) == 4  # the three parts (all in one kernel, with the sums) and the pad's
+    assert all(re.search(r"mask=xr?mask & ~?t\d+", line) for line in loads), loads
 
 
 @pytest.mark.parametrize("expr", [
@@ -363,19 +380,24 @@ def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     x = torch.randn(37, 8)
     columns = jitted(lambda x: x.sum(0), x).source
     rows = jitted(lambda x: x.sum(1), x).source
-    assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in columns
+    assert "XBLOCK=8," in columns  # all 8 columns in one program
     assert f"XBLOCK={triton_backend.LOOPED_XBLOCK}," in rows
     # gradients of a split's parts, concatenated and summed over rows (a bias gradient):
     # indices with clamps, contiguous along the columns of each part
     concat = jitted(lambda a, b: torch.cat([a, b * 2], 1).sum(0), x, x).source
-    assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in concat
-    # as many as make COLUMNS_SEGMENT bytes of each row of the narrowest operand: a bool
-    # mask's 32 columns, bfloat16's 16
-    wide, mask = torch.randn(300, 64), torch.rand(300, 64) > 0.5
+    assert "XBLOCK=16," in concat
+    # whatever their dtype (a bool mask, bfloat16), and in chunks of rows even where they fit
+    # one tile
+    monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 4096)
+    wide, mask = torch.randn(300, 256), torch.rand(300, 256) > 0.5  # outputs enough to fill
+    # a GPU (not FEW_ROWS)
     # (jitted checks each against eager)
-    assert "XBLOCK=32," in jitted(lambda x, m: torch.where(m, x, 0.0).sum(0), wide, mask).source
-    assert "XBLOCK=16," in jitted(lambda x: x.sum(0), wide.bfloat16()).source
-    assert f"XBLOCK={triton_backend.COLUMNS_XBLOCK}," in jitted(lambda x: x.sum(0), wide).source
+    for source in (jitted(lambda x, m: torch.where(m, x, 0.0).sum(0), wide, mask).source,
+                   jitted(lambda x: x.sum(0), wide.bfloat16()).source,
+                   jitted(lambda x: x.sum(0), wide).source):
+        assert (f"XBLOCK={triton_backend.COLUMNS_XBLOCK}, "
+                f"RBLOCK={triton_backend.COLUMNS_RBLOCK}," in source)
+        assert "for roff in range" in source
     # and COLUMNS_STORING_XBLOCK where the kernel also stores each point (a gradient, summed
     # for a bias's)
     fn = lambda x: (x.exp() * 2, (x.exp() * 2).sum(0))  # noqa: E731
