@@ -214,6 +214,19 @@ extern "C" int plait_conv_backward(const plait_view* v, const int64_t* p, const 
   });
 }
 
+// scatter without a reduction or with sum over its operand (an embedding's gradient): the
+// output is the operand with src written or added at index's positions along dim, in
+// place (the Python implementation's out-of-place scatter copies the operand twice and the
+// Python step a third time). ints: dim, whether it adds.
+extern "C" int plait_scatter(const plait_view* v, const int64_t* p, const double*) {
+  return guarded([&] {
+    auto out = tensor(&v[3]);
+    out.copy_(tensor(&v[0]));
+    if (p[1]) out.scatter_add_(p[0], tensor(&v[1]), tensor(&v[2]));
+    else out.scatter_(p[0], tensor(&v[1]), tensor(&v[2]));
+  });
+}
+
 // attention and attention_backward: torch's fused attention on 4-D operands (other ranks
 // folded into batch and heads, as the Python implementation does). attention writes the
 // output and each row's log-sum-exp, which the backward reads (tracer/nn.py). Where torch
@@ -412,6 +425,8 @@ NATIVE = {
     "conv": lambda p: None if (ints := _conv_ints(p)) is None else (ints, ()),
     "conv_backward": lambda p: None if (ints := _conv_ints(p)) is None else (
         ints + [int(p.get("lhs_grad", True))], ()),
+    "scatter": lambda p: ([p["dim"], int(p["reduce"] == "sum")], ())
+    if p["reduce"] is None or (p["reduce"] == "sum" and p["include_self"]) else None,
     "attention": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
     "attention_backward": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
 }

@@ -153,6 +153,22 @@ def test_attention_and_convolution_run_natively_with_their_gradients(causal):
     assert not _wrapper(step.lower(*args))._steps  # none of them calls back into Python
 
 
+def test_scatters_run_natively():
+    """An embedding's gradient (a scatter adding into zeros) and a scatter without a
+    reduction run in the runtime, written in place into their outputs."""
+    def loss(table, src, ids, index):
+        rows = F.embedding(ids, table)
+        return rows.square().sum() + torch.scatter(table, 0, index, src).sin().sum()
+
+    g = _gen(5)
+    args = (torch.randn(10, 4, generator=g), torch.randn(3, 4, generator=g),
+            torch.randint(0, 10, (2, 6), generator=g), torch.tensor([[1, 4, 7, 2]] * 3))
+    step, _ = _step_matches_torch_func(loss, loss, args, (0, 1))
+    program = step.lower(*args).compiled.program
+    assert "scatter" in {getattr(k, "label", None) for k in program.kernels}
+    assert not _wrapper(step.lower(*args))._steps  # none of them calls back into Python
+
+
 @pytest.mark.parametrize("argnums", [(0, 1, 2), (1, 2)])
 def test_channels_last_convolutions_run_natively_with_their_gradients(argnums):
     """NOTE [channels-last convolutions]: the runtime hands ATen channels-last views, and

@@ -1001,6 +1001,8 @@ def _scatter_infer(x, index, src, *, dim, reduce, include_self):
 def _scatter_impl(x, index, src, *, dim, reduce, include_self):
     if reduce is None:
         return torch.scatter(x, dim, index, src)
+    if reduce == "sum" and include_self:  # scatter_reduce copies x twice, scatter_add once
+        return torch.scatter_add(x, dim, index, src)
     return torch.scatter_reduce(x, dim, index, src, reduce, include_self=include_self)
 
 
