@@ -24,9 +24,11 @@ Reductions. A kernel with reduction loops works on ``[XBLOCK, RBLOCK]`` tiles: `
 outer points per program (``x..`` have shape ``[XBLOCK, 1]``) by ``RBLOCK`` points of the
 flattened reduction loops (``r..`` have shape ``[1, RBLOCK]``, recovered like the outer ones).
 Its reductions run in dependency-ordered passes (``loops.levels``: softmax's max, then its sum)
-and its inner stores in a final pass (those that need no reduction in the first). When the rows fit in one tile (``R <= PERSISTENT_MAX``)
-the kernel is *persistent*: no loop, every pass shares the loaded tile and each Reduce is one
-``tl.reduce`` over axis 1. Otherwise each pass loops over the rows in ``RBLOCK`` chunks,
+and its inner stores in a final pass (those that need no reduction in the first). When the
+rows fit in one tile (``R <= PERSISTENT_MAX``) the kernel is *persistent*: no loop, every pass
+shares the loaded tile and each Reduce is one ``tl.reduce`` over axis 1. Otherwise, and for a
+column sum (``loops.column_wise``: neighbouring outputs per program, however short the rows),
+each pass loops over the rows in ``RBLOCK`` chunks,
 combining into a per-lane accumulator tile that is reduced across lanes after the loop, and
 values that do not depend on ``r..`` are computed once outside the loops. Masked lanes
 contribute the reduction's identity (sum 0, prod 1, amax -inf / the lowest integer, ...), so

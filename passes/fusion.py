@@ -23,7 +23,9 @@ kernels, so no cycle can appear; a fenced kernel (one a control edge orders) is 
 Two kernels that read a buffer in common and need nothing from each other merge too
 (*siblings*): B joins A, at A's place, when everything B reads is written before A, and B's
 loops, possibly reordered (loop ordering after fusion), cover A's the way A's do, with B's
-reads of the shared buffers at A's indices: the shared buffer is read once.
+reads of the shared buffers at A's indices: the shared buffer is read once. Where A is
+elementwise and B a reduction whose loops cover A's, A joins B instead, still at A's place
+(a backward's GELU, recomputed for a weight's gradient, inside its own gradient's bias sums).
 
 NOTE [fusion scheduler]
 Compile time must grow with the program, not with its square. The pass keeps an index of

@@ -103,8 +103,9 @@ def _loops(shape, prefix: str):
     return index, tuple(n for n in shape if n != 1)
 
 
-@functools.lru_cache(maxsize=1 << 14)  # sympy's Min/Max simplify as they build: slow, and a
-def _clamp(e, n):                        # model's blocks clamp the same indices
+# kept: sympy's Min and Max simplify as they build (slow), and a model's blocks clamp alike
+@functools.lru_cache(maxsize=1 << 14)
+def _clamp(e, n):
     return sympy.Max(0, sympy.Min(n - 1, e))
 
 

@@ -387,11 +387,9 @@ def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     concat = jitted(lambda a, b: torch.cat([a, b * 2], 1).sum(0), x, x).source
     assert "XBLOCK=16," in concat
     # whatever their dtype (a bool mask, bfloat16), and in chunks of rows even where they fit
-    # one tile
+    # one tile (outputs enough to fill a GPU: not FEW_ROWS; jitted checks each against eager)
     monkeypatch.setattr(triton_backend, "PERSISTENT_MAX", 4096)
-    wide, mask = torch.randn(300, 256), torch.rand(300, 256) > 0.5  # outputs enough to fill
-    # a GPU (not FEW_ROWS)
-    # (jitted checks each against eager)
+    wide, mask = torch.randn(300, 256), torch.rand(300, 256) > 0.5
     for source in (jitted(lambda x, m: torch.where(m, x, 0.0).sum(0), wide, mask).source,
                    jitted(lambda x: x.sum(0), wide.bfloat16()).source,
                    jitted(lambda x: x.sum(0), wide).source):
