@@ -187,6 +187,8 @@ class _Lowering:
             return node.prim in self.ops
         if node.prim == "gather":  # from no elements: the extern raises, as eager does
             return types[0].ndim > 0 and types[0].numel > 0
+        if node.prim == "embedding_rows":
+            return "where" in self.ops
         return node.prim in REDUCTIONS or node.prim in VIEWS or node.prim in ("full", "iota")
 
     def lower(self) -> LoopProgram:
@@ -495,9 +497,23 @@ def _concatenate(node, args, t):
     return at
 
 
+def _embedding_rows(node, args, t):
+    """An embedding's rows where ``kept`` (broadcast along its dims of size 1), else 0: the
+    primitive exists for its gradient's scale (tracer/nn.py); its value is elementwise."""
+    rows, _, kept = args
+
+    def at(idx):
+        where = tuple(sympy.Integer(0) if n == 1 else i for i, n in zip(idx, kept.type.shape))
+        return Apply("where", (kept.at(where), rows.at(idx), Constant(0, t.dtype)), (),
+                     t.dtype)
+
+    return at
+
+
 _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
     "broadcast_in_dim": _broadcast, "reshape": _reshape, "transpose": _transpose,
     "slice": _slice, "rev": _rev, "pad": _pad, "concatenate": _concatenate,
+    "embedding_rows": _embedding_rows,
     "stop_gradient": lambda node, args, t: args[0].at,
     "no_grad": lambda node, args, t: args[0].at,
     "no_fwd_grad": lambda node, args, t: args[0].at,

@@ -153,16 +153,17 @@ def test_attention_and_convolution_run_natively_with_their_gradients(causal):
     assert not _wrapper(step.lower(*args))._steps  # none of them calls back into Python
 
 
-def test_scatters_run_natively():
-    """An embedding's gradient (a scatter adding into zeros) and a scatter without a
-    reduction run in the runtime, written in place into their outputs."""
+def test_embeddings_and_scatters_run_natively():
+    """An embedding with a padding row (its rows a kernel's), its gradient (a scatter adding
+    into zeros) and a scatter without a reduction run in the runtime, the scatters written
+    in place into their outputs."""
     def loss(table, src, ids, index):
-        rows = F.embedding(ids, table)
+        rows = F.embedding(ids, table, padding_idx=0)
         return rows.square().sum() + torch.scatter(table, 0, index, src).sin().sum()
 
     g = _gen(5)
     args = (torch.randn(10, 4, generator=g), torch.randn(3, 4, generator=g),
-            torch.randint(0, 10, (2, 6), generator=g), torch.tensor([[1, 4, 7, 2]] * 3))
+            torch.tensor([[0, 3, 9, 3, 0, 1]]), torch.tensor([[1, 4, 7, 2]] * 3))
     step, _ = _step_matches_torch_func(loss, loss, args, (0, 1))
     program = step.lower(*args).compiled.program
     assert "scatter" in {getattr(k, "label", None) for k in program.kernels}
