@@ -19,7 +19,8 @@ memory]) with pointers:
   externs, the Python steps and the loop bodies (NOTE [native loops]). Nothing is linked, so
   the wrapper adds a fraction of a second to its library's build.
 * Externs run natively where the runtime has them (``NATIVE``: matrix products,
-  convolutions and their backward, attention and its backward). The runtime (``RUNTIME``) is
+  convolutions and their backward, attention and its backward, scatters without a reduction
+  or adding into their operand). The runtime (``RUNTIME``) is
   built once per torch version against torch's headers and libraries (8 s on 2 cores), by a
   process started when a program first needs it (``runtime_future``): until it is built,
   such a program runs through its Python wrapper, so no compilation waits for it. Found
