@@ -225,6 +225,12 @@ class _Lowering:
                 lazy = self.gather(n, node, *operands)
             else:
                 args = [self.values[v] for v in operands]
+                if node.prim == "broadcast_in_dim" and self.gathers(args[0]):
+                    # stored once rather than gathered again at every repeat (T5's position
+                    # bias, an embedding of relative positions, over the batch and the
+                    # passes of each attention's softmax)
+                    self.realize(operands[0])
+                    args = [self.values[operands[0]]]
                 if node.prim in REDUCTIONS:
                     self.reduction(n, node, args[0], outs[0], n in self.ordered)
                     continue
@@ -247,6 +253,12 @@ class _Lowering:
                            tuple(self.kernels), tuple(outputs), provenance,
                            donated=frozenset(donated),
                            updates={b: outputs[k] for b, k in updated_by.items()})
+
+    def gathers(self, lazy: Lazy) -> bool:
+        """Does computing ``lazy`` read a buffer indirectly (a gather, checked per point)?"""
+        return not self.held(lazy) and any(
+            isinstance(e, Load) and e.indirect
+            for e in walk(lazy.at(loop_vars("x", lazy.type.ndim))))
 
     def worth_storing(self, lazy: Lazy) -> bool:
         """Is one store and a load per use cheaper than computing ``lazy`` at each use (an

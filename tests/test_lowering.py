@@ -162,3 +162,20 @@ def test_index_simplification_keeps_every_value_and_undoes_split_positions():
     assert simplify(cases[0][0], cases[0][1]) == x + 12 * r
     assert simplify(cases[1][0], cases[1][1]) == sympy.floor(r / 2)
     assert simplify(cases[4][0], cases[4][1]) == 3 * x + 3 * r
+
+
+def test_a_gather_repeated_by_a_broadcast_is_stored_once():
+    """A position bias looked up from a table (an embedding of relative positions) and
+    broadcast over the batch into each attention's softmax is gathered once into a buffer
+    of its own, not at every point of every pass of the softmax."""
+    def fn(scores, table, buckets):
+        bias = torch.nn.functional.embedding(buckets, table).permute(2, 0, 1)
+        return torch.softmax(scores + bias, -1)
+
+    scores, table = torch.randn(2, 4, 8, 8), torch.randn(16, 4)
+    buckets = torch.randint(0, 16, (8, 8))
+    program = _lowered(fn, scores, table, buckets)
+    gathering = [k for k in program.kernels if isinstance(k, Kernel) and any(
+        isinstance(e, Load) and e.indirect for s in k.stores for e in walk(s.value))]
+    assert len(gathering) == 1 and not gathering[0].reduction_sizes
+    assert [program.buffers[s.buffer].type.shape for s in gathering[0].stores] == [(4, 8, 8)]
