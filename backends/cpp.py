@@ -258,6 +258,13 @@ _SIMD_REDUCTIONS = {"sum": "+", "prod": "*"}
 _PARALLEL_MIN_WORK = 1 << 15  # loop iterations below which a thread team costs more than it saves
 
 
+def _passes(kernel: Kernel) -> int:
+    """The kernel's sweeps over its points: one per level of reductions and one for its inner
+    stores (a softmax's max, sum and stores: three), each counted as work."""
+    stores = kernel.stores
+    return max(1, len(levels(*(s.value for s in stores))) + any(map(is_inner, stores)))
+
+
 def _ctype(dtype: torch.dtype) -> str:
     try:
         return _CTYPES[dtype]
@@ -387,7 +394,7 @@ class _KernelWriter:
             restrict = "" if (written and read) or b in self.shared else " __restrict__"
             decls.append(f"{const}{_ctype(buffer_types[b].dtype)}*{restrict} {self.params[b]}")
         lines = [f'extern "C" void {self.name}({", ".join(decls)}) {{']
-        work = math.prod(k.sizes) * max(1, math.prod(k.reduction_sizes))
+        work = math.prod(k.sizes) * max(1, math.prod(k.reduction_sizes)) * _passes(k)
         parallel = work >= _PARALLEL_MIN_WORK
         xs = [f"x{i}" for i in range(len(k.sizes))]
         # a pointwise kernel keeps its innermost loop out of the collapse, for vectorization

@@ -91,6 +91,16 @@ def test_pointwise_chain_with_broadcast_load():
     assert run.kernels[0].reads == ("x", "b") and run.kernels[0].writes == ("y",)
 
 
+def test_every_pass_over_the_rows_counts_toward_a_thread_team():
+    """A softmax sweeps its rows three times (max, sum, stores): at [16, 32, 32] that is
+    enough work for a thread team where one sum over the same points is not."""
+    x = torch.randn(16, 32, 32)
+    for fn, parallel in ((lambda x: torch.softmax(x, -1), True), (lambda x: x.sum(-1), False)):
+        jitted = plait.jit(fn, backend="cpp")
+        torch.testing.assert_close(jitted(x), fn(x))
+        assert ("#pragma omp parallel" in jitted.lower(x).source) == parallel
+
+
 def test_transposed_load_and_parallel_collapse():
     x = torch.randn(64, 32, 24)
     k = Kernel("perm", (24, 64, 32), (),
