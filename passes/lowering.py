@@ -340,9 +340,11 @@ class _Lowering:
         ((tensor method, argument), ...) that the extern applies when it runs, so no copy is
         stored: a reshape of the whole buffer and, where the extern reads it as it is
         (``_reads_transposed``), a transpose of that. (None, ()) otherwise. A lazy value
-        that the program returns is stored here, in its own shape, and the views become
-        views of its buffer, so that it is stored once (softmax's probabilities, kept for
-        the backward and reshaped for a batched product)."""
+        that the program returns or that other nodes use is stored here, in its own shape,
+        and the views become views of its buffer, so that it is stored once and not computed
+        again by its other users (softmax's probabilities, kept for the backward and
+        reshaped for a batched product; an embedding's layer norm, reshaped for the first
+        products and added back after the attention)."""
         steps, views = [], []
         for prim, method, param in (("transpose", "permute", "permutation"),
                                     ("reshape", "reshape", "shape")):
@@ -352,7 +354,8 @@ class _Lowering:
                 steps.insert(0, (method, node.kwargs[param]))
                 views.insert(0, v)
                 (v,) = self.graph.operands(v.node)
-        if steps and not self.held(self.values[v]) and v in self.returned:
+        if steps and not self.held(self.values[v]) and (v in self.returned
+                                                         or self.uses.get(v, 0) > 1):
             self.realize(v)
             for view in views:
                 node, (source,) = self.graph.node(view.node), self.graph.operands(view.node)

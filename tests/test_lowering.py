@@ -179,3 +179,19 @@ def test_a_gather_repeated_by_a_broadcast_is_stored_once():
         isinstance(e, Load) and e.indirect for s in k.stores for e in walk(s.value))]
     assert len(gathering) == 1 and not gathering[0].reduction_sizes
     assert [program.buffers[s.buffer].type.shape for s in gathering[0].stores] == [(4, 8, 8)]
+
+
+def test_a_value_a_product_reads_reshaped_and_others_use_is_computed_once():
+    """An embedding's layer norm, reshaped for the first products and added back after the
+    attention: stored once in its own shape, the product reading a view of it and the
+    other user loading it, rather than each computing it again."""
+    def fn(x, w):
+        h = (x * 2).exp()
+        return (h.reshape(16, 4) @ w).reshape(2, 8, 4) + h
+
+    program = _lowered(fn, torch.randn(2, 8, 4), torch.randn(4, 4))
+    exps = [e for k in program.kernels if isinstance(k, Kernel) for s in k.stores
+            for e in walk(s.value) if getattr(e, "op", None) == "exp"]
+    assert len(exps) == 1
+    (product,) = [k for k in program.kernels if isinstance(k, Extern)]
+    assert program.buffers[product.inputs[0]].type.shape == (2, 8, 4)  # a view of h's buffer
