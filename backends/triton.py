@@ -544,20 +544,20 @@ def _online_pairs(passes: list) -> dict:
     return pairs
 
 
-def _branch_conditions(*exprs) -> dict:
+def _branch_conditions(roots: list, nodes: list) -> dict:
     """NOTE [loads masked by their branch]. A concatenation or a pad lowers to ``where``s that
     pick one of several clamped loads at each point, so every part would be read at every
     point. A node whose only use leads (through nodes each with one user) into one branch of
     ``where(c, a, b)`` is needed only where ``c`` (``a``) or ``~c`` (``b``) holds: this
     maps it to those ``(c, taken)`` pairs, and its loads are masked by them too (reading 0
     elsewhere, which the ``where`` drops). A reduction's body and an integer division's
-    operands (checked for zero divisors over the whole scope) are always needed."""
-    nodes = walk(*exprs)
+    operands (checked for zero divisors over the whole scope) are always needed. ``nodes``:
+    every node under the ``roots`` (the stored values), operands first (``loops.walk``)."""
     users: dict = {}
     for e in nodes:
         for c in set(children(e)):
             users.setdefault(c, []).append(e)
-    conditions, roots = {}, set(exprs)
+    conditions, roots = {}, set(roots)
     for e in reversed(nodes):  # users before their operands
         if e in roots or len(users.get(e, ())) != 1:
             conditions[e] = ()
@@ -678,8 +678,9 @@ class _KernelWriter:
         self.numel = math.prod(k.sizes)
         self.rnumel = math.prod(k.reduction_sizes)
         self.row_kernel = bool(k.reduction_sizes)
-        nodes = walk(*(s.value for s in k.stores))
-        self.branches = _branch_conditions(*(s.value for s in k.stores))
+        values = [s.value for s in k.stores]
+        nodes = walk(*values)
+        self.branches = _branch_conditions(values, nodes)
         indices = [s.index for s in k.stores] + [e.index for e in nodes if isinstance(e, Load)] \
             + [e.expr for e in nodes if isinstance(e, IndexValue)]
         biggest = max([self.numel * max(1, self.rnumel)]

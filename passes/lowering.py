@@ -103,6 +103,11 @@ def _loops(shape, prefix: str):
     return index, tuple(n for n in shape if n != 1)
 
 
+def _nodes(lazy) -> list:
+    """The nodes of ``lazy``'s expression at a point."""
+    return walk(lazy.at(loop_vars("x", lazy.type.ndim)))
+
+
 # kept: sympy's Min and Max simplify as they build (slow), and a model's blocks clamp alike
 @functools.lru_cache(maxsize=1 << 14)
 def _clamp(e, n):
@@ -256,14 +261,13 @@ class _Lowering:
 
     def gathers(self, lazy: Lazy) -> bool:
         """Does computing ``lazy`` read a buffer indirectly (a gather, checked per point)?"""
-        return not self.held(lazy) and any(
-            isinstance(e, Load) and e.indirect
-            for e in walk(lazy.at(loop_vars("x", lazy.type.ndim))))
+        return not self.held(lazy) and any(isinstance(e, Load) and e.indirect
+                                           for e in _nodes(lazy))
 
     def worth_storing(self, lazy: Lazy) -> bool:
         """Is one store and a load per use cheaper than computing ``lazy`` at each use (an
         indirect load, a random access, counts as an operation)?"""
-        nodes = walk(lazy.at(loop_vars("x", lazy.type.ndim)))
+        nodes = _nodes(lazy)
         ops = sum(isinstance(e, (Apply, Reduce)) or isinstance(e, Load) and bool(e.indirect)
                   for e in nodes)
         reads = {e.buffer for e in nodes if isinstance(e, Load)
