@@ -232,36 +232,50 @@ extern "C" int plait_scatter(const plait_view* v, const int64_t* p, const double
 // folded into batch and heads, as the Python implementation does). attention writes the
 // output and each row's log-sum-exp, which the backward reads (tracer/nn.py). Where torch
 // would not pick its fused CPU kernel, the statistics come from the scores and the backward
-// is autograd's. ints: causal; doubles: scale.
+// is autograd's. ints: causal, whether an additive bias follows the operands (after v; after
+// the statistics for the backward); doubles: scale.
 static at::Tensor four_d(const at::Tensor& x) {
   return x.dim() == 4 ? x : x.reshape({-1, 1, x.size(-2), x.size(-1)});
 }
 
+static std::optional<at::Tensor> four_d_bias(bool biased, const plait_view* view,
+                                             const at::Tensor& q, const at::Tensor& k) {
+  if (!biased) return {};
+  auto bias = tensor(view);
+  if (q.dim() == 4) return bias;
+  auto scores = q.sizes().vec();
+  scores.back() = k.size(-2);
+  return bias.expand(scores).reshape({-1, 1, q.size(-2), k.size(-2)});
+}
+
 static bool fused_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         bool causal, double scale) {
+                         const std::optional<at::Tensor>& bias, bool causal, double scale) {
   constexpr int64_t flash = 1;  // sdp::SDPBackend::flash_attention
-  return at::_fused_sdp_choice(q, k, v, {}, 0.0, causal, scale) == flash;
+  return at::_fused_sdp_choice(q, k, v, bias, 0.0, causal, scale) == flash;
 }
 
 extern "C" int plait_attention(const plait_view* v, const int64_t* p, const double* f) {
   return guarded([&] {
     auto q = four_d(tensor(&v[0])), k = four_d(tensor(&v[1])), val = four_d(tensor(&v[2]));
+    auto bias = four_d_bias(p[1], &v[3], tensor(&v[0]), tensor(&v[1]));
+    const plait_view* results = &v[3 + p[1]];
     at::Tensor out, lse;
-    if (fused_kernel(q, k, val, p[0], f[0])) {
+    if (fused_kernel(q, k, val, bias, p[0], f[0])) {
       std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, val, 0.0, p[0],
-                                                                           {}, f[0]);
+                                                                           bias, f[0]);
     } else {
-      out = at::scaled_dot_product_attention(q, k, val, {}, 0.0, p[0], f[0]);
-      auto wide = tensor(&v[4]).scalar_type();
+      out = at::scaled_dot_product_attention(q, k, val, bias, 0.0, p[0], f[0]);
+      auto wide = tensor(&results[1]).scalar_type();
       auto s = at::matmul(q.to(wide), k.to(wide).transpose(-2, -1)) * f[0];
+      if (bias) s = s + bias->to(wide);
       if (p[0]) {  // causal: each row's later keys masked
         auto later = at::ones({s.size(-2), s.size(-1)}, s.options().dtype(at::kBool)).triu(1);
         s = s.masked_fill(later, -std::numeric_limits<double>::infinity());
       }
       lse = s.logsumexp(-1);
     }
-    tensor(&v[3]).copy_(out.reshape(tensor(&v[3]).sizes()));
-    tensor(&v[4]).copy_(lse.reshape(tensor(&v[4]).sizes()));
+    tensor(&results[0]).copy_(out.reshape(tensor(&results[0]).sizes()));
+    tensor(&results[1]).copy_(lse.reshape(tensor(&results[1]).sizes()));
   });
 }
 
@@ -269,22 +283,24 @@ extern "C" int plait_attention_backward(const plait_view* v, const int64_t* p, c
   return guarded([&] {
     auto ct = four_d(tensor(&v[0])), q = four_d(tensor(&v[1])), k = four_d(tensor(&v[2])),
          val = four_d(tensor(&v[3])), out = four_d(tensor(&v[4]));
+    auto bias = four_d_bias(p[1], &v[6], tensor(&v[1]), tensor(&v[2]));
+    const plait_view* results = &v[6 + p[1]];
     std::vector<at::Tensor> grads;
-    if (fused_kernel(q, k, val, p[0], f[0])) {
+    if (fused_kernel(q, k, val, bias, p[0], f[0])) {
       auto lse = tensor(&v[5]).reshape({q.size(0), q.size(1), q.size(2)});
       auto g = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-          ct, q, k, val, out, lse, 0.0, p[0], {}, f[0]);
+          ct, q, k, val, out, lse, 0.0, p[0], bias, f[0]);
       grads = {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
     } else {
       c10::AutoGradMode grad_mode(true);  // (at:: has no alias for it in torch 2.11)
       std::vector<at::Tensor> leaves;
       for (auto& x : {q, k, val}) leaves.push_back(x.detach().requires_grad_(true));
-      auto again = at::scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], {}, 0.0,
+      auto again = at::scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], bias, 0.0,
                                                     p[0], f[0]);
       grads = torch::autograd::grad({again}, leaves, {ct});
     }
     for (int j = 0; j < 3; ++j) {
-      tensor(&v[6 + j]).copy_(grads[j].reshape(tensor(&v[6 + j]).sizes()));
+      tensor(&results[j]).copy_(grads[j].reshape(tensor(&results[j]).sizes()));
     }
   });
 }
@@ -419,17 +435,19 @@ def _conv_ints(p: dict) -> list[int] | None:
         [p["feature_group_count"], int(p.get("channels_last", False))]
 
 
-# primitive -> params -> (ints, doubles) the runtime's ``plait_<primitive>`` takes, or None
-# where it does not compute it (NOTE [C++ wrapper])
+# primitive -> (params, number of operands) -> (ints, doubles) the runtime's
+# ``plait_<primitive>`` takes, or None where it does not compute it (NOTE [C++ wrapper])
 NATIVE = {
-    "dot_general": lambda p: (_lists(*p["contracting"], *p["batch"]), ()),
-    "conv": lambda p: None if (ints := _conv_ints(p)) is None else (ints, ()),
-    "conv_backward": lambda p: None if (ints := _conv_ints(p)) is None else (
+    "dot_general": lambda p, _: (_lists(*p["contracting"], *p["batch"]), ()),
+    "conv": lambda p, _: None if (ints := _conv_ints(p)) is None else (ints, ()),
+    "conv_backward": lambda p, _: None if (ints := _conv_ints(p)) is None else (
         ints + [int(p.get("lhs_grad", True))], ()),
-    "scatter": lambda p: ([p["dim"], int(p["reduce"] == "sum")], ())
+    "scatter": lambda p, _: ([p["dim"], int(p["reduce"] == "sum")], ())
     if p["reduce"] is None or (p["reduce"] == "sum" and p["include_self"]) else None,
-    "attention": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
-    "attention_backward": lambda p: ([int(p.get("causal", False))], [float(p["scale"])]),
+    "attention": lambda p, operands: (
+        [int(p.get("causal", False)), operands - 3], [float(p["scale"])]),
+    "attention_backward": lambda p, operands: (
+        [int(p.get("causal", False)), operands - 6], [float(p["scale"])]),
 }
 
 
@@ -437,7 +455,7 @@ def _native_params(k) -> tuple | None:
     """The runtime's params for extern ``k``, or None: a Python step."""
     if k.fenced or (prim := _prim(k)) not in NATIVE:
         return None
-    return NATIVE[prim](dict(k.params))
+    return NATIVE[prim](dict(k.params), len(k.inputs))
 
 
 # control-flow primitive -> the params holding its sub-programs (NOTE [native loops])

@@ -37,12 +37,13 @@ the scores. Its second derivatives differentiate the written-out form (``_math``
 from __future__ import annotations
 
 import functools
+import itertools
 
 import attrs
 import torch
 
 from ..config import config
-from ..graph import Graph, GraphBuilder, Value, rewrite
+from ..graph import Graph, GraphBuilder, TensorType, Value, rewrite
 from ..tracer.aten import SoftmaxRule
 from ..tracer.primitives import get_primitive, is_effectful
 from ..tracer.trace import current_trace
@@ -194,10 +195,23 @@ def _causal(g, s: Value, members: set) -> tuple[Value, bool]:
     return s, False
 
 
+def _biased(g, s: Value, members: set) -> tuple[Value, Value | None]:
+    """(x, b) where ``s`` is x + b, x a product of scores (through scalings) and b anything
+    else (an additive mask), else (s, None)."""
+    if g.node(s.node).prim != "add":
+        return s, None
+    for x, bias in itertools.permutations(g.operands(s.node)):
+        if g.node(_scaled(g, _batch_view(g, x, set()), set())[0].node).prim == "dot_general":
+            members.add(s.node)
+            return x, bias
+    return s, None
+
+
 def match(g, kwargs: dict, p: Value, v: Value):
     """For ``dot_general(p, v, **kwargs)`` that is attention: (q, k, v, scale, causal, the
-    nodes inside the pattern), with k and v each as (value, whether its last two dims are
-    still to be swapped to make it [..., N, E] and [..., N, Ev]); else None."""
+    additive bias (the value added to the scores, or None), the nodes inside the pattern),
+    with k and v each as (value, whether its last two dims are still to be swapped to make
+    it [..., N, E] and [..., N, Ev]); else None."""
     v_contracts_last = _matmul(g, kwargs, p, v)
     if v_contracts_last is None:
         return None
@@ -206,15 +220,16 @@ def match(g, kwargs: dict, p: Value, v: Value):
     if s is None:
         return None
     s, causal = _causal(g, _batch_view(g, s, members), members)
+    s, bias = _biased(g, _batch_view(g, s, members), members)
     s, scale = _scaled(g, _batch_view(g, s, members), members)
-    if g.node(s.node).prim != "dot_general":
+    if g.node(s.node).prim != "dot_general" or causal and bias is not None:
         return None
     q, k = g.operands(s.node)
     k_contracts_last = _matmul(g, g.node(s.node).kwargs, q, k)
     if k_contracts_last is None or len({g.type_of(x).dtype for x in (q, k, v)}) != 1:
         return None
     members.add(s.node)
-    return q, (k, not k_contracts_last), (v, v_contracts_last), scale, causal, members
+    return q, (k, not k_contracts_last), (v, v_contracts_last), scale, causal, bias, members
 
 
 def _exclusive(graph: Graph, n: int, members: set[int], pinned: set[int]) -> bool:
@@ -255,6 +270,29 @@ def _batched(b: GraphBuilder, xs: list[Value], batch: tuple, provenance) -> list
     return out
 
 
+def _bias_operand(b: GraphBuilder, bias: Value, q: TensorType, provenance) -> Value | None:
+    """The added scores' bias as ``attention`` takes it: of q's rank and dtype, a broadcast
+    into the scores undone into dims of size 1 (a mask over keys is read as [B, 1, 1, N], not
+    repeated over heads and rows); None where its batch dims are not q's."""
+    t = b.type_of(bias)
+    if t.shape[:-2] != q.shape[:-2]:
+        return None
+    node = b.node(bias.node)
+    dims = node.kwargs["broadcast_dimensions"] if node.prim == "broadcast_in_dim" else None
+    if dims is not None and list(dims) == sorted(dims):
+        (source,) = b.operands(bias.node)
+        shape = [1] * t.ndim
+        for d, n in zip(dims, b.type_of(source).shape):
+            shape[d] = n
+        bias = source if b.type_of(source).shape == tuple(shape) else b.add_node(
+            "reshape", (source,), {"shape": tuple(shape)},
+            (attrs.evolve(t, shape=tuple(shape)),), provenance)[0]
+    if b.type_of(bias).dtype != q.dtype:
+        bias = b.add_node("convert", (bias,), {"dtype": q.dtype},
+                          (attrs.evolve(b.type_of(bias), dtype=q.dtype),), provenance)[0]
+    return bias
+
+
 FLOAT32_WRITTEN_MAX_KEYS = 512
 
 
@@ -284,14 +322,18 @@ def fuse_attention(graph: Graph) -> Graph:
         found = match(b, node.kwargs, *operands)
         if found is None:
             return None
-        q, (k, k_swap), (v, v_swap), scale, causal, _ = found
+        q, (k, k_swap), (v, v_swap), scale, causal, bias, _ = found
         t, provenance = node.out_types[0], node.provenance
         q, k, v = _batched(b, [q, _unswapped(b, k, k_swap, provenance),
                                _unswapped(b, v, v_swap, provenance)], t.shape[:-2], provenance)
+        biases = () if bias is None else (_bias_operand(b, bias, b.type_of(q), provenance),)
+        if None in biases:
+            return None
         shape = (*b.type_of(q).shape[:-1], b.type_of(v).shape[-1])
         statistic = get_primitive("attention").infer(
-            *(b.type_of(x) for x in (q, k, v)), scale=scale, causal=causal)[1]
-        result, _ = b.add_node("attention", (q, k, v), {"scale": scale, "causal": causal},
+            *(b.type_of(x) for x in (q, k, v, *biases)), scale=scale, causal=causal)[1]
+        result, _ = b.add_node("attention", (q, k, v, *biases),
+                               {"scale": scale, "causal": causal},
                                (attrs.evolve(t, shape=shape), statistic), provenance)
         if shape == t.shape:
             return [result]
@@ -303,9 +345,11 @@ def fuse_attention(graph: Graph) -> Graph:
 # ---------------------------------------------------------------------------------------
 # Second derivatives: attention_backward's rules, from the written-out form's VJP
 # ---------------------------------------------------------------------------------------
-def _math(q, k, v, scale: float, causal: bool):
-    """softmax(q @ kᵀ * scale) @ v written out, on tracers."""
+def _math(q, k, v, bias, scale: float, causal: bool):
+    """softmax(q @ kᵀ * scale + bias) @ v written out, on tracers."""
     s = q @ k.mT * scale
+    if bias is not None:
+        s = s + bias
     if causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
@@ -314,41 +358,43 @@ def _math(q, k, v, scale: float, causal: bool):
 
 @functools.lru_cache(maxsize=64)
 def _backward_graph(types: tuple, scale: float, causal: bool) -> Graph:
-    """(q, k, v, ct) -> (out, dq, dk, dv): the written-out attention's VJP."""
+    """(q, k, v[, bias], ct) -> (out, dq, dk, dv): the written-out attention's VJP."""
     from .autodiff import vjp
 
     with config.patch(fuse_attention=False):
-        forward = graph_of(lambda q, k, v: [_math(q, k, v, scale, causal)], types)
+        forward = graph_of(lambda q, k, v, *bias: [
+            _math(q, k, v, bias[0] if bias else None, scale, causal)], types)
         return vjp(forward, [0, 1, 2])
 
 
-def _graph_for(ct, q, k, v, scale, causal) -> Graph:
+def _graph_for(q, k, v, bias, scale, causal) -> Graph:
     trace = current_trace()
-    return _backward_graph(tuple(trace.type_of(x) for x in (q, k, v)), scale, causal)
+    return _backward_graph(tuple(trace.type_of(x) for x in (q, k, v, *bias)), scale, causal)
 
 
-def _backward_vjp(cts, ct, q, k, v, out, lse, *, outs, scale, causal=False):
+def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False):
     from .autodiff import vjp, zeros
 
-    graph = _graph_for(ct, q, k, v, scale, causal)
+    graph = _graph_for(q, k, v, bias, scale, causal)
     with config.patch(fuse_attention=False):
-        second = vjp(graph, [0, 1, 2, 3])
+        second = vjp(graph, range(len(graph.inputs)))
     seeds = [zeros(graph.output_types[0]),
              *(c if c is not None else torch.zeros_like(x) for c, x in zip(cts, (q, k, v)))]
-    gq, gk, gv, gct = inline(second, [q, k, v, ct, *seeds])[4:]
-    # none for out and lse: they are functions of q, k and v, whose cotangents above are
-    # the written-out form's, which reads no out or lse
-    return [gct, gq, gk, gv, None, None]
+    *grads, gct = inline(second, [q, k, v, *bias, ct, *seeds])[4:]
+    # none for out and lse: they are functions of q, k and v (and the bias), whose
+    # cotangents above are the written-out form's, which reads no out or lse
+    return [gct, *grads[:3], None, None, *grads[3:]]
 
 
 def _backward_jvp(operands, tangents, outs, *, scale, causal=False):
     from .autodiff import jvp
 
-    ct, q, k, v = operands[:4]  # (out and lse: as in _backward_vjp)
-    graph = _graph_for(ct, q, k, v, scale, causal)
-    given = [tangents[1], tangents[2], tangents[3], tangents[0]]  # in the graph's input order
+    ct, q, k, v, _, _, *bias = operands  # (out and lse: as in _backward_vjp)
+    graph = _graph_for(q, k, v, bias, scale, causal)
+    # in the graph's input order
+    given = [*tangents[1:4], *tangents[6:], tangents[0]]
     wrt = [i for i, t in enumerate(given) if t is not None]
-    return inline(jvp(graph, wrt), [q, k, v, ct, *(given[i] for i in wrt)])[5:8]
+    return inline(jvp(graph, wrt), [q, k, v, *bias, ct, *(given[i] for i in wrt)])[5:8]
 
 
 get_primitive("attention_backward").vjp = _backward_vjp

@@ -100,8 +100,6 @@ NOT_ATTENTION = {
     "probabilities_returned": lambda q, k, v: (lambda p: (p @ v, p))(
         torch.softmax(q @ k.mT, -1)),
     "scores_returned": lambda q, k, v: (lambda s: (torch.softmax(s, -1) @ v, s))(q @ k.mT),
-    "masked": lambda q, k, v: torch.softmax(q @ k.mT + torch.ones(16, 16).tril().log(),
-                                            -1) @ v,
     "softmax_over_queries": lambda q, k, v: torch.softmax(q @ k.mT, -2) @ v,
     "scale_is_a_tensor": lambda q, k, v: torch.softmax(q @ k.mT * q.sum(), -1) @ v,
     "log_softmax": lambda q, k, v: torch.log_softmax(q @ k.mT, -1) @ v,
@@ -158,26 +156,133 @@ def test_float32_attention_on_cuda_over_few_keys_stays_written_out(keys, fused):
     assert "attention" in _prims(plait.make_graph(attention)(*half))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("mask", ["additive", "boolean"])
-def test_a_masked_scaled_dot_product_attention_differentiates_on_any_device(mask, device):
-    """With a mask, torch's call would pick a fused kernel by device (on CUDA, the
-    memory-efficient one) that plait cannot differentiate: it traces torch's math form."""
-    q, k, v = (x.to(device) for x in _qkv(2, 4, 8, 16))
+def _masks(g) -> dict:
+    """name -> (a mask of [2, 4, 8, 12] scores, is_causal)."""
+    return {
+        "bias_over_heads": (torch.randn(1, 4, 8, 12, generator=g), False),  # T5's, learned
+        "key_padding": (torch.where(torch.rand(2, 1, 1, 12, generator=g) > 0.3, 0.0,
+                                    float("-inf")), False),
+        "rows_and_keys": (torch.randn(8, 12, generator=g), False),
+        "boolean": (torch.rand(2, 1, 8, 12, generator=g) > 0.3, False),
+        "boolean_and_causal": (torch.rand(8, 12, generator=g) > 0.3, True),
+    }
+
+
+def _masked_operands(device="cpu"):
     g = torch.Generator().manual_seed(1)
-    attn_mask = (torch.randn(8, 8, generator=g) if mask == "additive" else
-                 torch.rand(2, 1, 8, 8, generator=g) > 0.3).to(device)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (8, 12, 12))
+    return [x.to(device) for x in (q, k, v)], g
 
-    def loss(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).square().sum()
 
-    graph = plait.make_graph(plait.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    assert "opaque" not in _prims(graph)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    want = torch.autograd.grad(loss(*leaves), leaves)
-    assert_close(plait.grad(loss, argnums=(0, 1, 2))(q, k, v), want, atol=1e-5, rtol=1e-5)
-    assert_close(torch.autograd.grad(plait.jit(loss)(*leaves), leaves), want, atol=1e-5,
-                 rtol=1e-5)
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("name", sorted(_masks(torch.Generator())))
+def test_masked_attention_runs_the_fused_kernels(name, backend):
+    """With a mask, additive (its gradient too: T5's learned position bias) or boolean, with
+    or without causal masking, scaled_dot_product_attention is the attention primitive:
+    torch's fused kernels forward and backward. The bias's gradient is written out, only
+    where the bias is differentiated (else nothing of the scores' size is computed)."""
+    device = "cuda" if backend == "cuda" else "cpu"
+    (q, k, v), g = _masked_operands(device)
+    mask, causal = _masks(g)[name]
+    args = (q, k, v, mask.to(device))
+
+    def loss(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=causal).square().sum()
+
+    argnums = (0, 1, 2) if mask.dtype == torch.bool else (0, 1, 2, 3)
+    prims = _prims(plait.make_graph(plait.grad(loss, argnums))(*args))
+    assert prims.count("attention") == prims.count("attention_backward") == 1
+    assert "opaque" not in prims
+    assert "exp" not in _prims(plait.make_graph(plait.grad(loss, (0, 1, 2)))(*args))
+    leaves = [x.clone().requires_grad_() for x in args[:len(argnums)]]
+    want = torch.autograd.grad(loss(*leaves, *args[len(argnums):]), leaves)
+    jitted = plait.jit(plait.grad(loss, argnums), **{} if backend == "cuda" else
+                       {"backend": backend})
+    assert_close(jitted(*args), want, atol=1e-5, rtol=1e-5)
+
+
+BIASED = {
+    "t5": lambda q, k, v, b: (q @ k.transpose(2, 3) + b).softmax(-1) @ v,
+    "bert": lambda q, k, v, b: F.softmax(q @ k.mT / 4.0 + b, dim=-1) @ v,
+    "bias_first": lambda q, k, v, b: (b + q @ k.mT * 0.25).softmax(-1) @ v,
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(BIASED))
+def test_written_out_attention_with_an_additive_mask_is_fused(name, backend):
+    """softmax(q @ kᵀ * scale + mask) @ v is fused, the mask read as it broadcasts (a mask
+    over keys [2, 1, 1, 12], not repeated over heads and rows), differentiated with q, k and
+    v where it is a learned bias."""
+    fn = BIASED[name]
+    (q, k, v), g = _masked_operands()
+    for mask in (torch.where(torch.rand(2, 1, 12, generator=g) > 0.3, 0.0, float("-inf"))
+                 .unsqueeze(1), torch.randn(4, 8, 12, generator=g)):
+        graph = plait.jit(fn, backend=backend).lower(q, k, v, mask).graph
+        (node,) = [n for n in graph.order if graph.node(n).prim == "attention"]
+        assert graph.type_of(graph.operands(node)[3]).shape == (1, *mask.shape)[-4:]
+        assert "exp" not in _prims(graph)
+        assert_close(plait.jit(fn, backend=backend)(q, k, v, mask), fn(q, k, v, mask),
+                     atol=1e-5, rtol=1e-5)
+    loss = lambda *args: fn(*args).square().sum()  # noqa: E731
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, mask)]
+    assert_close(plait.jit(plait.grad(loss, (0, 1, 2, 3)), backend=backend)(q, k, v, mask),
+                 torch.autograd.grad(loss(*leaves), leaves), atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_attention_with_a_float32_mask():
+    """bf16 scores converted to float32 for the mask and the softmax: fused, the mask taken
+    in bf16, within bf16's precision of the float64 result (as eager's sdpa is)."""
+    def fn(q, k, v, b):
+        return ((q @ k.mT).float() + b).softmax(-1).to(q.dtype) @ v
+
+    (q, k, v), g = _masked_operands()
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    bias = torch.randn(1, 4, 8, 12, generator=g)
+    assert "attention" in _prims(plait.make_graph(fn)(q, k, v, bias))
+    want = fn(*(x.double() for x in (q, k, v, bias)))
+    assert_close(plait.jit(fn)(q, k, v, bias).double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_masked_attention_derivatives_of_every_order():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, n, 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
+    bias = torch.randn(1, 5, 6, generator=g, dtype=torch.float64)
+
+    def sdpa(q, b):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=b).square().sum()
+
+    def written(q, b):
+        return ((q @ k.mT * 0.5 + b).softmax(-1) @ v).square().sum()
+
+    for argnum, x in ((0, q), (1, bias)):
+        assert_close(plait.hessian(sdpa, argnum)(q, bias),
+                     torch.func.hessian(written, argnum)(q, bias))
+        assert_close(plait.jvp(lambda x: sdpa(*[x if i == argnum else a
+                                                for i, a in enumerate((q, bias))]),
+                               (x,), (torch.ones_like(x),))[1],
+                     torch.func.jvp(lambda x: written(*[x if i == argnum else a
+                                                        for i, a in enumerate((q, bias))]),
+                                    (x,), (torch.ones_like(x),))[1])
+    per_bias = plait.vmap(plait.grad(sdpa, 1), (None, 0))(q, torch.stack([bias, 2 * bias]))
+    assert_close(per_bias, torch.stack([torch.func.grad(written, 1)(q, b)
+                                        for b in (bias, 2 * bias)]))
+
+
+def test_grouped_query_attention_with_a_mask():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 8, 4, generator=g) for h in (8, 2, 2))
+    mask = torch.randn(8, 8, generator=g)
+
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    assert "attention" in _prims(plait.make_graph(fn)(q, k, v, mask))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, mask)]
+    loss = lambda *args: fn(*args).square().sum()  # noqa: E731
+    assert_close(plait.grad(loss, (0, 1, 2, 3))(q, k, v, mask),
+                 torch.autograd.grad(loss(*leaves), leaves), atol=1e-5, rtol=1e-5)
 
 
 CAUSAL = {
@@ -230,32 +335,35 @@ def test_gradients_of_attention_run_the_fused_backward(fn):
 
 
 @pytest.mark.parametrize("value_dim", [8, 4], ids=["fused_kernel", "math"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_the_backward_reads_the_forward_statistics(value_dim, causal):
+@pytest.mark.parametrize("mask", ["none", "causal", "bias"])
+def test_the_backward_reads_the_forward_statistics(value_dim, mask):
     """The attention primitive returns each row's log-sum-exp beside its result, and its
     backward reads both rather than running the forward again: torch's fused CPU kernel
     where torch picks it, else (v's head dim not q's) statistics from the scores and
-    autograd's backward. Both implementations (Python, and the C++ wrapper's) match eager."""
+    autograd's backward. Both implementations (Python, and the C++ wrapper's) match eager,
+    causal or with an additive bias broadcast over the batch."""
     from plait.tracer.nn import _attention, _attention_backward
 
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 3, 12, 8, generator=g) for _ in range(2))
     v, ct = (torch.randn(2, 3, 12, value_dim, generator=g) for _ in range(2))
-    scale = 0.3
-    out, lse = _attention(q, k, v, scale=scale, causal=causal)
+    scale, causal = 0.3, mask == "causal"
+    bias = (torch.randn(1, 3, 12, 12, generator=g),) if mask == "bias" else ()
+    out, lse = _attention(q, k, v, *bias, scale=scale, causal=causal)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    scores = leaves[0] @ leaves[1].mT * scale
+    scores = leaves[0] @ leaves[1].mT * scale + (bias[0] if bias else 0)
     if causal:
         scores = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
     expected = scores.softmax(-1) @ leaves[2]
     assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
     grads = torch.autograd.grad(expected, leaves, ct)
-    assert_close(_attention_backward(ct, q, k, v, out, lse, scale=scale, causal=causal), grads,
-                 atol=1e-5, rtol=1e-5)
+    assert_close(_attention_backward(ct, q, k, v, out, lse, *bias, scale=scale, causal=causal),
+                 grads, atol=1e-5, rtol=1e-5)
 
     def loss(q, k, v):
-        return (F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale) * ct).sum()
+        return (F.scaled_dot_product_attention(q, k, v, *bias, is_causal=causal, scale=scale)
+                * ct).sum()
     for wrapper in (True, False):
         with plait.config.patch(cpp_wrapper=wrapper):
             jitted = plait.jit(plait.grad_and_value(loss, argnums=(0, 1, 2)), backend="cpp")
@@ -326,7 +434,7 @@ def test_cuda_kernels_statistics_and_backward(causal, dtype, rows, keys, value_d
         {"atol": 1e-3, "rtol": 1e-3}
     kernels = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
-    picked = plait_nn._fused_kernel(q, k, v, causal, 0.125)
+    picked = plait_nn._fused_kernel(q, k, v, None, causal, 0.125)
     tested = []
     for kernel, backend in kernels.items():
         with torch.nn.attention.sdpa_kernel(backend):  # (math takes any operands)

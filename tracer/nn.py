@@ -119,22 +119,33 @@ define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 # ---------------------------------------------------------------------------------------
 # The attention primitive (NOTE [attention fusion], passes/attention.py)
 # ---------------------------------------------------------------------------------------
-# softmax(q @ kᵀ * scale, causally masked where ``causal``) @ v over the last two dims, every
-# leading dim a batch dim. ``scaled_dot_product_attention`` traces to it, and the attention
-# fusion pass makes it from the written-out forms, before differentiation, so a training
-# step's forward and backward both run torch's fused kernels and never store the scores.
-# Its second result is each row's log-sum-exp of the scaled scores (float32; float64 for
-# float64 operands), which the fused kernels compute anyway: ``attention_backward`` reads it
-# with the output, so the backward runs torch's fused backward alone, not the forward again
-# (on the CPU, and on CUDA for flash and the memory-efficient kernel: ``_attention_backward``).
-# Its JVP is written out (forward mode stores the scores). ``attention_backward``'s own
-# derivatives differentiate the written-out form (passes/attention.py: they need the graph
-# passes).
-def _attention_infer(q, k, v, *, scale, causal=False):
+# softmax(q @ kᵀ * scale + bias, causally masked where ``causal``) @ v over the last two dims,
+# every leading dim a batch dim. The optional fourth operand ``bias`` is an additive mask of
+# q's rank and dtype that broadcasts to the scores' [..., M, N] (a boolean mask becomes one:
+# 0 where kept, -inf where not); it never comes with ``causal``. ``scaled_dot_product_attention``
+# traces to the primitive, and the attention fusion pass makes it from the written-out forms,
+# before differentiation, so a training step's forward and backward both run torch's fused
+# kernels and never store the scores. Its second result is each row's log-sum-exp of the
+# scaled scores (float32; float64 for float64 operands), which the fused kernels compute
+# anyway: ``attention_backward`` reads it with the output, so the backward runs torch's fused
+# backward alone, not the forward again (on the CPU, and on CUDA for flash and the
+# memory-efficient kernel: ``_attention_backward``). The bias's gradient is the scores'
+# gradient summed over its broadcast dims, which no fused kernel of torch's gives on the CPU:
+# it is written out (``_bias_gradient``), and left to dead-code elimination where nothing
+# differentiates the bias (a padding mask). Its JVP is written out (forward mode stores the
+# scores). ``attention_backward``'s own derivatives differentiate the written-out form
+# (passes/attention.py: they need the graph passes).
+def _attention_infer(q, k, v, bias=None, *, scale, causal=False):
     ok = (q.ndim == k.ndim == v.ndim >= 2 and q.dtype == k.dtype == v.dtype
           and q.dtype.is_floating_point and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
           and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2])
     _check(ok, "attention", "expected q [..., M, E], k [..., N, E], v [..., N, Ev]", q, k, v)
+    if bias is not None:
+        scores = (*q.shape[:-1], k.shape[-2])
+        _check(bias.dtype == q.dtype and bias.ndim == q.ndim and not causal
+               and all(b in (1, s) for b, s in zip(bias.shape, scores)), "attention",
+               f"expected a bias of q's dtype broadcasting to the scores' {scores}, and no "
+               "causal mask with it", q, k, v, bias)
     return (TensorType((*q.shape[:-1], v.shape[-1]), q.dtype, q.device),
             TensorType(q.shape[:-1], _row_statistic_dtype(q.dtype), q.device))
 
@@ -149,19 +160,35 @@ def _four_d(x):
     return x if x.ndim == 4 else x.reshape(-1, 1, *x.shape[-2:])
 
 
-def _scores(q, k, scale: float, causal: bool):
+def _four_d_bias(bias, q, k):
+    """The bias as ``_four_d`` folds q's batch dims (broadcast dims kept where q is 4-D)."""
+    if bias is None or q.ndim == 4:
+        return bias
+    return bias.expand(*q.shape[:-1], k.shape[-2]).reshape(-1, 1, q.shape[-2], k.shape[-2])
+
+
+def _scores(q, k, scale: float, causal: bool, bias=None):
     s = q @ k.mT * scale
+    if bias is not None:
+        s = s + bias
     if causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
     return s
 
 
-def _fused_kernel(q, k, v, causal: bool, scale: float) -> str:
+def _fused_kernel(q, k, v, bias, causal: bool, scale: float) -> str:
     """Which of torch's fused attention kernels runs these 4-D operands, as
     ``scaled_dot_product_attention`` would pick it: "flash", "efficient" or "cudnn" (the last
-    two CUDA only), else "math" (whose row statistics plait computes itself)."""
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale)
+    two CUDA only), else "math" (whose row statistics plait computes itself). With a bias,
+    never cuDNN's (which torch prefers for bf16 on Hopper), whose backward plait does not
+    call: the memory-efficient kernel's takes the bias too."""
+    if q.device.type == "cuda" and bias is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            choice = torch._fused_sdp_choice(q, k, v, bias, 0.0, causal, scale=scale)
+    else:
+        choice = torch._fused_sdp_choice(q, k, v, bias, 0.0, causal, scale=scale)
     if q.device.type == "cuda":
         return {1: "flash", 2: "efficient", 3: "cudnn"}.get(choice, "math")
     return "flash" if q.device.type == "cpu" and choice == 1 else "math"
@@ -178,26 +205,39 @@ def _cuda_flash(q, k, v, causal: bool, scale: float):
     return out[..., :size], lse
 
 
-def _attention(q, k, v, *, scale, causal=False):
+def _efficient_bias(bias, q, k):
+    """The bias as torch's CUDA memory-efficient kernel reads it, as
+    ``scaled_dot_product_attention`` hands it over: rows 16-element aligned (padded, the
+    padding cut off again) and expanded to [B, H, M, N]."""
+    if bias is None:
+        return None
+    if any(s % 16 for s in bias.stride()[:-1]):
+        bias = torch.nn.functional.pad(bias, (0, 16 - bias.shape[-1] % 16))[..., :k.shape[-2]]
+    return bias.expand(*q.shape[:-1], k.shape[-2])
+
+
+def _attention(q, k, v, bias=None, *, scale, causal=False):
     q4, k4, v4 = (_four_d(x) for x in (q, k, v))
-    kernel = _fused_kernel(q4, k4, v4, causal, scale)
+    bias4 = _four_d_bias(bias, q, k)
+    kernel = _fused_kernel(q4, k4, v4, bias4, causal, scale)
     if kernel == "flash" and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4, k4, v4, 0.0, causal, scale=scale)
-    elif kernel == "flash":
+            q4, k4, v4, 0.0, causal, attn_mask=bias4, scale=scale)
+    elif kernel == "flash":  # (CUDA's flash takes no bias)
         out, lse = _cuda_flash(q4, k4, v4, causal, scale)
     elif kernel == "efficient":  # its statistics are padded to a multiple of 32 rows
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q4, k4, v4, None, True, 0.0, causal, scale=scale)[:2]
+            q4, k4, v4, _efficient_bias(bias4, q4, k4), True, 0.0, causal, scale=scale)[:2]
         lse = lse[..., :q4.shape[-2]]
     elif kernel == "cudnn":  # its statistics are [..., M, 1]
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q4, k4, v4, None, True, 0.0, causal, False, scale=scale)[:2]
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, scale=scale,
-                                                               is_causal=causal)
-        lse = _scores(q4.to(_row_statistic_dtype(q.dtype)), k4.to(_row_statistic_dtype(q.dtype)),
-                      scale, causal).logsumexp(-1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=bias4, scale=scale, is_causal=causal)
+        wide = _row_statistic_dtype(q.dtype)
+        lse = _scores(q4.to(wide), k4.to(wide), scale, causal,
+                      None if bias4 is None else bias4.to(wide)).logsumexp(-1)
     return (out.reshape(*q.shape[:-1], v.shape[-1]),
             lse.to(_row_statistic_dtype(q.dtype)).reshape(q.shape[:-1]))
 
@@ -215,20 +255,22 @@ def _no_dropout_seed(q) -> tuple:
     return unused, unused
 
 
-def _attention_backward(ct, q, k, v, out, lse, *, scale, causal=False):
+def _attention_backward(ct, q, k, v, out, lse, bias=None, *, scale, causal=False):
     """torch's fused backward of the kernel the forward ran, reading the forward's output and
     statistics: the fused CPU kernel's, and on CUDA flash's and the memory-efficient
     kernel's, given the output and its cotangent laid out as their forward leaves them (any
     other layout gave wrong gradients), the statistics padded as their forward pads them, and
     for flash every head dim padded to a multiple of 8 as its forward was. Elsewhere (cuDNN,
     whose backward was wrong for causal attention of M != N rows and for v's head dim not
-    q's; the math path) autograd's backward of the forward run again."""
+    q's; the math path) autograd's backward of the forward run again. The gradients of q, k
+    and v (the bias's: ``_bias_gradient``)."""
     q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
-    kernel = _fused_kernel(q4, k4, v4, causal, scale)
+    bias4 = _four_d_bias(bias, q, k)
+    kernel = _fused_kernel(q4, k4, v4, bias4, causal, scale)
     rows = lse.reshape(q4.shape[:-1])
     if q.device.type == "cpu" and kernel == "flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            ct4, q4, k4, v4, out4, rows, 0.0, causal, scale=scale)
+            ct4, q4, k4, v4, out4, rows, 0.0, causal, attn_mask=bias4, scale=scale)
     elif kernel == "flash":
         size = [x.shape[-1] for x in (q4, k4, v4)]
         qp, kp, vp, ctp, outp = (torch.nn.functional.pad(x, (0, -x.shape[-1] % 8))
@@ -241,14 +283,14 @@ def _attention_backward(ct, q, k, v, out, lse, *, scale, causal=False):
     elif kernel == "efficient":
         padded = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 32))
         grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            _as_left_by_cuda_kernels(ct4), q4, k4, v4, None, _as_left_by_cuda_kernels(out4),
-            padded, *_no_dropout_seed(q), 0.0, [True, True, True, False], causal,
-            scale=scale)[:3]
+            _as_left_by_cuda_kernels(ct4), q4, k4, v4, _efficient_bias(bias4, q4, k4),
+            _as_left_by_cuda_kernels(out4), padded, *_no_dropout_seed(q), 0.0,
+            [True, True, True, False], causal, scale=scale)[:3]
     else:
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q4, k4, v4)]
-            again = torch.nn.functional.scaled_dot_product_attention(*leaves, scale=scale,
-                                                                     is_causal=causal)
+            again = torch.nn.functional.scaled_dot_product_attention(
+                *leaves, attn_mask=bias4, scale=scale, is_causal=causal)
             grads = torch.autograd.grad(again, leaves, ct4)
     return tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
 
@@ -265,62 +307,101 @@ def _batched_attention(prim: str):
 
 
 def _attention_jvp(operands, tangents, outs, *, scale, causal=False):
-    q, k, v = operands
-    dq, dk, dv = (t if t is not None else torch.zeros_like(x) for t, x in zip(tangents, operands))
-    p = _scores(q, k, scale, causal).softmax(-1)
+    q, k, v, *bias = operands
+    dq, dk, dv = (t if t is not None else torch.zeros_like(x)
+                  for t, x in zip(tangents[:3], operands))
+    p = _scores(q, k, scale, causal, *bias).softmax(-1)
     ds = (dq @ k.mT + q @ dk.mT) * scale
+    if bias and tangents[3] is not None:
+        ds = ds + tangents[3]
     dp = p * (ds - (p * ds).sum(-1, keepdim=True))
     return [dp @ v + p @ dv, None]  # (the statistics carry no derivative: _attention_vjp)
 
 
 define("attention", _attention_infer, _attention, jvp=_attention_jvp, multiple_results=True,
        batch=_batched_attention("attention"))
-define("attention_backward", lambda ct, q, k, v, out, lse, **_: (q, k, v), _attention_backward,
-       multiple_results=True, batch=_batched_attention("attention_backward"))
+define("attention_backward", lambda ct, q, k, v, out, lse, *bias, **_: (q, k, v),
+       _attention_backward, multiple_results=True, batch=_batched_attention("attention_backward"))
+
+
+def _bias_gradient(ct, q, k, v, bias, out, scale: float):
+    """The scores' gradient P * (ct @ vᵀ - rowsum(ct * out)), summed over the dims ``bias``
+    is broadcast along: written out, in the statistics' precision. P is the softmax taken
+    again (not exp(scores - lse)): the statistics carry no derivative, and these ops are
+    differentiated again by a second derivative."""
+    wide = _row_statistic_dtype(q.dtype)
+    q, k, v, bias, ct, out = (x.to(wide) for x in (q, k, v, bias, ct, out))
+    p = _scores(q, k, scale, False, bias).softmax(-1)
+    ds = p * (ct @ v.mT - (ct * out).sum(-1, keepdim=True))
+    spread = [d for d, (b, s) in enumerate(zip(bias.shape, ds.shape)) if b == 1 and s != 1]
+    return ds.sum(spread, keepdim=True) if spread else ds
 
 
 @vjp_rule("attention")
-def _attention_vjp(cts, q, k, v, *, outs, scale, causal=False):
+def _attention_vjp(cts, q, k, v, *bias, outs, scale, causal=False):
     # the statistics carry no derivative (as normalizations' saved statistics do not): their
     # one reader, attention_backward, differentiates as the written-out form of q, k and v
-    return bind("attention_backward", cts[0], q, k, v, *outs, scale=scale, causal=causal)
+    grads = bind("attention_backward", cts[0], q, k, v, *outs, *bias, scale=scale,
+                 causal=causal)
+    if not bias:
+        return grads
+    return [*grads, _bias_gradient(cts[0], q, k, v, bias[0], outs[0], scale)]
+
+
+def _additive(mask, query):
+    """An attention mask as the additive bias the primitive takes: a boolean one 0 where it
+    keeps a score and -inf where not (as torch's call converts it), of query's rank."""
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device) \
+            .masked_fill(mask.logical_not(), float("-inf"))
+    return mask.reshape((1,) * (query.ndim - mask.ndim) + mask.shape)
 
 
 def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                   is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` without a mask or dropout: the attention
-    primitive (grouped-query attention's key and value heads repeated by broadcasting).
-    Anything else traces torch's math form: left to torch, the call would pick a fused
-    kernel by device (on CUDA, the memory-efficient one takes a mask), which plait does not
-    differentiate."""
+    """``F.scaled_dot_product_attention`` without dropout, with or without a mask: the
+    attention primitive (grouped-query attention's key and value heads repeated by
+    broadcasting). Anything else traces torch's math form: left to torch, the call would
+    pick a fused kernel by device, which plait does not differentiate."""
     tensors = (query, key, value)
     if not any(isinstance(x, TracerTensor) or torch._is_functional_tensor(x) for x in tensors):
         return NotImplemented
-    if attn_mask is not None or dropout_p or not config.fuse_attention \
+    masked = attn_mask is not None
+    if dropout_p or not config.fuse_attention \
             or len({x.dtype for x in tensors}) != 1 or not query.dtype.is_floating_point \
-            or not query.ndim == key.ndim == value.ndim >= 2:
-        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the call converts it
-            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device) \
-                .masked_fill(attn_mask.logical_not(), float("-inf"))
+            or not query.ndim == key.ndim == value.ndim >= 2 \
+            or masked and (attn_mask.dtype not in (torch.bool, query.dtype)
+                           or attn_mask.ndim > query.ndim):
+        if masked and attn_mask.dtype == torch.bool:  # as the call converts it
+            attn_mask = _additive(attn_mask, query)
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
             enable_gqa=enable_gqa)[0]
     heads, kv_heads = (query.shape[-3], key.shape[-3]) if query.ndim > 2 else (1, 1)
     groups = heads // kv_heads if enable_gqa and kv_heads and heads % kv_heads == 0 else 1
     batch = (*key.shape[:-3], kv_heads * groups, *key.shape[-2:]) if groups > 1 else None
+    scores = (*query.shape[:-1], key.shape[-2])
     if (query.shape[:-2] != (batch or key.shape)[:-2] or key.shape[:-2] != value.shape[:-2]
-            or query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]):
+            or query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]
+            or masked and torch.broadcast_shapes(attn_mask.shape, scores) != scores):
         return NotImplemented
     scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
-    return _attention_traced(query, key, value, groups, scale, is_causal)
+    if not masked:
+        return _attention_traced(query, key, value, groups=groups, scale=scale,
+                                 causal=is_causal)
+    bias = _additive(attn_mask, query)
+    if is_causal:  # both masks: the causal one joins the bias
+        keep = torch.ones(scores[-2:], dtype=torch.bool, device=query.device).tril()
+        bias = bias.masked_fill(keep.logical_not(), float("-inf"))
+    return _attention_traced(query, key, value, bias, groups=groups, scale=scale, causal=False)
 
 
 @on_tracers
-def _attention_traced(q, k, v, groups: int, scale: float, causal: bool):
+def _attention_traced(q, k, v, *bias, groups: int, scale: float, causal: bool):
     if groups > 1:  # key and value head j serves query heads j * groups ... (j+1) * groups - 1
         k, v = (x.unsqueeze(-3).expand(*x.shape[:-2], groups, *x.shape[-2:]).reshape(
             *x.shape[:-3], x.shape[-3] * groups, *x.shape[-2:]) for x in (k, v))
-    return bind("attention", q, k, v, scale=scale, causal=causal)[0]
+    return bind("attention", q, k, v, *bias, scale=scale, causal=causal)[0]
 
 
 FUNCTION_HANDLERS[torch.nn.functional.scaled_dot_product_attention] = \
