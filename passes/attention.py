@@ -9,9 +9,11 @@ stores nothing of size M x N. This pass finds the pattern in a traced graph, as
 torch.compile's attention patterns do, and replaces it:
 
     dot_general(P, v)  with  P = softmax(S) over the last dim, as traced (amax, sub, exp,
-                             sum, div), S = (q @ kᵀ) times or divided by scalar fills, and
-                             optionally masked causally: masked_fill(~tril, -inf), the
-                             boolean tril a constant (``attention``'s ``causal``).
+                             sum, div), S = (q @ kᵀ) times or divided by scalar fills, then
+                             optionally plus an additive mask (``attention``'s fourth
+                             operand, any value: a padding mask, T5's position bias) or
+                             masked causally: masked_fill(~tril, -inf), the boolean tril a
+                             constant (``attention``'s ``causal``).
 
 Converts between floating dtypes and reshapes that keep the last two dims may sit anywhere
 on the path (bf16 attention converts to f32 for the softmax and back; matmuls of 4-D

@@ -47,7 +47,8 @@ from ..graph.types import contiguous_strides
 from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, loop_vars, walk)
 from ..tracer import collectives
-from ..tracer.primitives import ELEMENTWISE, Impl, is_effectful
+from ..tracer.primitives import (ELEMENTWISE, SPECIAL_BINARY, SPECIAL_UNARY, Impl,
+                                 is_effectful)
 
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",
@@ -128,6 +129,12 @@ def _reads_transposed(extern: str, permutation) -> bool:
 # (smaller ones, such as per-row statistics, are broadcast and cost little to read again).
 RECOMPUTE_MAX_OPS = 32
 RECOMPUTE_MAX_READS = 2
+
+# Elementwise ops that cost many times a load (trigonometric and special functions): a value
+# computing one that a broadcast repeats is stored once, as a gather's is (``repeats_costly``)
+COSTLY_OPS = frozenset("sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh erf_inv "
+                       "lgamma digamma igamma igammac zeta".split()) | frozenset(
+    SPECIAL_UNARY + SPECIAL_BINARY)
 
 
 class _Lowering:
@@ -230,10 +237,12 @@ class _Lowering:
                 lazy = self.gather(n, node, *operands)
             else:
                 args = [self.values[v] for v in operands]
-                if node.prim == "broadcast_in_dim" and self.gathers(args[0]):
-                    # stored once rather than gathered again at every repeat (T5's position
+                if node.prim == "broadcast_in_dim" and self.repeats_costly(
+                        args[0], node.out_types[0]):
+                    # stored once rather than computed again at every repeat (T5's position
                     # bias, an embedding of relative positions, over the batch and the
-                    # passes of each attention's softmax)
+                    # passes of each attention's softmax; rotary embeddings' cos and sin
+                    # over the heads)
                     self.realize(operands[0])
                     args = [self.values[operands[0]]]
                 if node.prim in REDUCTIONS:
@@ -259,10 +268,13 @@ class _Lowering:
                            donated=frozenset(donated),
                            updates={b: outputs[k] for b, k in updated_by.items()})
 
-    def gathers(self, lazy: Lazy) -> bool:
-        """Does computing ``lazy`` read a buffer indirectly (a gather, checked per point)?"""
-        return not self.held(lazy) and any(isinstance(e, Load) and e.indirect
-                                           for e in _nodes(lazy))
+    def repeats_costly(self, lazy: Lazy, repeated: TensorType) -> bool:
+        """Is computing ``lazy`` at every point of its broadcast to ``repeated`` costly: does
+        it read a buffer indirectly (a gather, checked per point) or compute one of the
+        ``COSTLY_OPS``?"""
+        return not self.held(lazy) and repeated.numel > lazy.type.numel and any(
+            isinstance(e, Load) and e.indirect or isinstance(e, Apply) and e.op in COSTLY_OPS
+            for e in _nodes(lazy))
 
     def worth_storing(self, lazy: Lazy) -> bool:
         """Is one store and a load per use cheaper than computing ``lazy`` at each use (an

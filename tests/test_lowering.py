@@ -181,6 +181,24 @@ def test_a_gather_repeated_by_a_broadcast_is_stored_once():
     assert [program.buffers[s.buffer].type.shape for s in gathering[0].stores] == [(4, 8, 8)]
 
 
+def test_cos_and_sin_repeated_by_a_broadcast_are_computed_once():
+    """Rotary embeddings' cos and sin of [T, D] angles, broadcast over the batch and heads
+    of q and k: each is computed once into a buffer of its own, not at every point of both
+    rotations; the results are eager's."""
+    def fn(q, k, angles):
+        cos, sin = angles.cos(), angles.sin()
+        return q * cos + q.flip(-1) * sin, k * cos - k.flip(-1) * sin
+
+    q, k, angles = torch.randn(2, 4, 8, 6), torch.randn(2, 4, 8, 6), torch.randn(8, 6)
+    program = _lowered(fn, q, k, angles)
+    trig = [(e.op, program.buffers[s.buffer].type.shape) for k in program.kernels
+            if isinstance(k, Kernel) for s in k.stores for e in walk(s.value)
+            if getattr(e, "op", None) in ("cos", "sin")]
+    assert sorted(trig) == [("cos", (8, 6)), ("sin", (8, 6))]
+    for got, want in zip(plait.jit(fn)(q, k, angles), fn(q, k, angles)):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_value_a_product_reads_reshaped_and_others_use_is_computed_once():
     """An embedding's layer norm, reshaped for the first products and added back after the
     attention: stored once in its own shape, the product reading a view of it and the
