@@ -260,9 +260,23 @@ _PARALLEL_MIN_WORK = 1 << 15  # loop iterations below which a thread team costs 
 
 def _passes(kernel: Kernel) -> int:
     """The kernel's sweeps over its points: one per level of reductions and one for its inner
-    stores (a softmax's max, sum and stores: three), each counted as work."""
+    stores unless the last level makes them (a softmax's max, sum and stores: three), each
+    counted as work."""
     stores = kernel.stores
-    return max(1, len(levels(*(s.value for s in stores))) + any(map(is_inner, stores)))
+    return max(1, len(levels(*(s.value for s in stores))) + (
+        any(map(is_inner, stores)) and not _stored_by_the_reductions(kernel)))
+
+
+def _stored_by_the_reductions(kernel: Kernel) -> bool:
+    """Do the kernel's reductions' passes make its inner stores, none of which reads a
+    reduction's result (a GELU's gradient stored and summed for its bias's): in the last
+    pass, after its updates, rather than in a pass of their own that computes their values
+    again? In place too (NOTE [memory passes]): a store's buffer is read at its own index
+    alone, before the store, in that pass and in the passes before it."""
+    inner = [s for s in kernel.stores if is_inner(s)]
+    return bool(inner and kernel.reduction_sizes) and any(
+        isinstance(e, Reduce) for s in kernel.stores for e in walk(s.value)) and not any(
+        isinstance(e, Reduce) for s in inner for e in walk(s.value))
 
 
 def _ctype(dtype: torch.dtype) -> str:
@@ -425,10 +439,12 @@ class _KernelWriter:
                 k.reduction_sizes))), "xb", "xe", _COLUMNS)
         passes = levels(*(s.value for s in k.stores))
         inner = [s for s in k.stores if is_inner(s)]
-        self.stashes = self._stashes(passes, inner)
-        for level in passes:  # each a pass over the rows
-            bound |= self._reduction(level, bound, lines, indent, parallel and not xs)
-        if inner:  # one more pass over the rows, storing per point
+        made = inner if _stored_by_the_reductions(k) else []
+        self.stashes = {} if made else self._stashes(passes, inner)
+        for j, level in enumerate(passes):  # each a pass over the rows
+            bound |= self._reduction(level, bound, lines, indent, parallel and not xs,
+                                     made if j == len(passes) - 1 else [])
+        if inner and not made:  # one more pass over the rows, storing per point
             self._row_loop(lines, indent, bound, inner, parallel and not xs)
         outer = [s for s in k.stores if not is_inner(s)]
         body = self._point_loop(lines, indent) if outer else indent
@@ -536,9 +552,10 @@ class _KernelWriter:
         return indent + "  "
 
     def _reduction(self, reduces: list, bound: dict, lines: list, indent: str,
-                   parallel: bool) -> dict:
+                   parallel: bool, stores: list) -> dict:
         """Emit the accumulators and one pass of the reduction loops for ``reduces`` (whose
-        bodies may use the ``bound`` results of earlier passes); return each one's result."""
+        bodies may use the ``bound`` results of earlier passes), making ``stores`` after its
+        updates at each point; return each reduction's result."""
         k = self.kernel
         updates, results = [], {}
         clauses: dict[str, list[str]] = {}
@@ -603,6 +620,9 @@ class _KernelWriter:
                 s = self.stashes[red]
                 lines.append(f"{inner}{self.params[s.buffer]}[{_index(s.index)}] = "
                              f"{body.value(red.body)};")
+        for s in stores:
+            lines.append(f"{inner}{self.params[s.buffer]}[{_index(s.index)}] = "
+                         f"{body.value(s.value)};")
         for _ in range(len(rs) + bool(self.columns)):
             inner = inner[:-2]
             lines.append(f"{inner}}}")

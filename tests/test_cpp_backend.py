@@ -614,6 +614,25 @@ def test_point_invariants_are_computed_once_per_point(fn, nest):
     assert source.index("std::sqrt") < source.index(nest)
 
 
+@pytest.mark.parametrize("dim", [0, 1], ids=["column_sums", "row_sums"])
+def test_stores_that_read_no_reduction_are_made_by_its_pass(dim):
+    """A value stored at every point and summed (a GELU's gradient and its bias's), written
+    in place over the product it reads: made in the reduction's pass, each erf computed
+    once, not again in a pass of its own; eager's results."""
+    def fn(g, w, x):
+        y = (g @ w) * torch.erf(x)
+        return y, y.sum(dim)
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(40, 8, generator=gen), torch.randn(8, 72, generator=gen),
+            torch.randn(40, 72, generator=gen))
+    jitted = plait.jit(fn, backend="cpp")
+    for got, want in zip(jitted(*args), fn(*args)):
+        torch.testing.assert_close(got, want)
+    (source,) = [k.source for k in jitted.lower(*args).kernels if "std::erf" in k.source]
+    assert source.count("std::erf(") == 1 and source.count("for (int64_t r0") == 1
+
+
 @pytest.mark.parametrize("fn, exps", [
     (lambda x: torch.softmax(x, -1), 1),
     (lambda x: torch.softmax(x, 0), 1),  # column-wise too
