@@ -21,7 +21,8 @@ operands are traced as 3-D bmms). A transposed k or v is read through its transp
 Every node inside the pattern must have no user outside it (and be no output, and no end of
 a control edge): where the scores are needed anyway, fusing would compute them twice.
 
-Float32 attention on CUDA over at most ``FLOAT32_WRITTEN_MAX_KEYS`` keys stays written out:
+Float32 attention on CUDA over at most ``FLOAT32_WRITTEN_MAX_KEYS`` keys (tracer/nn.py) stays
+written out, and ``scaled_dot_product_attention`` traces torch's math form there:
 torch's fused kernels for float32 (memory-efficient attention; flash takes half precision
 only) run on CUDA cores, and lose to the library's products and plait's softmax kernels
 where the scores are small. ViT-B/16's [64, 12, 197, 197] attention on an H100, forward and
@@ -47,6 +48,7 @@ import torch
 from ..config import config
 from ..graph import Graph, GraphBuilder, TensorType, Value, rewrite
 from ..tracer.aten import SoftmaxRule
+from ..tracer.nn import stays_written
 from ..tracer.primitives import get_primitive, is_effectful
 from ..tracer.trace import current_trace
 from .interpret import graph_of, inline
@@ -295,16 +297,6 @@ def _bias_operand(b: GraphBuilder, bias: Value, q: TensorType, provenance) -> Va
     return bias
 
 
-FLOAT32_WRITTEN_MAX_KEYS = 512
-
-
-def _stays_written(t, keys: int) -> bool:
-    """Is attention of result type ``t`` over ``keys`` keys faster written out (NOTE
-    [attention fusion])?"""
-    return t.dtype == torch.float32 and t.device.startswith("cuda") \
-        and keys <= FLOAT32_WRITTEN_MAX_KEYS
-
-
 def fuse_attention(graph: Graph) -> Graph:
     """NOTE [attention fusion]."""
     if not config.fuse_attention:
@@ -316,8 +308,9 @@ def fuse_attention(graph: Graph) -> Graph:
         if preds or node.prim != "dot_general":
             return None
         found = match(graph, node.kwargs, *graph.operands(n))
-        if found is None or not _exclusive(graph, n, found[-1], pinned) or _stays_written(
-                node.out_types[0], graph.type_of(graph.operands(n)[0]).shape[-1]):
+        t = node.out_types[0]
+        if found is None or not _exclusive(graph, n, found[-1], pinned) or stays_written(
+                t.dtype, t.device, graph.type_of(graph.operands(n)[0]).shape[-1]):
             return None
         # the same pattern among the new nodes, unless a node of it was fused already
         # (an attention whose output is matmul'd again inside this one)

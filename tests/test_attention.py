@@ -12,6 +12,7 @@ from torch.testing import assert_close
 
 import plait
 from plait.passes import algebra, dce
+from plait.tracer import nn as plait_nn
 
 BACKENDS = ["eager", "cpp", "triton"]
 
@@ -149,9 +150,13 @@ def test_switched_off_by_config():
 @pytest.mark.cuda
 @pytest.mark.parametrize("keys, fused", [(197, False), (1024, True)])
 def test_float32_attention_on_cuda_over_few_keys_stays_written_out(keys, fused):
+    """Written out, and scaled_dot_product_attention (masked or not) as its math form."""
     q, k, v = (x.cuda() for x in _qkv(2, 3, keys, 16))
-    assert ("attention" in _prims(plait.make_graph(attention)(q, k, v))) == fused
-    assert_close(plait.jit(attention)(q, k, v), attention(q, k, v), atol=1e-5, rtol=1e-5)
+    mask = torch.randn(keys, keys, device="cuda")
+    for fn in (attention, lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+               lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)):
+        assert ("attention" in _prims(plait.make_graph(fn)(q, k, v))) == fused
+        assert_close(plait.jit(fn)(q, k, v), fn(q, k, v), atol=1e-5, rtol=1e-5)
     half = [x.half() for x in (q, k, v)]  # half precision fuses at any length
     assert "attention" in _prims(plait.make_graph(attention)(*half))
 
@@ -176,12 +181,13 @@ def _masked_operands(device="cpu"):
 
 @pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", sorted(_masks(torch.Generator())))
-def test_masked_attention_runs_the_fused_kernels(name, backend):
+def test_masked_attention_runs_the_fused_kernels(name, backend, monkeypatch):
     """With a mask, additive (its gradient too: T5's learned position bias) or boolean, with
     or without causal masking, scaled_dot_product_attention is the attention primitive:
     torch's fused kernels forward and backward. The bias's gradient is written out, only
     where the bias is differentiated (else nothing of the scores' size is computed)."""
     device = "cuda" if backend == "cuda" else "cpu"
+    monkeypatch.setattr(plait_nn, "FLOAT32_WRITTEN_MAX_KEYS", 0)  # fused on CUDA at 12 keys
     (q, k, v), g = _masked_operands(device)
     mask, causal = _masks(g)[name]
     args = (q, k, v, mask.to(device))
@@ -378,7 +384,6 @@ def test_cuda_flash_pads_head_dims_to_eight(monkeypatch):
     """The CUDA flash kernel takes head dims that are multiples of 8 only: plait pads them
     as scaled_dot_product_attention does (checked on the CPU, the CUDA kernel played by the
     CPU's)."""
-    from plait.tracer import nn as plait_nn
 
     dims = []
 
@@ -414,7 +419,6 @@ def test_cuda_kernels_statistics_and_backward(causal, dtype, rows, keys, value_d
     program stores them, or as they came (operands laid out as a projection leaves them,
     [batch, tokens, heads, dim] transposed, and the kernel's own output), gives the
     gradients of the math reference within the kernels' precision."""
-    from plait.tracer import nn as plait_nn
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, ct = (torch.randn(2, rows, 4, d, generator=g, device="cuda", dtype=dtype).transpose(1, 2)

@@ -150,6 +150,17 @@ def _attention_infer(q, k, v, bias=None, *, scale, causal=False):
             TensorType(q.shape[:-1], _row_statistic_dtype(q.dtype), q.device))
 
 
+# float32 attention on CUDA over at most this many keys is faster written out (NOTE
+# [attention fusion])
+FLOAT32_WRITTEN_MAX_KEYS = 512
+
+
+def stays_written(dtype: torch.dtype, device, keys: int) -> bool:
+    """Is attention of ``dtype`` on ``device`` over ``keys`` keys faster written out?"""
+    return dtype == torch.float32 and str(device).startswith("cuda") \
+        and keys <= FLOAT32_WRITTEN_MAX_KEYS
+
+
 def _row_statistic_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -361,13 +372,15 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
                                   is_causal=False, scale=None, enable_gqa=False):
     """``F.scaled_dot_product_attention`` without dropout, with or without a mask: the
     attention primitive (grouped-query attention's key and value heads repeated by
-    broadcasting). Anything else traces torch's math form: left to torch, the call would
-    pick a fused kernel by device, which plait does not differentiate."""
+    broadcasting). Anything else, and attention faster written out (``stays_written``),
+    traces torch's math form: left to torch, the call would pick a fused kernel by device,
+    which plait does not differentiate."""
     tensors = (query, key, value)
     if not any(isinstance(x, TracerTensor) or torch._is_functional_tensor(x) for x in tensors):
         return NotImplemented
     masked = attn_mask is not None
     if dropout_p or not config.fuse_attention \
+            or stays_written(query.dtype, query.device, key.shape[-2]) \
             or len({x.dtype for x in tensors}) != 1 or not query.dtype.is_floating_point \
             or not query.ndim == key.ndim == value.ndim >= 2 \
             or masked and (attn_mask.dtype not in (torch.bool, query.dtype)
