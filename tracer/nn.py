@@ -22,10 +22,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from contextlib import nullcontext
 
 import attrs
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
@@ -194,11 +196,8 @@ def _fused_kernel(q, k, v, bias, causal: bool, scale: float) -> str:
     two CUDA only), else "math" (whose row statistics plait computes itself). With a bias,
     never cuDNN's (which torch prefers for bf16 on Hopper), whose backward plait does not
     call: the memory-efficient kernel's takes the bias too."""
-    if q.device.type == "cuda" and bias is not None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            choice = torch._fused_sdp_choice(q, k, v, bias, 0.0, causal, scale=scale)
-    else:
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) \
+            if q.device.type == "cuda" and bias is not None else nullcontext():
         choice = torch._fused_sdp_choice(q, k, v, bias, 0.0, causal, scale=scale)
     if q.device.type == "cuda":
         return {1: "flash", 2: "efficient", 3: "cudnn"}.get(choice, "math")
