@@ -230,6 +230,15 @@ template <class To, class From> inline To plait_convert(From a) {
 }
 """
 
+# NOTE [row invariants]
+# In a kernel reducing over rows (not column-wise), the loops over the rows are innermost and
+# vectorized; a value that no row changes (a target's index and the weight it selects in a
+# cross-entropy's gradient, a per-row reciprocal) is computed once per row, before them.
+# GCC hoists such values itself, but not out of a select: a float select on an int64
+# comparison of two invariant operands left "control flow in loop", and the whole loop
+# (cross-entropy's gradient: its exps) ran scalar. Values taking a reduction's result stay
+# in the pass that has it.
+
 # NOTE [point invariants]
 # The innermost loop is the vectorized one; where others run outside it, a value of the
 # innermost point alone would be computed again at each of their iterations: a BatchNorm's
@@ -437,6 +446,8 @@ class _KernelWriter:
         if self.columns:
             bound = self._invariants(lines, indent, set(loop_vars("r", len(
                 k.reduction_sizes))), "xb", "xe", _COLUMNS)
+        elif k.reduction_sizes:
+            bound |= self._row_invariants(lines, indent)
         passes = levels(*(s.value for s in k.stores))
         inner = [s for s in k.stores if is_inner(s)]
         made = inner if _stored_by_the_reductions(k) else []
@@ -508,6 +519,18 @@ class _KernelWriter:
                 stashes[max(costly, key=lambda red: len(walk(red.body)))] = s
         return stashes
 
+    def _row_invariants(self, lines: list, indent: str) -> dict:
+        """NOTE [row invariants]: the values of a row kernel's loops over its rows that no
+        row changes, none taking a reduction's result, each computed once per row before
+        those loops; node -> its local."""
+        k = self.kernel
+        varies = _varying(k, set(loop_vars("r", len(k.reduction_sizes))))
+        hoisted = dict.fromkeys(c for e, v in varies.items() if v and not isinstance(e, Reduce)
+                                for c in children(e) if not varies[c]
+                                and not isinstance(c, Constant))
+        scope = _Scope(self, lines, indent, {})
+        return {e: scope.value(e) for e in hoisted}
+
     def _invariants(self, lines: list, indent: str, varying: set, first: str, extent: str,
                     size: int) -> dict:
         """NOTE [point invariants]: the costly values that no loop variable in ``varying``
@@ -515,14 +538,9 @@ class _KernelWriter:
         ``extent`` points) into an array of ``size``; node -> its element."""
         k = self.kernel
         nodes = walk(*(s.value for s in k.stores))
-        varies: dict = {}  # node -> does it change along the ``varying`` loops
+        varies = _varying(k, varying)
         costly: dict = {}  # node -> does computing it take a costly op
         for e in nodes:
-            index = e.index if isinstance(e, Load) else e.expr if isinstance(e, IndexValue) \
-                else None
-            own = isinstance(e, Reduce) or (index is not None and bool(
-                varying & index.free_symbols))
-            varies[e] = own or any(varies[c] for c in children(e))
             costly[e] = (isinstance(e, Apply) and e.op in _COSTLY) or any(
                 costly[c] for c in children(e))
         hoisted = [e for e in dict.fromkeys(c for e in nodes if varies[e]
@@ -634,6 +652,17 @@ class _KernelWriter:
             lines.append(f"{indent}const {_ctype(red.dtype)} {acc}_out = {results[red]};")
             results[red] = f"{acc}_out"
         return results
+
+
+def _varying(kernel: Kernel, varying: set) -> dict:
+    """Each node of the kernel's stores -> does it change along the loops of ``varying`` (a
+    reduction's result counts as changing)? In ``walk``'s order, operands first."""
+    varies: dict = {}
+    for e in walk(*(s.value for s in kernel.stores)):
+        index = e.index if isinstance(e, Load) else e.expr if isinstance(e, IndexValue) else None
+        own = isinstance(e, Reduce) or (index is not None and bool(varying & index.free_symbols))
+        varies[e] = own or any(varies[c] for c in children(e))
+    return varies
 
 
 def _row_vars(kernel) -> list[str]:
