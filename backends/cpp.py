@@ -267,24 +267,13 @@ _SIMD_REDUCTIONS = {"sum": "+", "prod": "*"}
 _PARALLEL_MIN_WORK = 1 << 15  # loop iterations below which a thread team costs more than it saves
 
 
-def _passes(kernel: Kernel) -> int:
-    """The kernel's sweeps over its points: one per level of reductions and one for its inner
-    stores unless the last level makes them (a softmax's max, sum and stores: three), each
-    counted as work."""
-    stores = kernel.stores
-    return max(1, len(levels(*(s.value for s in stores))) + (
-        any(map(is_inner, stores)) and not _stored_by_the_reductions(kernel)))
-
-
-def _stored_by_the_reductions(kernel: Kernel) -> bool:
-    """Do the kernel's reductions' passes make its inner stores, none of which reads a
-    reduction's result (a GELU's gradient stored and summed for its bias's): in the last
+def _stored_by_the_reductions(passes: list, inner: list) -> bool:
+    """Do the reductions' ``passes`` make the kernel's ``inner`` stores, none of which reads
+    a reduction's result (a GELU's gradient stored and summed for its bias's): in the last
     pass, after its updates, rather than in a pass of their own that computes their values
     again? In place too (NOTE [memory passes]): a store's buffer is read at its own index
     alone, before the store, in that pass and in the passes before it."""
-    inner = [s for s in kernel.stores if is_inner(s)]
-    return bool(inner and kernel.reduction_sizes) and any(
-        isinstance(e, Reduce) for s in kernel.stores for e in walk(s.value)) and not any(
+    return bool(passes and inner) and not any(
         isinstance(e, Reduce) for s in inner for e in walk(s.value))
 
 
@@ -417,7 +406,12 @@ class _KernelWriter:
             restrict = "" if (written and read) or b in self.shared else " __restrict__"
             decls.append(f"{const}{_ctype(buffer_types[b].dtype)}*{restrict} {self.params[b]}")
         lines = [f'extern "C" void {self.name}({", ".join(decls)}) {{']
-        work = math.prod(k.sizes) * max(1, math.prod(k.reduction_sizes)) * _passes(k)
+        passes = levels(*(s.value for s in k.stores))
+        inner = [s for s in k.stores if is_inner(s)]
+        made = inner if _stored_by_the_reductions(passes, inner) else []
+        # every sweep over the points is work (a softmax's max, sum and stores: three)
+        sweeps = max(1, len(passes) + bool(inner and not made))
+        work = math.prod(k.sizes) * max(1, math.prod(k.reduction_sizes)) * sweeps
         parallel = work >= _PARALLEL_MIN_WORK
         xs = [f"x{i}" for i in range(len(k.sizes))]
         # a pointwise kernel keeps its innermost loop out of the collapse, for vectorization
@@ -448,9 +442,6 @@ class _KernelWriter:
                 k.reduction_sizes))), "xb", "xe", _COLUMNS)
         elif k.reduction_sizes:
             bound |= self._row_invariants(lines, indent)
-        passes = levels(*(s.value for s in k.stores))
-        inner = [s for s in k.stores if is_inner(s)]
-        made = inner if _stored_by_the_reductions(k) else []
         self.stashes = {} if made else self._stashes(passes, inner)
         for j, level in enumerate(passes):  # each a pass over the rows
             bound |= self._reduction(level, bound, lines, indent, parallel and not xs,
@@ -523,13 +514,10 @@ class _KernelWriter:
         """NOTE [row invariants]: the values of a row kernel's loops over its rows that no
         row changes, none taking a reduction's result, each computed once per row before
         those loops; node -> its local."""
-        k = self.kernel
-        varies = _varying(k, set(loop_vars("r", len(k.reduction_sizes))))
-        hoisted = dict.fromkeys(c for e, v in varies.items() if v and not isinstance(e, Reduce)
-                                for c in children(e) if not varies[c]
-                                and not isinstance(c, Constant))
+        rows = set(loop_vars("r", len(self.kernel.reduction_sizes)))
         scope = _Scope(self, lines, indent, {})
-        return {e: scope.value(e) for e in hoisted}
+        return {e: scope.value(e) for e in _invariant_operands(self.kernel, rows)
+                if not isinstance(e, Constant)}
 
     def _invariants(self, lines: list, indent: str, varying: set, first: str, extent: str,
                     size: int) -> dict:
@@ -537,15 +525,11 @@ class _KernelWriter:
         changes, each computed once per point of the innermost loop (from ``first``, over
         ``extent`` points) into an array of ``size``; node -> its element."""
         k = self.kernel
-        nodes = walk(*(s.value for s in k.stores))
-        varies = _varying(k, varying)
         costly: dict = {}  # node -> does computing it take a costly op
-        for e in nodes:
+        for e in walk(*(s.value for s in k.stores)):
             costly[e] = (isinstance(e, Apply) and e.op in _COSTLY) or any(
                 costly[c] for c in children(e))
-        hoisted = [e for e in dict.fromkeys(c for e in nodes if varies[e]
-                                            and not isinstance(e, Reduce) for c in children(e))
-                   if not varies[e] and costly[e]][:_MAX_INVARIANTS]
+        hoisted = [e for e in _invariant_operands(k, varying) if costly[e]][:_MAX_INVARIANTS]
         if not hoisted:
             return {}
         x = f"x{len(k.sizes) - 1}"
@@ -654,15 +638,18 @@ class _KernelWriter:
         return results
 
 
-def _varying(kernel: Kernel, varying: set) -> dict:
-    """Each node of the kernel's stores -> does it change along the loops of ``varying`` (a
-    reduction's result counts as changing)? In ``walk``'s order, operands first."""
+def _invariant_operands(kernel: Kernel, varying: set) -> list:
+    """The operands that no loop of ``varying`` changes of the kernel's values that those
+    loops do change (a reduction's result counts as changing; its body stays inside it),
+    operands first."""
     varies: dict = {}
     for e in walk(*(s.value for s in kernel.stores)):
         index = e.index if isinstance(e, Load) else e.expr if isinstance(e, IndexValue) else None
         own = isinstance(e, Reduce) or (index is not None and bool(varying & index.free_symbols))
         varies[e] = own or any(varies[c] for c in children(e))
-    return varies
+    return list(dict.fromkeys(c for e, changes in varies.items()
+                              if changes and not isinstance(e, Reduce)
+                              for c in children(e) if not varies[c]))
 
 
 def _row_vars(kernel) -> list[str]:

@@ -379,9 +379,9 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
         return NotImplemented
     masked = attn_mask is not None
     if dropout_p or not config.fuse_attention \
-            or stays_written(query.dtype, query.device, key.shape[-2]) \
             or len({x.dtype for x in tensors}) != 1 or not query.dtype.is_floating_point \
             or not query.ndim == key.ndim == value.ndim >= 2 \
+            or stays_written(query.dtype, query.device, key.shape[-2]) \
             or masked and (attn_mask.dtype not in (torch.bool, query.dtype)
                            or attn_mask.ndim > query.ndim):
         if masked and attn_mask.dtype == torch.bool:  # as the call converts it
