@@ -444,9 +444,10 @@ NATIVE = {
         ints + [int(p.get("lhs_grad", True))], ()),
     "scatter": lambda p, _: ([p["dim"], int(p["reduce"] == "sum")], ())
     if p["reduce"] is None or (p["reduce"] == "sum" and p["include_self"]) else None,
-    "attention": lambda p, operands: (
+    # (attention with dropout: CUDA's flash kernel alone, NOTE [attention dropout])
+    "attention": lambda p, operands: None if p.get("dropout") else (
         [int(p.get("causal", False)), operands - 3], [float(p["scale"])]),
-    "attention_backward": lambda p, operands: (
+    "attention_backward": lambda p, operands: None if p.get("dropout") else (
         [int(p.get("causal", False)), operands - 6], [float(p["scale"])]),
 }
 

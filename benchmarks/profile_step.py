@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CATEGORIES = (("matmul", ("gemm", "cutlass", "cublas", "nvjet", "sm90_xmma", "matmul",
+CATEGORIES = (("attention", ("flash", "fmha", "attention", "efficient_attention")),
+              ("matmul", ("gemm", "cutlass", "cublas", "nvjet", "sm90_xmma", "matmul",
                           "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
-              ("attention", ("flash", "fmha", "attention", "efficient_attention")),
               ("conv", ("conv", "wgrad", "dgrad", "implicit_convolve", "winograd")),
               ("copy", ("memcpy", "memset", "copy")))
 
@@ -44,7 +44,7 @@ def category(name: str) -> str:
 def gpt_function_steps(args, device, dtype):
     from models import gpt_sizes, gpt_steps
 
-    steps, plait_step, arguments = gpt_steps(args.blocks, device, dtype)
+    steps, plait_step, arguments = gpt_steps(args.blocks, device, dtype, args.dropout)
     dim, heads, vocab, batch, seq = gpt_sizes(device)
     title = (f"GPT training step: {args.blocks} blocks, d={dim}, {heads} heads, vocab "
              f"{vocab}, {batch}x{seq} tokens, {dtype}, {device}")
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--blocks", type=int, default=1)
+    parser.add_argument("--dropout", type=float, default=0.0, help="gpt's (benchmarks/models.py)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--only", default="eager,torch.compile,plait")
     parser.add_argument("--launched-by", metavar="TEXT",

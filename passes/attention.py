@@ -48,7 +48,7 @@ import torch
 from ..config import config
 from ..graph import Graph, GraphBuilder, TensorType, Value, rewrite
 from ..tracer.aten import SoftmaxRule
-from ..tracer.nn import stays_written
+from ..tracer.nn import refuse_dropout_derivative, stays_written
 from ..tracer.primitives import get_primitive, is_effectful
 from ..tracer.trace import current_trace
 from .interpret import graph_of, inline
@@ -367,8 +367,11 @@ def _graph_for(q, k, v, bias, scale, causal) -> Graph:
     return _backward_graph(tuple(trace.type_of(x) for x in (q, k, v, *bias)), scale, causal)
 
 
-def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False):
+def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False, dropout=0.0):
     from .autodiff import vjp, zeros
+
+    if dropout:
+        refuse_dropout_derivative("a second derivative")
 
     graph = _graph_for(q, k, v, bias, scale, causal)
     with config.patch(fuse_attention=False):
@@ -381,8 +384,11 @@ def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False):
     return [gct, *grads[:3], None, None, *grads[3:]]
 
 
-def _backward_jvp(operands, tangents, outs, *, scale, causal=False):
+def _backward_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0):
     from .autodiff import jvp
+
+    if dropout:
+        refuse_dropout_derivative("a second derivative")
 
     ct, q, k, v, _, _, *bias = operands  # (out and lse: as in _backward_vjp)
     graph = _graph_for(q, k, v, bias, scale, causal)

@@ -24,7 +24,7 @@ import torch
 from ..errors import UnsupportedOpError
 from ..graph import Graph, Value
 from ..tracer.nn import conv_vjp_written
-from ..tracer.primitives import get_primitive, is_effectful
+from ..tracer.primitives import draws_random, get_primitive, is_effectful
 from ..tracer.trace import Trace, bind, current_trace, tracing
 from .interpret import graph_of, inline, replay
 
@@ -56,10 +56,10 @@ def vmap(graph: Graph, batched: Sequence[bool], axis_size: int,
         def visit(n, operands):
             node = graph.node(n)
             flags = [is_batched[v] for v in graph.operands(n)]
-            if not any(flags) and not (is_effectful(node) and node.prim == "opaque"):
-                outs, out_flags = _outs(bind(node.prim, *operands, **node.kwargs)), None
-            elif node.prim == "opaque" and is_effectful(node) and node.out_types:
+            if draws_random(node):
                 outs, out_flags = _random(node, operands, flags, axis_size, randomness)
+            elif not any(flags) and not (is_effectful(node) and node.prim == "opaque"):
+                outs, out_flags = _outs(bind(node.prim, *operands, **node.kwargs)), None
             else:
                 rule = get_primitive(node.prim).batch
                 result = rule(operands, flags, axis_size, **node.kwargs) if rule \
@@ -79,18 +79,18 @@ def vmap(graph: Graph, batched: Sequence[bool], axis_size: int,
 
 
 def _random(node, operands, flags, axis_size, randomness):
-    op = node.kwargs["op"]
+    op = node.kwargs["op"] if node.prim == "opaque" else f"{node.prim} with dropout"
     if randomness == "error":
         raise UnsupportedOpError(
             f"vmap: {op} draws random numbers, and vmap(randomness='error') (the default) "
             "refuses random ops; pass randomness='different' (independent draws per example) "
             "or 'same' (one draw shared by all examples)")
     if randomness == "same" and not any(flags):
-        return _outs(bind("opaque", *operands, **node.kwargs)), None
+        return _outs(bind(node.prim, *operands, **node.kwargs)), None
     if randomness == "same":
         raise UnsupportedOpError(f"vmap(randomness='same'): {op} takes a batched operand, so "
                                  "its draws cannot be shared")
-    return loop("opaque", operands, flags, axis_size, node.kwargs)
+    return loop(node.prim, operands, flags, axis_size, node.kwargs)
 
 
 def _written_out(form):

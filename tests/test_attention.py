@@ -396,7 +396,7 @@ def test_cuda_flash_pads_head_dims_to_eight(monkeypatch):
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", cuda_flash)
     q, k, v = _qkv(2, 3, 10, 36)
     for causal in (False, True):
-        out, lse = plait_nn._cuda_flash(q, k, v, causal, 0.2)
+        out, lse = plait_nn._cuda_flash(q, k, v, causal, 0.2)[:2]
         scores = q @ k.mT * 0.2
         if causal:
             scores = scores.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(),
@@ -536,3 +536,185 @@ def test_attention_under_no_grad_in_a_jitted_function_still_fuses():
     graph = plait.make_graph(f)(q, k, v)
     assert "attention" in {graph.node(n).prim for n in graph.order}
     torch.testing.assert_close(plait.jit(f, backend="cpp")(q, k, v), f(q, k, v))
+
+
+# -- dropout (NOTE [attention dropout]) ---------------------------------------------------
+def _dropped(q, k, v, causal, scale, keep, dropout):
+    return (plait_nn._scores(q, k, scale, causal).softmax(-1) * keep / (1 - dropout)) @ v
+
+
+class PlayedFlash:
+    """CUDA's flash kernel with dropout played on the CPU, as the real one behaves: the
+    forward draws its mask from a generator state taken from torch's generator and returns
+    that state (uint64 [2]), the backward replays the mask from the state it is handed.
+    ``masks`` holds each forward's mask, ``replayed`` each state a backward was handed."""
+
+    def __init__(self, monkeypatch):
+        self.masks, self.replayed = [], []
+        monkeypatch.setattr(plait_nn, "_fused_dropout",
+                            lambda q, k, v, mask, p, causal: 0 < p < 1 and mask is None)
+        monkeypatch.setattr(plait_nn, "_cuda_flash", self.forward)
+        monkeypatch.setattr(plait_nn, "_cuda_flash_backward", self.backward)
+
+    @staticmethod
+    def keep(seed: int, q, k, dropout):
+        g = torch.Generator().manual_seed(seed)
+        return torch.rand(*q.shape[:-1], k.shape[-2], generator=g) >= dropout
+
+    def forward(self, q, k, v, causal, scale, dropout=0.0):
+        seed = int(torch.randint(1 << 62, ()))
+        self.masks.append(self.keep(seed, q, k, dropout))
+        lse = plait_nn._scores(q, k, scale, causal).logsumexp(-1).float()
+        return (_dropped(q, k, v, causal, scale, self.masks[-1], dropout), lse,
+                torch.tensor([seed, 0]).to(torch.uint64), torch.tensor(0).to(torch.uint64))
+
+    def backward(self, ct, q, k, v, out, rows, causal, scale, dropout, state):
+        self.replayed.append(int(state[0].view(torch.int64)[0]))
+        keep = self.keep(self.replayed[-1], q, k, dropout)
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            return torch.autograd.grad(_dropped(*leaves, causal, scale, keep, dropout),
+                                       leaves, ct)
+
+
+def _sdpa_dropout(q, k, v, causal=True):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_runs_in_the_primitive_and_its_backward_replays_the_mask(backend, causal,
+                                                                         monkeypatch):
+    flash = PlayedFlash(monkeypatch)
+    q, k, v, w = _qkv(2, 2, 16, 8) + [torch.randn(2, 2, 16, 8)]
+    loss = lambda q, k, v: (_sdpa_dropout(q, k, v, causal) * w).sum()  # noqa: E731
+    step = plait.jit(plait.grad_and_value(loss, argnums=(0, 1, 2)), backend=backend)
+    graph = plait.make_graph(plait.grad_and_value(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert [graph.node(n).kwargs.get("dropout") for n in graph.order
+            if graph.node(n).prim in ("attention", "attention_backward")] == [0.25, 0.25]
+    assert "softmax" not in _prims(graph) and "exp" not in _prims(graph)
+    for _ in range(2):
+        grads, value = step(q, k, v)
+        keep = flash.masks[-1]
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        expected = (_dropped(*leaves, causal, q.shape[-1] ** -0.5, keep, 0.25) * w).sum()
+        assert_close(value, expected.detach(), atol=1e-5, rtol=1e-5)
+        assert_close(grads, torch.autograd.grad(expected, leaves), atol=1e-5, rtol=1e-5)
+        assert flash.replayed[-1] != 0 and flash.keep(flash.replayed[-1], q, k, 0.25).equal(keep)
+    assert len(flash.masks) == len(flash.replayed) == 2  # (tracing draws none)
+    assert not flash.masks[0].equal(flash.masks[1])
+
+
+def test_dropout_attention_draws_in_program_order_from_torchs_generator(monkeypatch):
+    """Two identical calls are two draws (the primitive is effectful, never merged), taken
+    from torch's generator: the same seed gives the same masks, another seed others."""
+    PlayedFlash(monkeypatch)
+    q, k, v = _qkv(2, 2, 16, 8)
+    jitted = plait.jit(lambda q, k, v: _sdpa_dropout(q, k, v) - _sdpa_dropout(q, k, v))
+    torch.manual_seed(1)
+    first = jitted(q, k, v)
+    assert first.abs().max() > 0.1
+    torch.manual_seed(1)
+    assert_close(jitted(q, k, v), first)
+    assert not torch.equal(jitted(q, k, v), first)
+
+
+def test_dropout_attention_in_a_trained_module(monkeypatch):
+    """``model.train()`` drops, ``model.eval()`` does not: the training flag is read at every
+    call, and the eval call runs no dropout (eager's result exactly)."""
+    flash = PlayedFlash(monkeypatch)
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).movedim(-2, 1).unbind(3)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=0.5 if self.training else 0.0)
+
+    model, x = SelfAttention(), torch.randn(2, 16, 8)
+    jitted = plait.jit(model)
+    for training in (True, False, True):
+        model.train(training)
+        drawn, replayed = len(flash.masks), len(flash.replayed)
+        got = jitted(x)
+        if not training:
+            assert_close(got, model(x), atol=1e-6, rtol=1e-6)
+        got.sum().backward()
+        assert len(flash.masks) == drawn + training
+        assert len(flash.replayed) == replayed + training
+
+
+def test_derivatives_of_dropout_attention_that_need_the_mask_are_refused(monkeypatch):
+    PlayedFlash(monkeypatch)
+    q, k, v = _qkv(2, 2, 16, 8)
+    loss = lambda q: _sdpa_dropout(q, k, v).square().sum()  # noqa: E731
+    with pytest.raises(plait.errors.UnsupportedOpError, match="forward-mode.*dropout_p=0"):
+        plait.jvp(loss, (q,), (v,))
+    with pytest.raises(plait.errors.UnsupportedOpError, match="second derivative"):
+        plait.grad(lambda q: plait.grad(loss)(q).sum())(q)
+    with pytest.raises(plait.errors.UnsupportedOpError, match="randomness"):
+        plait.vmap(loss)(torch.stack([q, q]))
+    per_example = plait.vmap(loss, randomness="different")(torch.stack([q, q]))
+    assert per_example[0] != per_example[1]
+    with plait.config.patch(fuse_attention=False):  # the fix the refusal names
+        assert plait.jvp(loss, (q,), (v,))[1].isfinite()
+
+
+def test_checkpointed_dropout_attention_replays_the_mask_it_drew(monkeypatch):
+    """A checkpoint's backward recomputes its body, but the dropout draw is saved (NOTE
+    [checkpoint]): the backward replays the forward's mask, drawing none."""
+    flash = PlayedFlash(monkeypatch)
+    q, k, v = _qkv(2, 2, 16, 8)
+    loss = lambda q: plait.checkpoint(_sdpa_dropout)(q, k, v).square().sum()  # noqa: E731
+    grad = plait.jit(plait.grad(loss))(q)
+    assert len(flash.masks) == 1
+    leaf = q.clone().requires_grad_()
+    expected = _dropped(leaf, k, v, True, 8 ** -0.5, flash.masks[0], 0.25).square().sum()
+    assert_close(grad, torch.autograd.grad(expected, leaf)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda  # torch's CUDA attention kernels
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_dropout_attention_draws_as_eager(causal, kernel, monkeypatch):
+    """plait runs the fused kernel eager runs, drawing from torch's CUDA generator where
+    eager draws: after the same seed, eager's mask, so eager's output and gradients (to
+    bf16's rounding: plait's projections round otherwise), in a module's ``loss.backward()``
+    (a forward and a backward program), call after call (the later ones replays of CUDA
+    graphs); a mask of its own would differ by about the output's size."""
+    monkeypatch.setattr(plait_nn, "_fused_kernel", lambda *args: kernel)
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    proj = torch.nn.Linear(64, 3 * 64, device="cuda", dtype=torch.bfloat16)
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = proj
+
+        def forward(self, x):
+            q, k, v = self.proj(x).unflatten(-1, (3, 4, 16)).movedim(-2, 1).unbind(3)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=causal)
+
+    def relative(a, b):
+        return max(((x.float() - y.float()).norm() / y.float().norm()).item()
+                   for x, y in zip(a, b))
+
+    model = SelfAttention()
+    x, w = (torch.randn(2, 128, 64, generator=g, device="cuda", dtype=dtype)
+            for dtype in (torch.bfloat16, torch.float32))
+    w = w.view(2, 128, 4, 16).transpose(1, 2)
+    jitted = plait.jit(model)
+    for seed in range(5):
+        results = []
+        for run in (jitted, model):
+            torch.manual_seed(seed)
+            with torch.nn.attention.sdpa_kernel(backend):
+                out = run(x)
+            (out.float() * w).sum().backward()
+            results.append([out, *(p.grad for p in model.parameters())])
+            model.zero_grad(set_to_none=True)
+        assert relative(*results) < 2e-2

@@ -137,7 +137,21 @@ define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 # differentiates the bias (a padding mask). Its JVP is written out (forward mode stores the
 # scores). ``attention_backward``'s own derivatives differentiate the written-out form
 # (passes/attention.py: they need the graph passes).
-def _attention_infer(q, k, v, bias=None, *, scale, causal=False):
+#
+# NOTE [attention dropout]
+# With ``dropout`` (a probability), the softmax's entries are zeroed with that probability and
+# the rest scaled by 1 / (1 - dropout) before the product with v. Only CUDA's kernels run it
+# fused, cuDNN's where torch picks it and flash's otherwise (``_fused_dropout`` says where;
+# elsewhere ``scaled_dot_product_attention`` traces its written-out form, which stores the
+# scores and the mask, as eager's math path does, torch's CPU kernel taking no dropout). The
+# kernel draws the mask inside, from torch's CUDA generator where eager's call draws (the
+# same seed gives eager's mask), and returns the generator state it drew with, which its
+# backward is handed to replay the same mask. So the primitive draws (effectful: never
+# merged, removed or recomputed), its third result is that state (``_generator_state``: on
+# the device, where a CUDA graph's replay writes it anew), ``attention_backward`` takes it in
+# the bias's place (dropout never comes with a bias), and forward-mode and second
+# derivatives, which would need the mask itself, are refused.
+def _attention_infer(q, k, v, bias=None, *, scale, causal=False, dropout=0.0):
     ok = (q.ndim == k.ndim == v.ndim >= 2 and q.dtype == k.dtype == v.dtype
           and q.dtype.is_floating_point and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
           and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2])
@@ -148,8 +162,31 @@ def _attention_infer(q, k, v, bias=None, *, scale, causal=False):
                and all(b in (1, s) for b, s in zip(bias.shape, scores)), "attention",
                f"expected a bias of q's dtype broadcasting to the scores' {scores}, and no "
                "causal mask with it", q, k, v, bias)
+    state = (TensorType((2,), torch.int64, q.device),) if dropout else ()
     return (TensorType((*q.shape[:-1], v.shape[-1]), q.dtype, q.device),
-            TensorType(q.shape[:-1], _row_statistic_dtype(q.dtype), q.device))
+            TensorType(q.shape[:-1], _row_statistic_dtype(q.dtype), q.device), *state)
+
+
+def _fused_dropout(query, key, value, attn_mask, dropout_p: float, is_causal: bool) -> bool:
+    """Can ``scaled_dot_product_attention`` with dropout run as the primitive (NOTE [attention
+    dropout]): where CUDA's flash kernel takes it, as cuDNN's does, that is 16-bit floats, no
+    mask besides the causal one (aligned top-left, as the call's is, only where rows and keys
+    are as many) and one head dim up to 256 for q, k and v? (A probability of 1 drops
+    everything: written out.)"""
+    return 0 < dropout_p < 1 and attn_mask is None and query.device.type == "cuda" \
+        and query.dtype in (torch.float16, torch.bfloat16) \
+        and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256 \
+        and (not is_causal or query.shape[-2] == key.shape[-2]) \
+        and torch.backends.cuda.is_flash_attention_available() \
+        and torch.cuda.get_device_capability(query.device) >= (8, 0)
+
+
+def refuse_dropout_derivative(what: str):
+    raise UnsupportedOpError(
+        f"{what} of scaled_dot_product_attention with dropout_p > 0: its fused kernel draws "
+        "the dropout mask inside and never returns it (NOTE [attention dropout]); use "
+        "dropout_p=0 (model.eval()) there, or plait.config.fuse_attention = False to trace "
+        "the written-out attention, which stores the mask")
 
 
 # float32 attention on CUDA over at most this many keys is faster written out (NOTE
@@ -190,29 +227,69 @@ def _scores(q, k, scale: float, causal: bool, bias=None):
     return s
 
 
-def _fused_kernel(q, k, v, bias, causal: bool, scale: float) -> str:
+def _fused_kernel(q, k, v, bias, causal: bool, scale: float, dropout: float = 0.0) -> str:
     """Which of torch's fused attention kernels runs these 4-D operands, as
-    ``scaled_dot_product_attention`` would pick it: "flash", "efficient" or "cudnn" (the last
-    two CUDA only), else "math" (whose row statistics plait computes itself). With a bias,
-    never cuDNN's (which torch prefers for bf16 on Hopper), whose backward plait does not
-    call: the memory-efficient kernel's takes the bias too."""
+    ``scaled_dot_product_attention`` would pick it: "cpu" (the CPU's), or CUDA's "flash",
+    "efficient" or "cudnn", else "math" (whose row statistics plait computes itself). With a
+    bias, never cuDNN's (which torch prefers for bf16 on Hopper), whose backward is wrong
+    with one: the memory-efficient kernel's takes the bias too. With dropout, cuDNN's where
+    torch picks it, else flash's (NOTE [attention dropout])."""
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) \
             if q.device.type == "cuda" and bias is not None else nullcontext():
-        choice = torch._fused_sdp_choice(q, k, v, bias, 0.0, causal, scale=scale)
+        choice = torch._fused_sdp_choice(q, k, v, bias, dropout, causal, scale=scale)
+    if dropout:
+        return "cudnn" if choice == 3 else "flash"
     if q.device.type == "cuda":
         return {1: "flash", 2: "efficient", 3: "cudnn"}.get(choice, "math")
-    return "flash" if q.device.type == "cpu" and choice == 1 else "math"
+    return "cpu" if q.device.type == "cpu" and choice == 1 else "math"
 
 
-def _cuda_flash(q, k, v, causal: bool, scale: float):
+def _cudnn_backward_holds(q, k, v, causal: bool) -> bool:
+    """Does cuDNN's backward give these operands' gradients? Not for causal attention of
+    more or fewer rows than keys, nor for v's head dim not q's (its results were wrong)."""
+    return (not causal or q.shape[-2] == k.shape[-2]) and q.shape[-1] == v.shape[-1]
+
+
+def _padded(x, multiple: int):
+    """``x`` with its last dim padded with zeros to a multiple of ``multiple`` (as it is where
+    it is one already: torch's pad copies even by nothing)."""
+    pad = -x.shape[-1] % multiple
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def _cuda_flash(q, k, v, causal: bool, scale: float, dropout: float = 0.0):
     """torch's CUDA flash kernel, whose head dims must be multiples of 8: padded with zeros
     as ``scaled_dot_product_attention`` pads them (a zero column changes no score and adds
-    a zero column to the result, which is cut off)."""
+    a zero column to the result, which is cut off). The output, the row statistics and the
+    generator state its dropout drew with (NOTE [attention dropout])."""
     size = v.shape[-1]
-    q, k, v = (torch.nn.functional.pad(x, (0, -x.shape[-1] % 8)) for x in (q, k, v))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale)[:2]
-    return out[..., :size], lse
+    q, k, v = (_padded(x, 8) for x in (q, k, v))
+    out, lse, *_, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, dropout, causal, False, scale=scale)
+    return out[..., :size], lse, seed, offset
+
+
+def _generator_state(kernel: str, seed, offset, device):
+    """A fused kernel's dropout state as the primitive returns it: its philox seed and
+    offset, an int64 [2] on the device (where a CUDA graph's replay writes them anew):
+    flash's own (uint64, its ``offset`` a placeholder), cuDNN's two scalars stacked. A torch
+    that keeps them elsewhere (on the host, outside a capture) would be misread: refused."""
+    expected = ((2,), torch.uint64) if kernel == "flash" else ((), torch.int64)
+    if seed.device != device or (seed.shape, seed.dtype) != expected:
+        raise UnsupportedOpError(
+            f"attention with dropout: this torch's {kernel} kernel returns its generator "
+            f"state as {tuple(seed.shape)} {seed.dtype} on {seed.device}, not the device's "
+            f"{expected} plait reads; set plait.config.fuse_attention = False to trace the "
+            "written-out attention")
+    return seed.view(torch.int64) if kernel == "flash" else torch.stack([seed, offset])
+
+
+def _dropout_seed(kernel: str, state) -> tuple:
+    """The seed and offset the kernel's backward takes, from ``_generator_state``'s."""
+    if kernel == "flash":
+        return state.view(torch.uint64), torch.zeros((), dtype=torch.uint64,
+                                                      device=state.device)
+    return state[0], state[1]
 
 
 def _efficient_bias(bias, q, k):
@@ -226,35 +303,38 @@ def _efficient_bias(bias, q, k):
     return bias.expand(*q.shape[:-1], k.shape[-2])
 
 
-def _attention(q, k, v, bias=None, *, scale, causal=False):
+def _attention(q, k, v, bias=None, *, scale, causal=False, dropout=0.0):
     q4, k4, v4 = (_four_d(x) for x in (q, k, v))
     bias4 = _four_d_bias(bias, q, k)
-    kernel = _fused_kernel(q4, k4, v4, bias4, causal, scale)
-    if kernel == "flash" and q.device.type == "cpu":
+    kernel = _fused_kernel(q4, k4, v4, bias4, causal, scale, dropout)
+    state = ()  # the generator state a dropout drew with (NOTE [attention dropout])
+    if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q4, k4, v4, 0.0, causal, attn_mask=bias4, scale=scale)
     elif kernel == "flash":  # (CUDA's flash takes no bias)
-        out, lse = _cuda_flash(q4, k4, v4, causal, scale)
+        out, lse, *state = _cuda_flash(q4, k4, v4, causal, scale, dropout)
     elif kernel == "efficient":  # its statistics are padded to a multiple of 32 rows
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q4, k4, v4, _efficient_bias(bias4, q4, k4), True, 0.0, causal, scale=scale)[:2]
         lse = lse[..., :q4.shape[-2]]
     elif kernel == "cudnn":  # its statistics are [..., M, 1]
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q4, k4, v4, None, True, 0.0, causal, False, scale=scale)[:2]
+        out, lse, *_, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q4, k4, v4, None, True, dropout, causal, False, scale=scale)
+        state = seed, offset
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
             q4, k4, v4, attn_mask=bias4, scale=scale, is_causal=causal)
         wide = _row_statistic_dtype(q.dtype)
         lse = _scores(q4.to(wide), k4.to(wide), scale, causal,
                       None if bias4 is None else bias4.to(wide)).logsumexp(-1)
-    return (out.reshape(*q.shape[:-1], v.shape[-1]),
-            lse.to(_row_statistic_dtype(q.dtype)).reshape(q.shape[:-1]))
+    result = (out.reshape(*q.shape[:-1], v.shape[-1]),
+              lse.to(_row_statistic_dtype(q.dtype)).reshape(q.shape[:-1]))
+    return (*result, _generator_state(kernel, *state, q.device)) if dropout else result
 
 
 def _as_left_by_cuda_kernels(x):
-    """[B, H, M, E] stored as torch's CUDA flash and memory-efficient forwards leave their
-    output: [B, M, H, E] in memory. Their backward reads the output and its cotangent so,
+    """[B, H, M, E] stored as torch's CUDA forwards (flash, memory-efficient, cuDNN) leave
+    their output: [B, M, H, E] in memory. Their backward reads the output and its cotangent so,
     whatever the strides it is given: a compiled program stores both [B, H, M, E]."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
@@ -265,37 +345,48 @@ def _no_dropout_seed(q) -> tuple:
     return unused, unused
 
 
-def _attention_backward(ct, q, k, v, out, lse, bias=None, *, scale, causal=False):
+def _cuda_flash_backward(ct, q, k, v, out, rows, causal: bool, scale: float,
+                         dropout: float, state) -> list:
+    """torch's CUDA flash backward, every head dim padded to a multiple of 8 as
+    ``_cuda_flash`` pads them, replaying the dropout mask the generator ``state`` draws."""
+    size = [x.shape[-1] for x in (q, k, v)]
+    q, k, v, ct, out = (_padded(x, 8) for x in (q, k, v, ct, out))
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _as_left_by_cuda_kernels(ct), q, k, v, _as_left_by_cuda_kernels(out), rows,
+        None, None, q.shape[-2], k.shape[-2], dropout, causal, *state, scale=scale)
+    return [g[..., :n] for g, n in zip(grads, size)]
+
+
+def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropout=0.0):
     """torch's fused backward of the kernel the forward ran, reading the forward's output and
-    statistics: the fused CPU kernel's, and on CUDA flash's and the memory-efficient
-    kernel's, given the output and its cotangent laid out as their forward leaves them (any
-    other layout gave wrong gradients), the statistics padded as their forward pads them, and
-    for flash every head dim padded to a multiple of 8 as its forward was. Elsewhere (cuDNN,
-    whose backward was wrong for causal attention of M != N rows and for v's head dim not
-    q's; the math path) autograd's backward of the forward run again. The gradients of q, k
-    and v (the bias's: ``_bias_gradient``)."""
+    statistics: the fused CPU kernel's, and on CUDA flash's, the memory-efficient kernel's
+    and cuDNN's, given the output and its cotangent laid out as their forward leaves them
+    (any other layout gave wrong gradients), the statistics as their forward shapes them,
+    and for flash every head dim padded to a multiple of 8 as its forward was. Elsewhere
+    (cuDNN where ``_cudnn_backward_holds`` says not, the math path) autograd's backward of
+    the forward run again. With dropout, ``rest`` is the generator state the forward drew
+    with, from which the kernel replays its mask (NOTE [attention dropout]); else the bias,
+    if any. The gradients of q, k and v (the bias's: ``_bias_gradient``)."""
     q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
-    bias4 = _four_d_bias(bias, q, k)
-    kernel = _fused_kernel(q4, k4, v4, bias4, causal, scale)
     rows = lse.reshape(q4.shape[:-1])
-    if q.device.type == "cpu" and kernel == "flash":
+    bias4 = None if dropout else _four_d_bias(*rest or [None], q, k)
+    kernel = _fused_kernel(q4, k4, v4, bias4, causal, scale, dropout)
+    seed = _dropout_seed(kernel, *rest) if dropout else _no_dropout_seed(q)
+    if kernel == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             ct4, q4, k4, v4, out4, rows, 0.0, causal, attn_mask=bias4, scale=scale)
     elif kernel == "flash":
-        size = [x.shape[-1] for x in (q4, k4, v4)]
-        qp, kp, vp, ctp, outp = (torch.nn.functional.pad(x, (0, -x.shape[-1] % 8))
-                                 for x in (q4, k4, v4, ct4, out4))
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            _as_left_by_cuda_kernels(ctp), qp, kp, vp, _as_left_by_cuda_kernels(outp), rows,
-            None, None, q4.shape[-2], k4.shape[-2], 0.0, causal, *_no_dropout_seed(q),
-            scale=scale)
-        grads = [g[..., :n] for g, n in zip(grads, size)]
+        grads = _cuda_flash_backward(ct4, q4, k4, v4, out4, rows, causal, scale, dropout, seed)
     elif kernel == "efficient":
-        padded = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 32))
         grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             _as_left_by_cuda_kernels(ct4), q4, k4, v4, _efficient_bias(bias4, q4, k4),
-            _as_left_by_cuda_kernels(out4), padded, *_no_dropout_seed(q), 0.0,
+            _as_left_by_cuda_kernels(out4), _padded(rows, 32), *seed, 0.0,
             [True, True, True, False], causal, scale=scale)[:3]
+    elif kernel == "cudnn" and _cudnn_backward_holds(q4, k4, v4, causal):
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _as_left_by_cuda_kernels(ct4), q4, k4, v4, _as_left_by_cuda_kernels(out4),
+            rows.unsqueeze(-1), *seed, None, None, None, q4.shape[-2], k4.shape[-2], dropout,
+            causal, scale=scale)[:3]
     else:
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q4, k4, v4)]
@@ -316,7 +407,9 @@ def _batched_attention(prim: str):
     return rule
 
 
-def _attention_jvp(operands, tangents, outs, *, scale, causal=False):
+def _attention_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0):
+    if dropout:
+        refuse_dropout_derivative("forward-mode differentiation (jvp, jacfwd)")
     q, k, v, *bias = operands
     dq, dk, dv = (t if t is not None else torch.zeros_like(x)
                   for t, x in zip(tangents[:3], operands))
@@ -329,8 +422,8 @@ def _attention_jvp(operands, tangents, outs, *, scale, causal=False):
 
 
 define("attention", _attention_infer, _attention, jvp=_attention_jvp, multiple_results=True,
-       batch=_batched_attention("attention"))
-define("attention_backward", lambda ct, q, k, v, out, lse, *bias, **_: (q, k, v),
+       batch=_batched_attention("attention"), draws=lambda dropout=0.0, **_: dropout > 0)
+define("attention_backward", lambda ct, q, k, v, out, lse, *rest, **_: (q, k, v),
        _attention_backward, multiple_results=True, batch=_batched_attention("attention_backward"))
 
 
@@ -348,14 +441,13 @@ def _bias_gradient(ct, q, k, v, bias, out, scale: float):
 
 
 @vjp_rule("attention")
-def _attention_vjp(cts, q, k, v, *bias, outs, scale, causal=False):
+def _attention_vjp(cts, q, k, v, *bias, outs, **params):
     # the statistics carry no derivative (as normalizations' saved statistics do not): their
     # one reader, attention_backward, differentiates as the written-out form of q, k and v
-    grads = bind("attention_backward", cts[0], q, k, v, *outs, *bias, scale=scale,
-                 causal=causal)
+    grads = bind("attention_backward", cts[0], q, k, v, *outs, *bias, **params)
     if not bias:
         return grads
-    return [*grads, _bias_gradient(cts[0], q, k, v, bias[0], outs[0], scale)]
+    return [*grads, _bias_gradient(cts[0], q, k, v, bias[0], outs[0], params["scale"])]
 
 
 def _additive(mask, query):
@@ -369,18 +461,20 @@ def _additive(mask, query):
 
 def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                   is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` without dropout, with or without a mask: the
-    attention primitive (grouped-query attention's key and value heads repeated by
-    broadcasting). Anything else, and attention faster written out (``stays_written``),
-    traces torch's math form: left to torch, the call would pick a fused kernel by device,
-    which plait does not differentiate."""
+    """``F.scaled_dot_product_attention`` with or without a mask, and with dropout where
+    ``_fused_dropout`` says: the attention primitive (grouped-query attention's key and value
+    heads repeated by broadcasting). Anything else, and attention faster written out
+    (``stays_written``), traces torch's math form: left to torch, the call would pick a
+    fused kernel by device, which plait does not differentiate."""
     tensors = (query, key, value)
     if not any(isinstance(x, TracerTensor) or torch._is_functional_tensor(x) for x in tensors):
         return NotImplemented
     masked = attn_mask is not None
-    if dropout_p or not config.fuse_attention \
+    if not config.fuse_attention \
             or len({x.dtype for x in tensors}) != 1 or not query.dtype.is_floating_point \
             or not query.ndim == key.ndim == value.ndim >= 2 \
+            or dropout_p and not _fused_dropout(query, key, value, attn_mask, dropout_p,
+                                               is_causal) \
             or stays_written(query.dtype, query.device, key.shape[-2]) \
             or masked and (attn_mask.dtype not in (torch.bool, query.dtype)
                            or attn_mask.ndim > query.ndim):
@@ -400,7 +494,7 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
     scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
     if not masked:
         return _attention_traced(query, key, value, groups=groups, scale=scale,
-                                 causal=is_causal)
+                                 causal=is_causal, dropout=dropout_p)
     bias = _additive(attn_mask, query)
     if is_causal:  # both masks: the causal one joins the bias
         keep = torch.ones(scores[-2:], dtype=torch.bool, device=query.device).tril()
@@ -409,11 +503,13 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
 
 
 @on_tracers
-def _attention_traced(q, k, v, *bias, groups: int, scale: float, causal: bool):
+def _attention_traced(q, k, v, *bias, groups: int, dropout: float = 0.0, **params):
+    if dropout:  # (a param only where it is set, as the attention fusion pass binds none)
+        params["dropout"] = dropout
     if groups > 1:  # key and value head j serves query heads j * groups ... (j+1) * groups - 1
         k, v = (x.unsqueeze(-3).expand(*x.shape[:-2], groups, *x.shape[-2:]).reshape(
             *x.shape[:-3], x.shape[-3] * groups, *x.shape[-2:]) for x in (k, v))
-    return bind("attention", q, k, v, *bias, scale=scale, causal=causal)[0]
+    return bind("attention", q, k, v, *bias, **params)[0]
 
 
 FUNCTION_HANDLERS[torch.nn.functional.scaled_dot_product_attention] = \

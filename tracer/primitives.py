@@ -40,6 +40,8 @@ class Primitive:
     multiple_results: bool = False
     # Effectful primitives are never removed, merged, folded or reordered.
     effectful: bool = False
+    # Does a node of these params draw from torch's random generator (so is effectful)?
+    draws: Callable[..., bool] | None = None
     vjp: Callable | None = None    # reverse-mode rule (NOTE [autodiff], passes/autodiff.py)
     jvp: Callable | None = None    # forward-mode rule (derived from vjp where missing)
     batch: Callable | None = None  # vmap rule (NOTE [batching], passes/batching.py)
@@ -1158,17 +1160,26 @@ COMPLEX_RULES = frozenset((
 def is_effectful(node) -> bool:
     """Must this node run exactly as traced (never removed, merged, folded or moved)?
 
-    True for effectful primitives, for opaque calls to random ops (each call draws anew), for
-    opaque ops with no result (checks such as aten._linalg_check_errors), and for a node
-    whose body (a graph among its params: control flow) has such a node.
+    True for effectful primitives, for random draws (each call draws anew), for opaque ops
+    with no result (checks such as aten._linalg_check_errors), and for a node whose body (a
+    graph among its params: control flow) has such a node.
     """
-    if get_primitive(node.prim).effectful:
+    if get_primitive(node.prim).effectful or draws_random(node):
         return True
     if any(isinstance(g, Graph) and any(is_effectful(g.node(n)) for n in g.order)
            for _, g in node.params):
         return True
-    return node.prim == "opaque" and (not node.out_types or torch.Tag.nondeterministic_seeded
-                                      in node.kwargs["op"].tags)
+    return node.prim == "opaque" and not node.out_types
+
+
+def draws_random(node) -> bool:
+    """Does this node draw from torch's random generator: an opaque call to a random op, or
+    a primitive whose ``draws`` says so for its params (attention with dropout)?"""
+    if node.prim == "opaque":
+        return bool(node.out_types) and \
+            torch.Tag.nondeterministic_seeded in node.kwargs["op"].tags
+    draws = get_primitive(node.prim).draws
+    return draws is not None and draws(**node.kwargs)
 
 
 # ---------------------------------------------------------------------------------------
