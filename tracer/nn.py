@@ -231,9 +231,9 @@ def _fused_kernel(q, k, v, bias, causal: bool, scale: float, dropout: float = 0.
     """Which of torch's fused attention kernels runs these 4-D operands, as
     ``scaled_dot_product_attention`` would pick it: "cpu" (the CPU's), or CUDA's "flash",
     "efficient" or "cudnn", else "math" (whose row statistics plait computes itself). With a
-    bias, never cuDNN's (which torch prefers for bf16 on Hopper), whose backward is wrong
-    with one: the memory-efficient kernel's takes the bias too. With dropout, cuDNN's where
-    torch picks it, else flash's (NOTE [attention dropout])."""
+    bias, never cuDNN's (which torch prefers for bf16 on Hopper), whose backward with one
+    plait does not call: the memory-efficient kernel's takes the bias too. With dropout,
+    cuDNN's where torch picks it, else flash's (NOTE [attention dropout])."""
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) \
             if q.device.type == "cuda" and bias is not None else nullcontext():
         choice = torch._fused_sdp_choice(q, k, v, bias, dropout, causal, scale=scale)
@@ -334,8 +334,8 @@ def _attention(q, k, v, bias=None, *, scale, causal=False, dropout=0.0):
 
 def _as_left_by_cuda_kernels(x):
     """[B, H, M, E] stored as torch's CUDA forwards (flash, memory-efficient, cuDNN) leave
-    their output: [B, M, H, E] in memory. Their backward reads the output and its cotangent so,
-    whatever the strides it is given: a compiled program stores both [B, H, M, E]."""
+    their output: [B, M, H, E] in memory. Their backward reads the output and its cotangent
+    so, whatever the strides it is given: a compiled program stores both [B, H, M, E]."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
