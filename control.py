@@ -47,7 +47,7 @@ from .passes import autodiff, batching
 from .passes.autodiff import differentiable, zeros
 from .passes.interpret import graph_of, inline, replay
 from .passes.simplify import with_carry_history
-from .tracer.primitives import define, is_effectful
+from .tracer.primitives import define, draws_random, is_effectful
 from .tracer.trace import (TRACING_CONTEXTS, bind, current_trace, on_tracers, tracing_active,
                            user_source)
 from .transforms import _TENSOR, _Traced
@@ -161,7 +161,24 @@ def _cond_impl(pred, *args, true_branch, false_branch):
     return tuple(_program(branch, args)(list(args)))
 
 
+def _draws(graph: Graph) -> bool:
+    """Does ``graph``, or a body inside it, draw random numbers?"""
+    return any(draws_random(node) or any(isinstance(g, Graph) and _draws(g)
+                                         for _, g in node.params)
+               for node in map(graph.node, graph.order))
+
+
+def _refuse_drawing(what: str, where: str, *bodies: Graph) -> None:
+    """Reverse mode runs these bodies again in the backward, which would draw anew."""
+    if any(map(_draws, bodies)):
+        raise UnsupportedOpError(
+            f"differentiating {what} draws random numbers (dropout, torch.rand): its "
+            "backward runs it again, which would draw other numbers than the forward's; "
+            f"draw them before {where} and pass them in, or write it in Python")
+
+
 def _cond_vjp(cts, pred, *args, outs, true_branch, false_branch):
+    _refuse_drawing("plait.cond whose branch", "the cond", true_branch, false_branch)
     wrt = [i for i, t in enumerate(true_branch.input_types) if differentiable(t)]
     n = len(true_branch.input_types) + len(outs)
     branches = {k: _rewired(autodiff.vjp(g, wrt), range(n), len(outs))
@@ -403,6 +420,7 @@ def _scan_impl(*tensors, body, n_carry, n_xs, length, reverse):
 
 
 def _scan_vjp(cts, *operands, outs, body, n_carry, n_xs, length, reverse):
+    _refuse_drawing("plait.scan (or fori_loop) whose body", "the loop", body)
     nc, nx, types = n_carry, n_xs, body.input_types
     nk, ny, out_types = len(types) - nc - nx, len(outs) - nc, body.output_types
     diff = [i for i, t in enumerate(types) if differentiable(t)]

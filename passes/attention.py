@@ -367,7 +367,8 @@ def _graph_for(q, k, v, bias, scale, causal) -> Graph:
     return _backward_graph(tuple(trace.type_of(x) for x in (q, k, v, *bias)), scale, causal)
 
 
-def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False, dropout=0.0):
+def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False, dropout=0.0,
+                  kernel=None):
     from .autodiff import vjp, zeros
 
     if dropout:
@@ -384,7 +385,8 @@ def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False, 
     return [gct, *grads[:3], None, None, *grads[3:]]
 
 
-def _backward_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0):
+def _backward_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0,
+                  kernel=None):
     from .autodiff import jvp
 
     if dropout:

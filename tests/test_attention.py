@@ -551,8 +551,8 @@ class PlayedFlash:
 
     def __init__(self, monkeypatch):
         self.masks, self.replayed = [], []
-        monkeypatch.setattr(plait_nn, "_fused_dropout",
-                            lambda q, k, v, mask, p, causal: 0 < p < 1 and mask is None)
+        monkeypatch.setattr(plait_nn, "_dropout_kernel", lambda q, k, v, mask, p, causal, scale:
+                            "flash" if 0 < p < 1 and mask is None else None)
         monkeypatch.setattr(plait_nn, "_cuda_flash", self.forward)
         monkeypatch.setattr(plait_nn, "_cuda_flash_backward", self.backward)
 
@@ -663,6 +663,21 @@ def test_derivatives_of_dropout_attention_that_need_the_mask_are_refused(monkeyp
         assert plait.jvp(loss, (q,), (v,))[1].isfinite()
 
 
+def test_vmapped_gradients_of_dropout_attention_replay_each_examples_mask(monkeypatch):
+    """vmap(grad) with independent draws: each example's backward replays its own mask."""
+    flash = PlayedFlash(monkeypatch)
+    k, v = _qkv(2, 16, 8)[:2]
+    queries = torch.randn(3, 2, 16, 8)
+    loss = lambda q: _sdpa_dropout(q, k, v).square().sum()  # noqa: E731
+    grads = plait.vmap(plait.grad(loss), randomness="different")(queries)
+    assert len(flash.masks) == 3 and len(set(flash.replayed)) == 3
+    for q, keep, grad in zip(queries, flash.masks, grads):
+        leaf = q.clone().requires_grad_()
+        expected = _dropped(leaf, k, v, True, 8 ** -0.5, keep.view(2, 16, 16), 0.25)
+        assert_close(grad, torch.autograd.grad(expected.square().sum(), leaf)[0],
+                     atol=1e-5, rtol=1e-5)
+
+
 def test_checkpointed_dropout_attention_replays_the_mask_it_drew(monkeypatch):
     """A checkpoint's backward recomputes its body, but the dropout draw is saved (NOTE
     [checkpoint]): the backward replays the forward's mask, drawing none."""
@@ -679,13 +694,13 @@ def test_checkpointed_dropout_attention_replays_the_mask_it_drew(monkeypatch):
 @pytest.mark.cuda  # torch's CUDA attention kernels
 @pytest.mark.parametrize("kernel", ["flash", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_dropout_attention_draws_as_eager(causal, kernel, monkeypatch):
-    """plait runs the fused kernel eager runs, drawing from torch's CUDA generator where
-    eager draws: after the same seed, eager's mask, so eager's output and gradients (to
-    bf16's rounding: plait's projections round otherwise), in a module's ``loss.backward()``
-    (a forward and a backward program), call after call (the later ones replays of CUDA
-    graphs); a mask of its own would differ by about the output's size."""
-    monkeypatch.setattr(plait_nn, "_fused_kernel", lambda *args: kernel)
+def test_cuda_dropout_attention_draws_as_eager(causal, kernel):
+    """plait runs the fused kernel eager runs (the one an ``sdpa_kernel`` block allows as the
+    call is traced), drawing from torch's CUDA generator where eager draws: after the same
+    seed, eager's mask, so eager's output and gradients (to bf16's rounding: plait's
+    projections round otherwise), in a module's ``loss.backward()`` (a forward and a
+    backward program, the backward outside the block), call after call (the later ones
+    replays of CUDA graphs); a mask of its own would differ by about the output's size."""
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]
     g = torch.Generator(device="cuda").manual_seed(0)
     proj = torch.nn.Linear(64, 3 * 64, device="cuda", dtype=torch.bfloat16)

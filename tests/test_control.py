@@ -3,6 +3,7 @@ cond, while_loop, fori_loop, scan and checkpoint, each against a plain-Python re
 torch.func where it applies), through jit, grad, jvp and vmap."""
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.testing import assert_close
 
@@ -466,3 +467,25 @@ def test_a_scan_and_its_gradient_share_one_forward_pass():
     graph = plait.jit(plait.grad_and_value(rnn)).lower(*args).graph
     scans = [graph.node(n) for n in graph.order if graph.node(n).prim == "scan"]
     assert [s.kwargs["reverse"] for s in scans] == [False, True]
+
+
+def test_differentiating_a_scan_whose_body_draws_is_refused():
+    """The scan's backward runs its body again, which would draw another mask: refused by
+    name, where the forward alone runs."""
+    def f(x):
+        return plait.scan(lambda c, x: (c + F.dropout(x, 0.5), c), x[0] * 0, x)[0].sum()
+
+    x = torch.randn(4, 8)
+    assert torch.isfinite(plait.jit(f)(x))
+    with pytest.raises(plait.errors.UnsupportedOpError, match="draws random numbers"):
+        plait.grad(f)(x)
+
+
+def test_differentiating_a_cond_whose_branch_draws_is_refused():
+    def f(x):
+        return plait.cond(x.sum() > 0, lambda x: F.dropout(x, 0.5), lambda x: x * 2, (x,)).sum()
+
+    x = torch.randn(4, 8)
+    assert torch.isfinite(plait.jit(f)(x))
+    with pytest.raises(plait.errors.UnsupportedOpError, match="draws random numbers"):
+        plait.grad(f)(x)

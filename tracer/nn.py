@@ -28,6 +28,7 @@ import attrs
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
@@ -141,17 +142,20 @@ define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 # NOTE [attention dropout]
 # With ``dropout`` (a probability), the softmax's entries are zeroed with that probability and
 # the rest scaled by 1 / (1 - dropout) before the product with v. Only CUDA's kernels run it
-# fused, cuDNN's where torch picks it and flash's otherwise (``_fused_dropout`` says where;
-# elsewhere ``scaled_dot_product_attention`` traces its written-out form, which stores the
-# scores and the mask, as eager's math path does, torch's CPU kernel taking no dropout). The
-# kernel draws the mask inside, from torch's CUDA generator where eager's call draws (the
-# same seed gives eager's mask), and returns the generator state it drew with, which its
-# backward is handed to replay the same mask. So the primitive draws (effectful: never
-# merged, removed or recomputed), its third result is that state (``_generator_state``: on
-# the device, where a CUDA graph's replay writes it anew), ``attention_backward`` takes it in
-# the bias's place (dropout never comes with a bias), and forward-mode and second
+# fused: flash's or cuDNN's, where torch picks one of them for 4-D operands
+# (``_dropout_kernel``, chosen when tracing and kept as the param ``kernel``, so that the
+# backward replays the mask with the kernel that drew it); elsewhere
+# ``scaled_dot_product_attention`` traces its written-out form, which stores the scores and
+# the mask, as eager's math path does (torch's CPU kernel takes no dropout). The kernel draws
+# the mask inside, from torch's CUDA generator where eager's call draws (the same seed gives
+# eager's mask where eager runs the same kernel), and returns the generator state it drew
+# with, which its backward is handed to replay the same mask. So the primitive draws
+# (effectful: never merged, removed or recomputed, and saved by a checkpoint), its third
+# result is that state (``_generator_state``: on the device, where a CUDA graph's replay
+# writes it anew), ``attention_backward`` takes it in the bias's place (dropout never comes
+# with a bias), vmap runs each example's call of its own, and forward-mode and second
 # derivatives, which would need the mask itself, are refused.
-def _attention_infer(q, k, v, bias=None, *, scale, causal=False, dropout=0.0):
+def _attention_infer(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, kernel=None):
     ok = (q.ndim == k.ndim == v.ndim >= 2 and q.dtype == k.dtype == v.dtype
           and q.dtype.is_floating_point and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
           and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2])
@@ -167,18 +171,28 @@ def _attention_infer(q, k, v, bias=None, *, scale, causal=False, dropout=0.0):
             TensorType(q.shape[:-1], _row_statistic_dtype(q.dtype), q.device), *state)
 
 
-def _fused_dropout(query, key, value, attn_mask, dropout_p: float, is_causal: bool) -> bool:
-    """Can ``scaled_dot_product_attention`` with dropout run as the primitive (NOTE [attention
-    dropout]): where CUDA's flash kernel takes it, as cuDNN's does, that is 16-bit floats, no
-    mask besides the causal one (aligned top-left, as the call's is, only where rows and keys
-    are as many) and one head dim up to 256 for q, k and v? (A probability of 1 drops
+def _dropout_kernel(query, key, value, attn_mask, dropout_p: float, is_causal: bool,
+                    scale: float) -> str | None:
+    """The fused kernel that runs ``scaled_dot_product_attention`` with dropout as the
+    primitive (NOTE [attention dropout]), or None: CUDA's flash or cuDNN kernel where torch
+    picks one of them for these operands (under the settings in force as the call is traced,
+    an ``sdpa_kernel`` block's), for 16-bit floats, no mask besides the causal one (aligned
+    top-left, as the call's is, only where rows and keys are as many) and one head dim for
+    q, k and v. Chosen once, when tracing: the backward must replay the mask with the kernel
+    that drew it, whatever the settings are when it runs. (A probability of 1 drops
     everything: written out.)"""
-    return 0 < dropout_p < 1 and attn_mask is None and query.device.type == "cuda" \
-        and query.dtype in (torch.float16, torch.bfloat16) \
-        and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256 \
-        and (not is_causal or query.shape[-2] == key.shape[-2]) \
-        and torch.backends.cuda.is_flash_attention_available() \
-        and torch.cuda.get_device_capability(query.device) >= (8, 0)
+    if not (0 < dropout_p < 1 and attn_mask is None and query.device.type == "cuda"
+            and query.dtype in (torch.float16, torch.bfloat16) and query.ndim == 4
+            and query.shape[-1] == key.shape[-1] == value.shape[-1]
+            and (not is_causal or query.shape[-2] == key.shape[-2])):
+        return None
+    # torch's choice reads the operands' dims, dtype, device and layout, not their number:
+    # one batch of one head stands for them (real tensors, not traced)
+    with _disable_current_modes():
+        alike = [torch.empty(1, 1, *x.shape[-2:], dtype=x.dtype, device=x.device)
+                 for x in (query, key, value)]
+        choice = torch._fused_sdp_choice(*alike, None, dropout_p, is_causal, scale=scale)
+    return {1: "flash", 3: "cudnn"}.get(choice)
 
 
 def refuse_dropout_derivative(what: str):
@@ -227,18 +241,16 @@ def _scores(q, k, scale: float, causal: bool, bias=None):
     return s
 
 
-def _fused_kernel(q, k, v, bias, causal: bool, scale: float, dropout: float = 0.0) -> str:
+def _fused_kernel(q, k, v, bias, causal: bool, scale: float) -> str:
     """Which of torch's fused attention kernels runs these 4-D operands, as
     ``scaled_dot_product_attention`` would pick it: "cpu" (the CPU's), or CUDA's "flash",
     "efficient" or "cudnn", else "math" (whose row statistics plait computes itself). With a
     bias, never cuDNN's (which torch prefers for bf16 on Hopper), whose backward with one
-    plait does not call: the memory-efficient kernel's takes the bias too. With dropout,
-    cuDNN's where torch picks it, else flash's (NOTE [attention dropout])."""
+    plait does not call: the memory-efficient kernel's takes the bias too. (With dropout,
+    the kernel chosen when tracing: ``_dropout_kernel``.)"""
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) \
             if q.device.type == "cuda" and bias is not None else nullcontext():
-        choice = torch._fused_sdp_choice(q, k, v, bias, dropout, causal, scale=scale)
-    if dropout:
-        return "cudnn" if choice == 3 else "flash"
+        choice = torch._fused_sdp_choice(q, k, v, bias, 0.0, causal, scale=scale)
     if q.device.type == "cuda":
         return {1: "flash", 2: "efficient", 3: "cudnn"}.get(choice, "math")
     return "cpu" if q.device.type == "cpu" and choice == 1 else "math"
@@ -303,10 +315,10 @@ def _efficient_bias(bias, q, k):
     return bias.expand(*q.shape[:-1], k.shape[-2])
 
 
-def _attention(q, k, v, bias=None, *, scale, causal=False, dropout=0.0):
+def _attention(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, kernel=None):
     q4, k4, v4 = (_four_d(x) for x in (q, k, v))
     bias4 = _four_d_bias(bias, q, k)
-    kernel = _fused_kernel(q4, k4, v4, bias4, causal, scale, dropout)
+    kernel = kernel or _fused_kernel(q4, k4, v4, bias4, causal, scale)
     state = ()  # the generator state a dropout drew with (NOTE [attention dropout])
     if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -357,7 +369,8 @@ def _cuda_flash_backward(ct, q, k, v, out, rows, causal: bool, scale: float,
     return [g[..., :n] for g, n in zip(grads, size)]
 
 
-def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropout=0.0):
+def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropout=0.0,
+                        kernel=None):
     """torch's fused backward of the kernel the forward ran, reading the forward's output and
     statistics: the fused CPU kernel's, and on CUDA flash's, the memory-efficient kernel's
     and cuDNN's, given the output and its cotangent laid out as their forward leaves them
@@ -370,7 +383,7 @@ def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropo
     q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
     rows = lse.reshape(q4.shape[:-1])
     bias4 = None if dropout else _four_d_bias(*rest or [None], q, k)
-    kernel = _fused_kernel(q4, k4, v4, bias4, causal, scale, dropout)
+    kernel = kernel or _fused_kernel(q4, k4, v4, bias4, causal, scale)
     seed = _dropout_seed(kernel, *rest) if dropout else _no_dropout_seed(q)
     if kernel == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -397,8 +410,11 @@ def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropo
 
 
 def _batched_attention(prim: str):
-    """Every operand batched (broadcast where it is not): a leading batch dim more."""
+    """Every operand batched (broadcast where it is not): a leading batch dim more. With
+    dropout, none: each example's own call (its generator state is one example's)."""
     def rule(operands, batched, axis_size, **params):
+        if params.get("dropout"):
+            return NotImplemented
         out = bind(prim, *[x if b else x.expand(axis_size, *x.shape)
                            for x, b in zip(operands, batched)], **params)
         outs = list(out) if isinstance(out, tuple) else [out]
@@ -407,7 +423,8 @@ def _batched_attention(prim: str):
     return rule
 
 
-def _attention_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0):
+def _attention_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0,
+                   kernel=None):
     if dropout:
         refuse_dropout_derivative("forward-mode differentiation (jvp, jacfwd)")
     q, k, v, *bias = operands
@@ -462,19 +479,20 @@ def _additive(mask, query):
 def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                   is_causal=False, scale=None, enable_gqa=False):
     """``F.scaled_dot_product_attention`` with or without a mask, and with dropout where
-    ``_fused_dropout`` says: the attention primitive (grouped-query attention's key and value
-    heads repeated by broadcasting). Anything else, and attention faster written out
-    (``stays_written``), traces torch's math form: left to torch, the call would pick a
-    fused kernel by device, which plait does not differentiate."""
+    ``_dropout_kernel`` names a kernel: the attention primitive (grouped-query attention's
+    key and value heads repeated by broadcasting). Anything else, and attention faster
+    written out (``stays_written``), traces torch's math form: left to torch, the call would
+    pick a fused kernel by device, which plait does not differentiate."""
     tensors = (query, key, value)
     if not any(isinstance(x, TracerTensor) or torch._is_functional_tensor(x) for x in tensors):
         return NotImplemented
-    masked = attn_mask is not None
+    masked, kernel = attn_mask is not None, None
     if not config.fuse_attention \
             or len({x.dtype for x in tensors}) != 1 or not query.dtype.is_floating_point \
             or not query.ndim == key.ndim == value.ndim >= 2 \
-            or dropout_p and not _fused_dropout(query, key, value, attn_mask, dropout_p,
-                                               is_causal) \
+            or dropout_p and (kernel := _dropout_kernel(
+                query, key, value, attn_mask, dropout_p, is_causal,
+                scale if scale is not None else 1 / math.sqrt(query.shape[-1]))) is None \
             or stays_written(query.dtype, query.device, key.shape[-2]) \
             or masked and (attn_mask.dtype not in (torch.bool, query.dtype)
                            or attn_mask.ndim > query.ndim):
@@ -494,7 +512,7 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
     scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
     if not masked:
         return _attention_traced(query, key, value, groups=groups, scale=scale,
-                                 causal=is_causal, dropout=dropout_p)
+                                 causal=is_causal, dropout=dropout_p, kernel=kernel)
     bias = _additive(attn_mask, query)
     if is_causal:  # both masks: the causal one joins the bias
         keep = torch.ones(scores[-2:], dtype=torch.bool, device=query.device).tril()
@@ -503,9 +521,10 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
 
 
 @on_tracers
-def _attention_traced(q, k, v, *bias, groups: int, dropout: float = 0.0, **params):
-    if dropout:  # (a param only where it is set, as the attention fusion pass binds none)
-        params["dropout"] = dropout
+def _attention_traced(q, k, v, *bias, groups: int, dropout: float = 0.0, kernel=None,
+                      **params):
+    if dropout:  # (params only where set, as the attention fusion pass binds neither)
+        params.update(dropout=dropout, kernel=kernel)
     if groups > 1:  # key and value head j serves query heads j * groups ... (j+1) * groups - 1
         k, v = (x.unsqueeze(-3).expand(*x.shape[:-2], groups, *x.shape[-2:]).reshape(
             *x.shape[:-3], x.shape[-3] * groups, *x.shape[-2:]) for x in (k, v))
