@@ -47,7 +47,7 @@ def gpt_function_steps(args, device, dtype):
     steps, plait_step, arguments = gpt_steps(args.blocks, device, dtype, args.dropout)
     dim, heads, vocab, batch, seq = gpt_sizes(device)
     title = (f"GPT training step: {args.blocks} blocks, d={dim}, {heads} heads, vocab "
-             f"{vocab}, {batch}x{seq} tokens, {dtype}, {device}")
+             f"{vocab}, {batch}x{seq} tokens, {dtype}, dropout {args.dropout}, {device}")
     return title, steps, lambda: [plait_step.lower(*arguments)]
 
 
