@@ -47,7 +47,7 @@ from .passes import autodiff, batching
 from .passes.autodiff import differentiable, zeros
 from .passes.interpret import graph_of, inline, replay
 from .passes.simplify import with_carry_history
-from .tracer.primitives import define, draws_random, is_effectful
+from .tracer.primitives import bodies, define, draws_random, is_effectful
 from .tracer.trace import (TRACING_CONTEXTS, bind, current_trace, on_tracers, tracing_active,
                            user_source)
 from .transforms import _TENSOR, _Traced
@@ -163,14 +163,13 @@ def _cond_impl(pred, *args, true_branch, false_branch):
 
 def _draws(graph: Graph) -> bool:
     """Does ``graph``, or a body inside it, draw random numbers?"""
-    return any(draws_random(node) or any(isinstance(g, Graph) and _draws(g)
-                                         for _, g in node.params)
+    return any(draws_random(node) or any(map(_draws, bodies(node)))
                for node in map(graph.node, graph.order))
 
 
-def _refuse_drawing(what: str, where: str, *bodies: Graph) -> None:
+def _refuse_drawing(what: str, where: str, *graphs: Graph) -> None:
     """Reverse mode runs these bodies again in the backward, which would draw anew."""
-    if any(map(_draws, bodies)):
+    if any(map(_draws, graphs)):
         raise UnsupportedOpError(
             f"differentiating {what} draws random numbers (dropout, torch.rand): its "
             "backward runs it again, which would draw other numbers than the forward's; "

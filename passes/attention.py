@@ -35,7 +35,8 @@ eager does, so it is slightly more accurate than the code it replaces. The pass 
 jit's simplify pipeline and, on the graph being differentiated, before reverse-mode
 differentiation (``autodiff.joint``): a training step's attention then differentiates by
 the primitive's own rule, torch's fused backward (tracer/nn.py), and neither pass stores
-the scores. Its second derivatives differentiate the written-out form (``_math``).
+the scores. Its second derivatives differentiate the written-out form (``attention_scores``
+then softmax and the product with v).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ import torch
 from ..config import config
 from ..graph import Graph, GraphBuilder, TensorType, Value, rewrite
 from ..tracer.aten import SoftmaxRule
-from ..tracer.nn import refuse_dropout_derivative, stays_written
+from ..tracer.nn import attention_scores, refuse_dropout_derivative, stays_written
 from ..tracer.primitives import get_primitive, is_effectful
 from ..tracer.trace import current_trace
 from .interpret import graph_of, inline
@@ -340,17 +341,6 @@ def fuse_attention(graph: Graph) -> Graph:
 # ---------------------------------------------------------------------------------------
 # Second derivatives: attention_backward's rules, from the written-out form's VJP
 # ---------------------------------------------------------------------------------------
-def _math(q, k, v, bias, scale: float, causal: bool):
-    """softmax(q @ kᵀ * scale + bias) @ v written out, on tracers."""
-    s = q @ k.mT * scale
-    if bias is not None:
-        s = s + bias
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    return s.softmax(-1) @ v
-
-
 @functools.lru_cache(maxsize=64)
 def _backward_graph(types: tuple, scale: float, causal: bool) -> Graph:
     """(q, k, v[, bias], ct) -> (out, dq, dk, dv): the written-out attention's VJP."""
@@ -358,7 +348,7 @@ def _backward_graph(types: tuple, scale: float, causal: bool) -> Graph:
 
     with config.patch(fuse_attention=False):
         forward = graph_of(lambda q, k, v, *bias: [
-            _math(q, k, v, bias[0] if bias else None, scale, causal)], types)
+            attention_scores(q, k, scale, causal, *bias).softmax(-1) @ v], types)
         return vjp(forward, [0, 1, 2])
 
 

@@ -540,7 +540,7 @@ def test_attention_under_no_grad_in_a_jitted_function_still_fuses():
 
 # -- dropout (NOTE [attention dropout]) ---------------------------------------------------
 def _dropped(q, k, v, causal, scale, keep, dropout):
-    return (plait_nn._scores(q, k, scale, causal).softmax(-1) * keep / (1 - dropout)) @ v
+    return (plait_nn.attention_scores(q, k, scale, causal).softmax(-1) * keep / (1 - dropout)) @ v
 
 
 class PlayedFlash:
@@ -564,7 +564,7 @@ class PlayedFlash:
     def forward(self, q, k, v, causal, scale, dropout=0.0):
         seed = int(torch.randint(1 << 62, ()))
         self.masks.append(self.keep(seed, q, k, dropout))
-        lse = plait_nn._scores(q, k, scale, causal).logsumexp(-1).float()
+        lse = plait_nn.attention_scores(q, k, scale, causal).logsumexp(-1).float()
         return (_dropped(q, k, v, causal, scale, self.masks[-1], dropout), lse,
                 torch.tensor([seed, 0]).to(torch.uint64), torch.tensor(0).to(torch.uint64))
 

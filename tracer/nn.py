@@ -172,7 +172,7 @@ def _attention_infer(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, ke
 
 
 def _dropout_kernel(query, key, value, attn_mask, dropout_p: float, is_causal: bool,
-                    scale: float) -> str | None:
+                    scale: float | None) -> str | None:
     """The fused kernel that runs ``scaled_dot_product_attention`` with dropout as the
     primitive (NOTE [attention dropout]), or None: CUDA's flash or cuDNN kernel where torch
     picks one of them for these operands (under the settings in force as the call is traced,
@@ -231,7 +231,8 @@ def _four_d_bias(bias, q, k):
     return bias.expand(*q.shape[:-1], k.shape[-2]).reshape(-1, 1, q.shape[-2], k.shape[-2])
 
 
-def _scores(q, k, scale: float, causal: bool, bias=None):
+def attention_scores(q, k, scale: float, causal: bool, bias=None):
+    """q @ kᵀ * scale + bias, causally masked where ``causal``: the written-out form's."""
     s = q @ k.mT * scale
     if bias is not None:
         s = s + bias
@@ -337,8 +338,8 @@ def _attention(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, kernel=N
         out = torch.nn.functional.scaled_dot_product_attention(
             q4, k4, v4, attn_mask=bias4, scale=scale, is_causal=causal)
         wide = _row_statistic_dtype(q.dtype)
-        lse = _scores(q4.to(wide), k4.to(wide), scale, causal,
-                      None if bias4 is None else bias4.to(wide)).logsumexp(-1)
+        lse = attention_scores(q4.to(wide), k4.to(wide), scale, causal,
+                               None if bias4 is None else bias4.to(wide)).logsumexp(-1)
     result = (out.reshape(*q.shape[:-1], v.shape[-1]),
               lse.to(_row_statistic_dtype(q.dtype)).reshape(q.shape[:-1]))
     return (*result, _generator_state(kernel, *state, q.device)) if dropout else result
@@ -382,7 +383,7 @@ def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropo
     if any. The gradients of q, k and v (the bias's: ``_bias_gradient``)."""
     q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
     rows = lse.reshape(q4.shape[:-1])
-    bias4 = None if dropout else _four_d_bias(*rest or [None], q, k)
+    bias4 = _four_d_bias(rest[0] if rest and not dropout else None, q, k)
     kernel = kernel or _fused_kernel(q4, k4, v4, bias4, causal, scale)
     seed = _dropout_seed(kernel, *rest) if dropout else _no_dropout_seed(q)
     if kernel == "cpu":
@@ -430,7 +431,7 @@ def _attention_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0
     q, k, v, *bias = operands
     dq, dk, dv = (t if t is not None else torch.zeros_like(x)
                   for t, x in zip(tangents[:3], operands))
-    p = _scores(q, k, scale, causal, *bias).softmax(-1)
+    p = attention_scores(q, k, scale, causal, *bias).softmax(-1)
     ds = (dq @ k.mT + q @ dk.mT) * scale
     if bias and tangents[3] is not None:
         ds = ds + tangents[3]
@@ -451,7 +452,7 @@ def _bias_gradient(ct, q, k, v, bias, out, scale: float):
     differentiated again by a second derivative."""
     wide = _row_statistic_dtype(q.dtype)
     q, k, v, bias, ct, out = (x.to(wide) for x in (q, k, v, bias, ct, out))
-    p = _scores(q, k, scale, False, bias).softmax(-1)
+    p = attention_scores(q, k, scale, False, bias).softmax(-1)
     ds = p * (ct @ v.mT - (ct * out).sum(-1, keepdim=True))
     spread = [d for d, (b, s) in enumerate(zip(bias.shape, ds.shape)) if b == 1 and s != 1]
     return ds.sum(spread, keepdim=True) if spread else ds
@@ -491,8 +492,7 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
             or len({x.dtype for x in tensors}) != 1 or not query.dtype.is_floating_point \
             or not query.ndim == key.ndim == value.ndim >= 2 \
             or dropout_p and (kernel := _dropout_kernel(
-                query, key, value, attn_mask, dropout_p, is_causal,
-                scale if scale is not None else 1 / math.sqrt(query.shape[-1]))) is None \
+                query, key, value, attn_mask, dropout_p, is_causal, scale)) is None \
             or stays_written(query.dtype, query.device, key.shape[-2]) \
             or masked and (attn_mask.dtype not in (torch.bool, query.dtype)
                            or attn_mask.ndim > query.ndim):

@@ -1166,10 +1166,14 @@ def is_effectful(node) -> bool:
     """
     if get_primitive(node.prim).effectful or draws_random(node):
         return True
-    if any(isinstance(g, Graph) and any(is_effectful(g.node(n)) for n in g.order)
-           for _, g in node.params):
+    if any(is_effectful(g.node(n)) for g in bodies(node) for n in g.order):
         return True
     return node.prim == "opaque" and not node.out_types
+
+
+def bodies(node) -> list[Graph]:
+    """The graphs among a node's params: a control-flow node's bodies."""
+    return [g for _, g in node.params if isinstance(g, Graph)]
 
 
 def draws_random(node) -> bool:
