@@ -5,10 +5,12 @@ They only wire stages together: trace (tracer/), simplify (passes/), compile (ba
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import logging
 import operator
+import threading
 import time
 import types
 from typing import Callable, Sequence
@@ -22,12 +24,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 from . import debug
 from .backends import get_backend, program_cache, resolve_backend
 from .config import config
+from .distributed import ddp_call
 from .errors import TraceError
 from .graph import Graph, TensorType
 from .passes import autodiff, memory, simplify
 from .passes.pipeline import Stages, collector_paused
 from .tracer import Static, TracedFunction, trace_function
-from .tracer.state import tensor_key
+from .tracer.state import STATE_LOCK, tensor_key
 from .tracer.trace import no_dynamo_import, tracing_active
 
 _cache_log = logging.getLogger("plait.cache")
@@ -90,6 +93,32 @@ def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int], floats: b
     return leaves, tree, tuple(signature)
 
 
+class _once:
+    """``functools.cached_property`` whose computation holds its object's lock (``_lock``, an
+    RLock: one such property may ask for another). Threads asking at once wait for the one
+    computing, and other objects compute meanwhile: Python 3.11's cached_property holds one
+    lock for every object of the class, so one compilation would wait for another's."""
+
+    def __init__(self, fn: Callable):
+        functools.update_wrapper(self, fn)
+        self._fn, self._name = fn, fn.__name__
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        with obj._lock:
+            if self._name not in obj.__dict__:  # set: found there first from then on
+                obj.__dict__[self._name] = self._fn(obj)
+        return obj.__dict__[self._name]
+
+
+def _settings(keyed: dict):
+    """``config.patch`` of those knobs of ``keyed`` that differ from config's now: none where
+    a compilation finishes under the settings it began with, so that threads compiling at
+    once do not restore each other's values (config is process-wide)."""
+    return config.patch(**{k: v for k, v in keyed.items() if getattr(config, k) != v})
+
+
 class Lowered:
     """One compilation of a jitted function for one signature, for inspection. Its stages run
     when first needed, under the settings it was created with; a call needs only ``runner``,
@@ -109,13 +138,14 @@ class Lowered:
             mutated, len(traced.graph.outputs) - len(mutated))
         self._config = config.keyed()
         self._keeps_program = config.program_cache
+        self._lock = threading.RLock()
 
     @property
     def traced_graph(self) -> Graph:
         """The graph as traced, before any pass."""
         return self.traced.graph
 
-    @functools.cached_property
+    @_once
     def _simplified(self) -> tuple[Graph, tuple]:
         passes: list = []
         last = time.perf_counter()
@@ -127,7 +157,7 @@ class Lowered:
             self._stages.record(name, graph, now - last)
             last = now
 
-        with config.patch(**self._config), no_dynamo_import(), collector_paused():
+        with _settings(self._config), no_dynamo_import(), collector_paused():
             graph = simplify(self.source_graph, on_pass) if config.simplify and \
                 self._simplify else self.source_graph
         return graph, tuple(passes)
@@ -149,12 +179,12 @@ class Lowered:
         """Draw one stage as SVG: ``traced``, a pass name (``debug.stages``), ``simplified``."""
         return debug.stage(self, stage).draw(path, engine)
 
-    @functools.cached_property
+    @_once
     def compiled(self):
         """The backend's callable for this graph (compiled on first use)."""
         backend = get_backend(self.backend)
         graph = self.graph
-        with config.patch(**self._config), no_dynamo_import(), collector_paused():
+        with _settings(self._config), no_dynamo_import(), collector_paused():
             if backend.staged:
                 return backend.factory(graph, stages=self._stages)
             return self._stages.run("compile", backend.factory, graph, keep=False)
@@ -176,7 +206,7 @@ class Lowered:
         self.compiled
         return dict(self._stages.seconds)
 
-    @functools.cached_property
+    @_once
     def runner(self):
         """What a call runs: the program an earlier process compiled and kept on disk (NOTE
         [program cache]), or else ``compiled``'s runner (kept for the next process where it
@@ -238,10 +268,13 @@ class _Compiled:
         self._written = {i: "is donated (donate_argnums)" for i in donated} | {
             i: "is mutated by the function" for i in self._mutated}
         self._programs: dict[tuple[int, ...], _Differentiable] = {}
-        # whether the graph reads each input: those torch.autograd may want gradients of (an
-        # input that requires grad but is never read gets none, as in eager)
+        self._lock = threading.Lock()  # one thread makes a set of inputs' programs
+        # the inputs each result depends on through floating-point values: those
+        # torch.autograd may want gradients of (one no result reaches gets none, as in eager)
         graph = traced.graph
-        self._read = [bool(graph.users(n)) for n in graph.inputs]
+        self._reaches = autodiff.reaching(graph)[:len(graph.outputs) - len(self._mutated)]
+        reached = functools.reduce(operator.or_, self._reaches, 0)
+        self._read = [bool(reached >> i & 1) for i in range(len(graph.inputs))]
 
     def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False):
         """``interpreted``: the program runs torch's ops (the eager backend) under a mode or
@@ -254,7 +287,10 @@ class _Compiled:
         if wrt:
             program = self._programs.get(wrt)
             if program is None:
-                program = self._programs[wrt] = _Differentiable(self.lowered, wrt)
+                with self._lock:
+                    program = self._programs.get(wrt) or _Differentiable(
+                        self.lowered, wrt, self._reaches)
+                    self._programs[wrt] = program
             results = _Node.apply(program, len(tensors), *tensors)
         else:
             kept = [t for i, t in enumerate(tensors) if i not in self._donated] \
@@ -272,22 +308,26 @@ class _Compiled:
 # torch.autograd as one node, ``_Node``: its forward runs a compiled program that also returns
 # the residuals its backward needs, its backward a second compiled program, both cut from one
 # differentiated graph (NOTE [forward and backward programs]) and made once per compilation
-# and set of differentiated inputs. Inputs that require grad but that the traced graph never
-# reads get no gradient (None, as in eager). The backward program is not itself recorded:
-# a second derivative needs plait's own transforms.
+# and set of differentiated inputs. As in eager, an input gets no gradient (None, not zeros)
+# unless a result that received a gradient depends on it through floating-point values
+# (``autodiff.reaching``): a pooler a masked-LM loss never reads, a branch taken only for
+# an output the loss ignores. The backward program is not itself recorded: a second
+# derivative needs plait's own transforms.
 class _Differentiable:
-    """The forward and backward programs of one compilation, for the inputs ``wrt``."""
+    """The forward and backward programs of one compilation, for the inputs ``wrt``;
+    ``reaches``: the bit set of the inputs each result depends on."""
 
-    def __init__(self, lowered: Lowered, wrt: tuple[int, ...]):
-        traced, self.wrt = lowered.traced, wrt
+    def __init__(self, lowered: Lowered, wrt: tuple[int, ...], reaches: list[int]):
+        traced, self.wrt, self.reaches = lowered.traced, wrt, reaches
         graph = traced.graph
         self.n_outputs = len(graph.outputs)
         self.n_results = self.n_outputs - len(traced.mutated_inputs)
         self.mutated = traced.mutated_inputs
+        self.output_types = graph.output_types
         self.seeded = [k for k in range(self.n_results)
                        if autodiff.differentiable(graph.output_types[k])]
         name = lowered._stages.name
-        with config.patch(**lowered._config), no_dynamo_import(), collector_paused():
+        with _settings(lowered._config), no_dynamo_import(), collector_paused():
             joint = autodiff.joint(graph, wrt, self.seeded)
             if config.simplify:
                 joint = simplify(joint)
@@ -301,7 +341,7 @@ class _Differentiable:
                                 stages=Stages(f"{name} (forward)"), simplified=True)
         self._backward = Lowered(_program(backward), lowered.backend,
                                  stages=Stages(f"{name} (backward)"), simplified=True)
-        self._paired = False
+        self._lock = threading.RLock()  # for _backward_runner
 
     def forward(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
         outs = self._forward.runner(tensors)
@@ -309,13 +349,26 @@ class _Differentiable:
         return results, [tensors[i] for i in self.read] + outs[self.n_outputs:]
 
     def backward(self, residuals, cotangents) -> list:
-        seeds = [cotangents[k].contiguous() for k in self.seeded]
+        """Each input's gradient, None where no result with a cotangent (torch gives None
+        for a result no gradient reached) depends on it."""
+        seeds = [_zeros(self.output_types[k]) if cotangents[k] is None
+                 else cotangents[k].contiguous() for k in self.seeded]
+        reached = functools.reduce(operator.or_, (
+            self.reaches[k] for k in self.seeded if cotangents[k] is not None), 0)
+        grads = self._backward_runner(list(residuals) + seeds)
+        return [g if reached >> i & 1 else None for i, g in zip(self.wrt, grads)]
+
+    @_once
+    def _backward_runner(self):
         runner = self._backward.runner
-        if not self._paired:  # its CUDA graphs share the forward's memory (NOTE [CUDA graphs])
-            self._paired = True
-            if (pair := getattr(runner, "replays_after", None)) is not None:
-                pair(self._forward.runner)
-        return runner(list(residuals) + seeds)
+        # its CUDA graphs share the forward's memory (NOTE [CUDA graphs])
+        if (pair := getattr(runner, "replays_after", None)) is not None:
+            pair(self._forward.runner)
+        return runner
+
+
+def _zeros(t) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _program(graph: Graph) -> TracedFunction:
@@ -329,6 +382,7 @@ class _Node(torch.autograd.Function):
     def forward(ctx, program: _Differentiable, n_inputs: int, *tensors):
         results, residuals = program.forward(list(tensors))
         ctx.program, ctx.n_inputs = program, n_inputs
+        ctx.set_materialize_grads(False)  # a result no gradient reached: None (reaching)
         ctx.save_for_backward(*residuals)
         ctx.mark_non_differentiable(*[r for r in results
                                       if not (r.dtype.is_floating_point or r.dtype.is_complex)])
@@ -460,6 +514,8 @@ class Jitted:
         self._signatures: collections.deque = collections.deque(maxlen=2)
         self._warned: set[str] = set()
         self.trace_count = 0
+        self._lock = threading.Lock()  # the fields above, across threads
+        self._compiling: dict = {}  # key -> the lock its compilation holds (NOTE [threads])
 
     def _key(self, args, kwargs):
         """The call's leaves, their tree, its tensors, the cache key, and the backend that
@@ -508,10 +564,12 @@ class Jitted:
 
     @no_dynamo_import()
     def _lower(self, leaves, tree, backend: str, donated: frozenset = frozenset()) -> Lowered:
-        self.trace_count += 1
+        with self._lock:
+            self.trace_count += 1
         stages = Stages(debug.function_name(self.fn))
         start = time.perf_counter()
-        with collector_paused():
+        # the traced modules' parameters are tracers meanwhile (NOTE [threads])
+        with collector_paused(), STATE_LOCK:
             traced = trace_function(self.fn, leaves, tree, live=True)
         stages.record("traced", traced.graph, time.perf_counter() - start)
         lowered = Lowered(traced, backend, donated, stages)
@@ -525,46 +583,81 @@ class Jitted:
                 torch._C._functorch.peek_interpreter_stack() is not None:
             return self._interpreted(args, kwargs)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
+        compiled, state, read = self._lookup(key)
+        if compiled is None:
+            with self._compiling_key(key):
+                compiled, state, read = self._lookup(key)  # compiled meanwhile?
+                if compiled is None:
+                    compiled, read = self._compile(args, kwargs, leaves, tree, tensors, key,
+                                                   backend, state, read)
+            if compiled is None:  # its floats turned static: another key
+                return self(*args, **kwargs)
+        elif _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
+            _cache_log.debug("hit %s", debug.function_name(self.fn))
+        self._latest = key, read[0], compiled
+        return compiled(tensors + read[1])
+
+    def _lookup(self, key):
+        """The compilation of ``key`` for the state as read now (None where there is none),
+        the state, and what it read (None where it could not be read back)."""
         state = self._states.get(key)  # NOTE [live state]
         read = state.read() if state is not None else None
         if read is None:
-            compiled = None
-        elif read[0] is self._latest[1] and key == self._latest[0]:
-            compiled = self._latest[2]  # the last call's: its state's signature, unhashed
-        else:
+            return None, state, None
+        latest = self._latest  # once: another thread may replace it meanwhile
+        if read[0] is latest[1] and key == latest[0]:
+            return latest[2], state, read  # the last call's: its state's signature, unhashed
+        with self._lock:
             compiled = self._cache.get((key, read[0]))
-        if compiled is None:
-            name = debug.function_name(self.fn)
-            _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
-                             name, [str(TensorType.of(t)) for t in tensors])
-            try:
-                lowered = self._lower(leaves, tree, backend, self._donated(args))
-            except Exception:
-                if self._floats_turn_static(args, kwargs):
-                    return self(*args, **kwargs)
-                raise
+            if compiled is not None:
+                self._cache.move_to_end((key, read[0]))
+        return compiled, state, read
+
+    @contextlib.contextmanager
+    def _compiling_key(self, key):
+        """Held while ``key`` compiles: another thread asking for it waits, then finds it
+        compiled; other keys compile meanwhile (NOTE [threads] in tracer/trace.py)."""
+        with self._lock:
+            lock = self._compiling.setdefault(key, threading.RLock())
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:  # from now on a call finds the compilation in the cache
+                if self._compiling.get(key) is lock:
+                    del self._compiling[key]
+
+    def _compile(self, args, kwargs, leaves, tree, tensors, key, backend: str, state, read):
+        """Trace and compile a call that ``_lookup`` missed: the compilation and the state
+        it reads, or (None, None) where its floats turned static (``_floats_turn_static``)."""
+        name = debug.function_name(self.fn)
+        _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
+                         name, [str(TensorType.of(t)) for t in tensors])
+        try:
+            lowered = self._lower(leaves, tree, backend, self._donated(args))
+        except Exception:
+            if self._floats_turn_static(args, kwargs):
+                return None, None
+            raise
+        state_before, state = state, lowered.traced.state
+        read_before, read = read, state.read()
+        if read is None:
+            raise TraceError(
+                f"{name}: the state it captures could not be read back right after it "
+                "was traced (a path to a captured tensor or module that changes as it "
+                "is followed). Pass such tensors as arguments.")
+        compiled = _Compiled(lowered)  # compiled here, outside the lock
+        with self._lock:
             self._note_retrace(args, kwargs, key)
-            if state is not None and read is None:  # compiled under a state no longer read
-                for stale in [k for k in self._cache if k[0] == key]:
+            if state_before is not None and read_before is None:  # compiled under a state
+                for stale in [k for k in self._cache if k[0] == key]:  # no longer read
                     del self._cache[stale]
-            state = self._states[key] = lowered.traced.state
-            read = state.read()
-            if read is None:
-                raise TraceError(
-                    f"{name}: the state it captures could not be read back right after it "
-                    "was traced (a path to a captured tensor or module that changes as it "
-                    "is followed). Pass such tensors as arguments.")
-            compiled = self._cache[key, read[0]] = _Compiled(lowered)
+            self._states[key] = state
+            self._cache[key, read[0]] = compiled
             if len(self._cache) > config.cache_size:
                 self._cache.popitem(last=False)
                 _cache_log.debug("%s: evicted the oldest signature", name)
-        else:
-            if _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
-                _cache_log.debug("hit %s", debug.function_name(self.fn))
-            if compiled is not self._latest[2]:  # else it is the last already
-                self._cache.move_to_end((key, read[0]))
-        self._latest = key, read[0], compiled
-        return compiled(tensors + read[1])
+        return compiled, read
 
     def _interpreted(self, args, kwargs):
         """A call under a foreign dispatch mode (``make_fx``, ``FakeTensorMode``) or a
@@ -605,9 +698,10 @@ class Jitted:
                     self.trace_count, what)
 
     def clear_cache(self) -> None:
-        self._cache.clear()
-        self._latest = (None, None, None)
-        self._states.clear()
+        with self._lock:
+            self._cache.clear()
+            self._latest = (None, None, None)
+            self._states.clear()
 
     def __get__(self, obj, objtype=None):
         """``@jit`` on a method: bound to its object, which is a static argument (its
@@ -645,6 +739,16 @@ class JittedModule(torch.nn.Module):
 
     def lower(self, *args, **kwargs) -> Lowered:
         return self.jitted.lower(*args, **kwargs)
+
+
+class _JittedDDP(JittedModule):
+    """``plait.jit(DistributedDataParallel(model))``: the wrapped model compiled (``jitted``),
+    DDP's bookkeeping run around each compiled call (NOTE [jit of DDP] in distributed.py)."""
+
+    def __call__(self, *args, **kwargs):
+        return ddp_call(self._orig_mod, self.jitted, args, kwargs)
+
+    forward = __call__
 
 
 def _original_modules(name: str):
@@ -685,6 +789,8 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, backend=backend,
                                  donate_argnums=donate_argnums)
+    if isinstance(fn, torch.nn.parallel.DistributedDataParallel):  # NOTE [jit of DDP]
+        return _JittedDDP(fn, Jitted(fn.module, static_argnums, backend, donate_argnums))
     jitted = Jitted(fn, static_argnums, backend, donate_argnums)
     return JittedModule(fn, jitted) if isinstance(fn, torch.nn.Module) else jitted
 

@@ -89,6 +89,10 @@ class Config:
     # Compiled programs are kept there too, so a new process calling a function that another
     # compiled traces it and compiles nothing (NOTE [program cache], backends/program_cache.py).
     program_cache: bool = attrs.field(factory=lambda: _env("program_cache", True, _to_bool))
+    # The programs kept there take at most this many bytes: past it, the least recently used
+    # go (NOTE [program cache]).
+    program_cache_bytes: int = attrs.field(factory=lambda: _env("program_cache_bytes", 1 << 30,
+                                                                int))
     # The C++ compiler of the cpp backend, and its flags (-shared -fPIC are always added).
     # -fwrapv: signed integer overflow wraps, as in torch; -fno-math-errno and -lmvec (glibc's
     # vector math) let loops calling exp, sin, ... vectorize.
@@ -98,6 +102,11 @@ class Config:
     # The cpp backend runs a program through a wrapper generated as C++, one native call per
     # program (NOTE [C++ wrapper], backends/cpp_wrapper.py); False steps through it in Python.
     cpp_wrapper: bool = attrs.field(factory=lambda: _env("cpp_wrapper", True, _to_bool))
+    # The cpp backend's libraries are built with AddressSanitizer and UndefinedBehaviorSanitizer
+    # (``SANITIZE_FLAGS`` in backends/cpp.py): a bad access in generated code is reported
+    # where it happens. Python must run with the ASan runtime preloaded (NOTE [sanitized
+    # builds]); for testing plait, not for speed.
+    cpp_sanitize: bool = attrs.field(factory=lambda: _env("cpp_sanitize", False, _to_bool))
 
     # The triton backend times a few launch configurations of each kernel at its first launch
     # and keeps the fastest, on disk beside the kernels (NOTE [autotuning], backends/triton.py).
@@ -173,8 +182,9 @@ class Config:
 
 
 _KEYED = ("simplify", "fuse_attention", "channels_last", "fold_max_numel", "allow_opaque",
-          "cpp_compiler", "cpp_flags", "cpp_wrapper", "split_reductions", "inplace", "reorder",
-          "plan_memory", "overlap", "symm_mem_max_bytes", "comm_pool_reuse")
+          "cpp_compiler", "cpp_flags", "cpp_wrapper", "cpp_sanitize", "split_reductions",
+          "inplace", "reorder", "plan_memory", "overlap", "symm_mem_max_bytes",
+          "comm_pool_reuse")
 _key = operator.attrgetter(*_KEYED)
 
 

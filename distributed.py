@@ -13,6 +13,10 @@ tracer/collectives.py): kept in program order on every rank, differentiable, bat
 
 ``enable_symmetric_memory(group)`` lets compiled functions run small sum all-reduces over
 ``group`` as one-shot all-reduces in symmetric memory (NOTE [comm buffers]).
+
+``plait.jit(DistributedDataParallel(model))`` compiles ``model`` and runs DDP's own
+bookkeeping around each compiled call (NOTE [jit of DDP]); other torch.distributed wrappers
+are refused inside a traced function (NOTE [distributed wrappers] in tracer/state.py).
 """
 from __future__ import annotations
 
@@ -72,6 +76,44 @@ def enable_symmetric_memory(group=None) -> None:
     with warnings.catch_warnings():  # newer torch deprecates it, yet still reads it
         warnings.simplefilter("ignore", FutureWarning)  # in is_symm_mem_enabled_for_group
         symm.enable_symm_mem_for_group(name)
+
+
+# NOTE [jit of DDP]
+# DistributedDataParallel's forward is bookkeeping around the call of the module it wraps.
+# ``_pre_forward`` readies the reducer (``prepare_for_forward``), broadcasts rank 0's
+# buffers (``broadcast_buffers``), rebuilds the buckets once and moves the inputs to
+# ``device_ids``; ``_post_forward`` tells the reducer to expect gradients (for every
+# parameter, or with ``find_unused_parameters`` for those the outputs' autograd graph
+# reaches) and passes the outputs through ``_DDPSink`` (``static_graph``'s first step). The
+# reducer's hooks on the parameters' gradient accumulators then all-reduce each bucket as
+# its gradients arrive. ``plait.jit(ddp)`` compiles ``ddp.module`` and runs those two steps
+# around each compiled call, as DDP's forward does: the compiled call is one torch.autograd
+# node whose gradients flow into the parameters' accumulators, so the reducer's hooks fire
+# as in eager, and ``no_sync()``, ``gradient_as_bucket_view``, ``static_graph`` and comm
+# hooks are the reducer's business. (Traced, DDP's forward would ready the reducer once,
+# while tracing, and later steps would not synchronize: a call inside a trace is refused.)
+# Hooks on the DDP module itself would not run, DDP's own ``nn.Module`` call not being made:
+# refused. The compiled backward being one node, every gradient reaches the reducer when
+# it ends: the buckets are all-reduced after the backward, not during it (so too for
+# ``DDP(plait.jit(model))``).
+def ddp_call(ddp: torch.nn.parallel.DistributedDataParallel, compiled, args: tuple,
+             kwargs: dict):
+    """DDP's forward, ``compiled`` (the jitted ``ddp.module``) in place of its module's call
+    (NOTE [jit of DDP])."""
+    if tracing_active():
+        raise DistributedError(
+            "a plait.jit of a DistributedDataParallel module was called inside a traced "
+            "function, where DDP's gradient synchronization would be readied only while "
+            "tracing; call it outside, or compile the whole step with plait.distributed's "
+            "all_reduce of the gradients inside it.")
+    if hooked := [k for k in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                              "_backward_hooks") if getattr(ddp, k)]:
+        raise DistributedError(
+            f"the DistributedDataParallel module compiled by plait.jit has hooks ({hooked[0]}),"
+            " which plait.jit(ddp) does not run: register them on the module it wraps "
+            "(ddp.module), whose call is the one compiled.")
+    args, kwargs = ddp._pre_forward(*args, **kwargs)
+    return ddp._post_forward(compiled(*args, **kwargs))
 
 
 def _op_name(op) -> str:

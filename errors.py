@@ -30,6 +30,13 @@ class TraceError(PlaitError):
     """The traced function or its arguments break a rule of tracing (unhashable static, ...)."""
 
 
+class TransformError(TraceError, RuntimeError, ValueError):
+    """A transform's arguments, or the transformed function's results, break the transform's
+    contract (argnums, has_aux, primals, tangents, cotangents, chunk_size). With torch.func's
+    wording, and a RuntimeError or ValueError as torch.func's errors are, so code catching
+    those keeps working."""
+
+
 class GraphError(PlaitError):
     """A graph is malformed: a cycle, a dangling operand, inconsistent types."""
 
@@ -54,4 +61,5 @@ class BackendError(PlaitError):
 
 class DistributedError(PlaitError, ValueError):
     """A collective cannot run as asked: no process group, an unknown group or reduce op, a
-    size the group does not divide, an in-place collective on a traced tensor."""
+    size the group does not divide, an in-place collective on a traced tensor; or a trace
+    reached a torch.distributed wrapper or a DTensor (NOTE [distributed wrappers])."""

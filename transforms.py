@@ -24,11 +24,11 @@ import torch
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils import _pytree as pytree
 
-from .errors import TraceError
+from .errors import TraceError, TransformError
 from .passes import autodiff
 from .passes.interpret import inline
 from .tracer import trace_function
-from .tracer.trace import bind, current_trace, on_tracers, tracing_active
+from .tracer.trace import TracerTensor, bind, current_trace, on_tracers, tracing_active
 
 
 # ---------------------------------------------------------------------------------------
@@ -40,15 +40,44 @@ def _staged(body: Callable) -> Callable:
     graph), converting between the user's functionalize wrappers and tracers."""
     from .api import jit
 
-    inside = on_tracers(body)
+    inside = on_tracers(_under_grad_modes(body))
     jitted = jit(inside)
 
     @functools.wraps(body)
     def run(*args, **kwargs):
         if tracing_active():
             return inside(*args, **kwargs)
-        with torch.no_grad():  # a transform's result is not recorded by torch.autograd
+        # with grad mode on and an input (or captured tensor) that requires grad, torch.autograd
+        # records the call, as it records torch.func's (NOTE [jit under torch.autograd])
+        if not torch.is_inference_mode_enabled():
             return jitted(*args, **kwargs)
+        # tensors a trace makes (a Jacobian's basis) are guarded by their version counters,
+        # which inference tensors lack: trace and run outside inference mode, recording nothing
+        with torch.inference_mode(False), torch.no_grad():
+            return jitted(*args, **kwargs)
+
+    return run
+
+
+# NOTE [transforms under no_grad]
+# A transform called inside a traced function while grad mode is off (``torch.no_grad()``
+# around ``grad(g)(x)`` inside the function ``grad(h)`` differentiates) computes its own
+# derivatives as ever (its trace starts with grad mode on), but its results are, to the
+# enclosing levels, values computed under no_grad, as an ATen op's are (NOTE [grad mode while
+# tracing]): they pass through ``no_grad`` (and ``no_fwd_grad`` with forward-mode AD off),
+# as torch.func's levels treat them. Its nodes are bound into the enclosing trace directly,
+# not through ATen dispatch, so they are marked here.
+def _under_grad_modes(body: Callable) -> Callable:
+    """``body`` whose tracer results pass through the markers of the grad modes that are off
+    where it is called (NOTE [transforms under no_grad])."""
+    def run(*args, **kwargs):
+        off = [prim for prim, on in (("no_grad", torch.is_grad_enabled()),
+                                     ("no_fwd_grad", torch._C._is_fwd_grad_enabled())) if not on]
+        out = body(*args, **kwargs)
+        for prim in off:
+            out = pytree.tree_map_only(TracerTensor, lambda t: bind(prim, t) if (
+                t.dtype.is_floating_point or t.dtype.is_complex) else t, out)
+        return out
 
     return run
 
@@ -143,35 +172,48 @@ class _Traced:
 
 def _argnums(argnums, n_args: int) -> tuple[int, ...]:
     """``argnums`` (an int or a tuple of ints, as torch.func takes) as argument positions,
-    each checked to name one of the ``n_args`` arguments, once."""
+    each checked to name one of the ``n_args`` arguments, once (torch.func's checks and
+    wording)."""
+    if not isinstance(argnums, (int, tuple)) or isinstance(argnums, bool):
+        raise TransformError(f"argnums must be int or Tuple[int, ...], got: {type(argnums)}; "
+                             "name the differentiated arguments by position")
     nums = (argnums,) if isinstance(argnums, int) else argnums
-    if not isinstance(nums, tuple) or not all(
-            isinstance(n, int) and not isinstance(n, bool) for n in nums):
-        raise TraceError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
-    if not nums:
-        raise TraceError("argnums must name at least one argument, got ()")
     for num in nums:
+        if not isinstance(num, int) or isinstance(num, bool):
+            raise TransformError(f"argnum must be int, got: {type(num)} (in argnums={argnums!r})")
         if not -n_args <= num < n_args:
-            raise TraceError(f"argnums={argnums} names argument {num}, but the function got "
-                             f"{n_args} positional arguments")
+            raise TransformError(f"Got argnum={num}, but only {n_args} positional inputs; "
+                                 "argnums names positional arguments of the call")
+    if not nums:
+        raise TransformError("argnums must be non-empty: name at least one argument")
     positions = tuple(n % n_args for n in nums)
     if len(set(positions)) != len(positions):
-        raise TraceError(f"argnums={argnums} names an argument twice; name each once")
+        raise TransformError(f"argnums elements must be unique, got {argnums}; name each "
+                             "argument once")
     return positions
 
 
 _TENSOR = object()  # stands for each tensor result where only the results' structure matters
 
 
-def _only_tensors(out, what: str) -> None:
+# How torch.func's messages name each call (plait's say the same, so code matching them works)
+_GRAD, _VJP, _JVP = "grad_and_value(f)(*args)", "vjp(f, *primals)", "jvp(f, primals, tangents)"
+
+
+def _only_tensors(out, api: str) -> None:
     """The transforms differentiate and batch tensors: a function returns tensors (or
-    pytrees of them) besides its aux, as torch.func requires. ``out``: the result, or its
-    structure with ``_TENSOR`` for each tensor (``_Traced.structure``)."""
-    for leaf in pytree.tree_leaves(out):
+    pytrees of them) besides its aux, as torch.func requires; ``vjp`` and ``jvp`` at least
+    one. ``out``: the result, or its structure with ``_TENSOR`` for each tensor
+    (``_Traced.structure``)."""
+    leaves = pytree.tree_leaves(out)
+    if leaves in ([], [None]) and api in (_VJP, _JVP):
+        raise TransformError(f"{api}: Expected f to be a function that has non-empty output "
+                             f"(got output = {out!r}); return at least one tensor")
+    for leaf in leaves:
         if not (leaf is _TENSOR or isinstance(leaf, torch.Tensor)):
-            raise TraceError(f"{what}: the function must return only tensors (or pytrees of "
-                             f"them), got a {type(leaf).__name__}; return other values as "
-                             "aux (has_aux=True) or outside the transformed function")
+            raise TransformError(f"{api}: expected f(*primals) to return only tensors, got "
+                                 f"unsupported type {type(leaf)}; return other values as aux "
+                                 "(has_aux=True) or outside the transformed function")
 
 
 def _argnum_leaves(args: tuple, kwargs: dict, argnums: int | tuple[int, ...]):
@@ -189,19 +231,27 @@ def _argnum_leaves(args: tuple, kwargs: dict, argnums: int | tuple[int, ...]):
             x = flat[p]
             if not (isinstance(x, torch.Tensor) and (x.dtype.is_floating_point
                                                      or x.dtype.is_complex)):
-                raise TraceError(f"argnums={argnums}: differentiated arguments must be "
+                raise TransformError(f"argnums={argnums}: differentiated arguments must be "
                                  f"floating-point or complex tensors (or pytrees of them), got "
                                  f"{type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}")
     return chosen
 
 
-def _split_aux(out, has_aux: bool, what: str):
+def _split_aux(out, has_aux: bool, api: str):
+    """``(output, aux)``: with ``has_aux`` the function returns a pair, a tuple, whose aux
+    holds only tensors (torch.func's contract)."""
     if not has_aux:
         return out, None
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TraceError(f"{what}(has_aux=True) needs the function to return a pair "
-                         "(output, aux)")
-    return out[0], out[1]
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TransformError(f"{api}: output of function f should be a tuple: (output, aux) "
+                             f"if has_aux is True, got a {type(out).__name__}; return the "
+                             "pair (output, aux)")
+    for leaf in pytree.tree_leaves(out[1]):
+        if not (leaf is _TENSOR or isinstance(leaf, torch.Tensor)):
+            raise TransformError(f"{api}: aux: Expected tensors, got unsupported type "
+                                 f"{type(leaf)}; return other values outside the transformed "
+                                 "function")
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,8 +267,12 @@ def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
     chosen = _argnum_leaves(args, kwargs, argnums)
     t = _Traced(func, args, kwargs, writable=True)
     types = t.graph.output_types
-    _only_tensors(_split_aux(t.structure(), has_aux, "vjp")[0], "vjp")
-    main, _ = _split_aux(t.outputs(list(range(len(types)))), has_aux, "vjp")
+    api = _GRAD if seeds_for is _scalar_seed else _VJP
+    main, _ = _split_aux(t.structure(), has_aux, api)
+    if api == _VJP:
+        _only_tensors(main, api)
+    slots = t.outputs(list(range(len(types))))  # graph output indices, in the result's place
+    main = slots[0] if has_aux else slots
     seeds = seeds_for(main, types)
     cotangents = [seeds[k] if k in seeds else autodiff.zeros(ty) for k, ty in enumerate(types)]
     wrt = [i for pos in chosen for i in t.leaf_index(pos)]
@@ -239,12 +293,14 @@ def _as_argnums_tree(args, argnums, grouped):
 
 def _scalar_seed(main, types):
     """grad's cotangent: 1 for its one scalar, floating-point output."""
-    if not isinstance(main, int) or types[main].shape != () or \
-            not types[main].dtype.is_floating_point:
-        what = f"an output of {types[main]}" if isinstance(main, int) else \
-            f"a {type(main).__name__}"
-        raise TraceError(f"grad needs a function returning one floating-point scalar tensor, "
-                         f"got {what}; use vjp or jacrev for other outputs")
+    if not isinstance(main, int):
+        raise TransformError(f"{_GRAD}: Expected f(*args) to return a Tensor, got "
+                             f"{type(main)}; grad needs one scalar tensor (use vjp or jacrev "
+                             "for other outputs)")
+    if types[main].shape != () or not types[main].dtype.is_floating_point:
+        raise TransformError(f"{_GRAD}: Expected f(*args) to return a scalar Tensor, got "
+                             f"{types[main]}; grad needs one floating-point scalar tensor: "
+                             "use vjp or jacrev for other outputs")
     ty = types[main]
     return {main: bind("full", shape=(), value=1.0, dtype=ty.dtype, device=ty.device)}
 
@@ -277,11 +333,18 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
     """As ``torch.func.vjp``: ``(output, vjp_fn)`` (``(output, vjp_fn, aux)`` with
     ``has_aux``), where ``vjp_fn(cotangents)`` returns one cotangent per primal. Inside a
     trace the forward pass is traced twice, and simplification (CSE) merges the copies."""
-    argnums = tuple(range(len(primals)))
     if not tracing_active():
-        return _recorded_vjp(func, primals, has_aux, argnums)
-    main, aux = _split_aux(_forward(func, primals), has_aux, "vjp")
-    _only_tensors(main, "vjp")
+        return _recorded_vjp(func, primals, has_aux)
+    main, aux = _split_aux(_forward(func, primals), has_aux, _VJP)
+    _only_tensors(main, _VJP)
+    vjp_fn = _traced_vjp_fn(func, primals, has_aux)
+    return (main, vjp_fn, aux) if has_aux else (main, vjp_fn)
+
+
+def _traced_vjp_fn(func: Callable, primals: tuple, has_aux: bool) -> Callable:
+    """``vjp``'s ``vjp_fn`` inside a trace: ``func`` traced again and differentiated
+    there (arguments it mutates were written by the forward pass already)."""
+    argnums = tuple(range(len(primals)))
 
     def backward(primal_args, cotangents):
         def seeds(main_slots, types):
@@ -289,7 +352,6 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
             cts = _cotangent_leaves(main_slots, cotangents, [types[k].shape for k in slots])
             return dict(zip(slots, cts))
 
-        # the forward pass (``_forward``) wrote the mutated arguments already
         _, grouped = _vjp_body(func, argnums, has_aux, tuple(primal_args), {}, seeds,
                                write_back=False)
         return tuple(pytree.tree_unflatten(g, pytree.tree_structure(p))
@@ -300,7 +362,7 @@ def vjp(func: Callable, *primals, has_aux: bool = False):
     def vjp_fn(cotangents):
         return staged(primals, cotangents)
 
-    return (main, vjp_fn, aux) if has_aux else (main, vjp_fn)
+    return vjp_fn
 
 
 def _cotangent_leaves(outputs, cotangents, shapes) -> list:
@@ -309,29 +371,35 @@ def _cotangent_leaves(outputs, cotangents, shapes) -> list:
     tree = pytree.tree_structure(outputs)
     cts, ct_tree = pytree.tree_flatten(cotangents)
     if tree != ct_tree:
-        raise TraceError(f"vjp_fn got cotangents of structure {ct_tree}, but the function's "
-                         f"output has structure {tree}")
+        raise TransformError(f"vjp_fn: Expected pytree structure of cotangents to be the "
+                             f"same as pytree structure of outputs to the function. "
+                             f"cotangents: {ct_tree}, primal output: {tree}")
     for shape, ct in zip(shapes, cts):
         if not isinstance(ct, torch.Tensor) or tuple(ct.shape) != tuple(shape):
-            raise TraceError(f"vjp_fn: a cotangent must be a tensor of the output's shape "
+            raise TransformError(f"vjp_fn: a cotangent must be a tensor of the output's shape "
                              f"{list(shape)}, got {ct!r:.60}")
     return cts
 
 
-def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool, argnums: tuple):
+def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool):
     """``vjp`` called on real tensors: ``func`` runs once, jitted and recorded by
     torch.autograd (NOTE [jit under torch.autograd]); ``vjp_fn`` runs the compiled backward
     on the residuals saved then, so it answers for the values of that call (captured state
-    included), as torch.func's does, however often it is called."""
+    included), as torch.func's does, however often it is called. With grad mode on, a primal
+    that requires grad enters through an alias recorded by torch.autograd (one per primal, so
+    a tensor passed twice gets a cotangent each time), and the outputs stay recorded, as
+    torch.func's do; ``vjp_fn``'s cotangents are not recorded (``create_graph``)."""
     from .api import jit
 
-    _argnum_leaves(primals, {}, argnums)  # floating-point tensors only, as torch.func
+    _argnum_leaves(primals, {}, tuple(range(len(primals))))  # floating-point tensors only, as torch.func
     flat, tree = pytree.tree_flatten(primals)
-    leaves = [x.detach().requires_grad_() for x in flat]
+    tracked = torch.is_grad_enabled() and any(x.requires_grad for x in flat)
+    leaves = [x.view_as(x) if tracked and x.requires_grad else x.detach().requires_grad_()
+              for x in flat]
     with torch.enable_grad():
         out = _kept_for(func, ("jit",), lambda: jit(func))(*pytree.tree_unflatten(leaves, tree))
-    main, aux = _split_aux(out, has_aux, "vjp")
-    _only_tensors(main, "vjp")
+    main, aux = _split_aux(out, has_aux, _VJP)
+    _only_tensors(main, _VJP)
     outputs = pytree.tree_leaves(main)
 
     def vjp_fn(cotangents, *, retain_graph: bool = True, create_graph: bool = False):
@@ -348,7 +416,8 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool, argnums: tuple)
                  for g, x in zip(list(grads) or [None] * len(leaves), leaves)]
         return pytree.tree_unflatten(grads, tree)
 
-    detach = functools.partial(pytree.tree_map_only, torch.Tensor, torch.Tensor.detach)
+    detach = functools.partial(pytree.tree_map_only, torch.Tensor, torch.Tensor.detach) \
+        if not tracked else lambda tree: tree
     return (detach(main), vjp_fn, detach(aux)) if has_aux else (detach(main), vjp_fn)
 
 
@@ -369,11 +438,16 @@ def _forward(func: Callable, primals: tuple):
 def jvp(func: Callable, primals: tuple, tangents: tuple, *, strict: bool = False,
         has_aux: bool = False):
     """As ``torch.func.jvp``: ``(output, tangent of the output)`` (and ``aux``)."""
-    if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
-        raise TraceError("jvp takes primals and tangents as tuples (as torch.func.jvp)")
+    if not isinstance(primals, tuple):
+        raise TransformError(f"{_JVP}: Expected primals to be a tuple. E.g. it should be valid "
+                             f"to call f(*primals); got a {type(primals).__name__}")
     if pytree.tree_structure(primals) != pytree.tree_structure(tangents):
-        raise TraceError("jvp: tangents must have the structure of primals")
-    _only_tensor_primals(primals, "jvp")
+        raise TransformError(f"{_JVP}: Expected primals and tangents to have the same python "
+                             f"structure, got primals with structure "
+                             f"{pytree.tree_structure(primals)} and tangents with structure "
+                             f"{pytree.tree_structure(tangents)}")
+    _only_tensor_primals(primals, _JVP, "primals")
+    _only_tensor_primals(tangents, _JVP, "tangents")
 
     def body(primal_args, tangent_args):
         t = _Traced(func, primal_args, {})
@@ -382,34 +456,41 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, *, strict: bool = False
         if strict:
             active = autodiff.depends_on(t.graph, wrt)
             if any(v.node not in active for v in t.graph.outputs):
-                raise TraceError("jvp(f, primals, tangents, strict=True): an output of f is "
-                                 "independent of the inputs, which strict=True forbids (as "
-                                 "in torch.func)")
+                raise TransformError(f"{_JVP[:-1]}, strict=True): The output of f is "
+                                     "independent of the inputs. This is not allowed with "
+                                     "strict=True (pass strict=False for a zero tangent)")
         for p, tan in zip(pytree.tree_leaves(primal_args), leaves):
             if isinstance(p, torch.Tensor) and tuple(p.shape) != tuple(tan.shape):
-                raise TraceError(f"jvp: a tangent of shape {list(tan.shape)} for a primal of "
-                                 f"shape {list(p.shape)}")
+                raise TransformError(f"{_JVP}: a tangent of shape {list(tan.shape)} for a "
+                                     f"primal of shape {list(p.shape)}; give each tangent "
+                                     "its primal's shape")
         results = inline(autodiff.jvp(t.graph, wrt), t.inputs + [
             leaves[i] for i in t.tensor_pos])
         n = len(t.graph.outputs)
-        _only_tensors(_split_aux(t.structure(), has_aux, "jvp")[0], "jvp")
-        out, aux = _split_aux(t.outputs(results[:n]), has_aux, "jvp")
-        tangent_out, _ = _split_aux(t.outputs(results[n:]), has_aux, "jvp")
+        _only_tensors(_split_aux(t.structure(), has_aux, _JVP)[0], _JVP)
+        out, aux = _split_aux(t.outputs(results[:n]), has_aux, _JVP)
+        tangent_out, _ = _split_aux(t.outputs(results[n:]), has_aux, _JVP)
         return (out, tangent_out, aux) if has_aux else (out, tangent_out)
 
     return _staged_for(func, ("jvp", has_aux, strict), body)(primals, tangents)
 
 
-def _only_tensor_primals(primals: tuple, what: str) -> None:
-    if not all(isinstance(p, torch.Tensor) for p in pytree.tree_leaves(primals)):
-        raise TraceError(f"{what}: primals must be tensors (or pytrees of them), as in "
-                         "torch.func")
+def _only_tensor_primals(primals: tuple, api: str, name: str = "primals") -> None:
+    """``primals`` (or tangents: ``name``) hold at least one tensor and only tensors."""
+    leaves = pytree.tree_leaves(primals)
+    if not leaves:
+        raise TransformError(f"{api}: Expected {name} to contain at least one Tensor; pass "
+                             "the tensors to differentiate")
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise TransformError(f"{api}: Expected {name} to only contain Tensors, got "
+                                 f"{type(leaf)}; close over other values in f instead")
 
 
 def _check_chunk_size(what: str, chunk_size) -> None:
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
-        raise TraceError(f"{what}: chunk_size must be None or an int greater than 0, got "
-                         f"{chunk_size!r}")
+        raise TransformError(f"{what}: `chunk_size` should be greater than 0 (or None), got "
+                             f"{chunk_size!r}")
 
 
 def linearize(func: Callable, *primals):
@@ -519,14 +600,20 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
 # ---------------------------------------------------------------------------------------
 # Jacobians: a vmap over basis vectors of vjp (reverse) or jvp (forward)
 # ---------------------------------------------------------------------------------------
-def _with_args(func: Callable, args: tuple, argnums) -> tuple[Callable, tuple]:
+def _real_only(api: str, values, what: str) -> None:
+    """Jacobians of complex values are refused (as by torch.func: reverse and forward mode
+    disagree there by a conjugate)."""
+    for idx, x in enumerate(pytree.tree_leaves(values)):
+        if isinstance(x, torch.Tensor) and x.dtype.is_complex:
+            raise TransformError(f"{api}: Expected all {what} to be real but received complex "
+                                 f"tensor at flattened input idx: {idx}; pass real and "
+                                 "imaginary parts apart (torch.view_as_real)")
+
+
+def _with_args(func: Callable, args: tuple, argnums, api: str) -> tuple[Callable, tuple]:
     """``func`` as a function of the ``argnums`` arguments only, and their values."""
     nums = _argnums(argnums, len(args))
-    if any(isinstance(x, torch.Tensor) and x.dtype.is_complex
-           for n in nums for x in pytree.tree_leaves(args[n])):
-        raise TraceError("jacrev/jacfwd/hessian of a complex argument is not supported (as in "
-                         "torch.func: reverse and forward mode disagree there by a conjugate); "
-                         "pass its real and imaginary parts (torch.view_as_real)")
+    _real_only(api, [args[n] for n in nums], "inputs")
 
     def of_chosen(*chosen):
         full = list(args)
@@ -548,14 +635,16 @@ def _per_arg(argnums, values: list):
 
 
 def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
-           chunk_size: int | None = None):
+           chunk_size: int | None = None, _preallocate_and_copy: bool = False):
     """As ``torch.func.jacrev``: for each output leaf, the Jacobian w.r.t. each of
-    ``argnums``, shaped output.shape + argument.shape (``chunk_size`` as in ``vmap``)."""
+    ``argnums``, shaped output.shape + argument.shape (``chunk_size`` as in ``vmap``;
+    ``_preallocate_and_copy``, how torch.func assembles chunks, changes nothing here)."""
     _check_chunk_size("jacrev", chunk_size)
     @_staged
     def body(*args):
-        of_chosen, chosen = _with_args(func, args, argnums)
+        of_chosen, chosen = _with_args(func, args, argnums, "jacrev")
         out, vjp_fn, *aux = vjp(of_chosen, *chosen, has_aux=has_aux)
+        _real_only("jacrev", out, "outputs")
         leaves, tree = pytree.tree_flatten(out)
         jacobians = []
         for i, leaf in enumerate(leaves):
@@ -578,7 +667,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
     """As ``torch.func.jacfwd``: the Jacobians of ``jacrev``, from forward mode."""
     @_staged
     def body(*args):
-        of_chosen, chosen = _with_args(func, args, argnums)
+        of_chosen, chosen = _with_args(func, args, argnums, "jacfwd")
         flat, tree = pytree.tree_flatten(chosen)
         per_input = []
         for j, leaf in enumerate(flat):
@@ -588,6 +677,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
                            has_aux=has_aux)[1]
 
             cols = vmap(column, randomness=randomness)(_basis(leaf))
+            _real_only("jacfwd", cols, "outputs")
             per_input.append(pytree.tree_map(
                 lambda c: c.movedim(0, -1).reshape((*c.shape[1:], *leaf.shape)), cols))
         out_tree = pytree.tree_structure(per_input[0])

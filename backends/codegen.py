@@ -140,25 +140,89 @@ def kernel_error(code: int) -> CheckError:
     }[code])
 
 
-_warned_dirs: set[str] = set()
+# NOTE [trusted cache folder]
+# What the cache folders hold is run: libraries are loaded, program entries unpickled (NOTE
+# [program cache]). So a folder is used only where no one but the current user (or root) can
+# have put anything there: the folder and its cache root must be owned by the user and not
+# writable by group or others, and each folder above them owned by the user or root and
+# not writable by others unless sticky (/tmp), or another user could swap the folder out.
+# Folders plait creates are private (0o700), its files too (mkstemp's 0o600). A folder that
+# fails is not read: one warning, and compiled code stays in memory or a temporary folder.
+# Build folders and half-written files (``TEMPORARY``*) that a killed process left are
+# removed when a process first uses the folder, once older than ``_STALE`` seconds (no
+# build takes that long, so none in progress goes).
+TEMPORARY = "plait-"
+_STALE = 3600
+_verdicts: dict[str, str | None] = {}  # folder -> None where it is used, else why not
 
 
 def cache_folder(kind: str) -> str | None:
     """``<config.cache_dir>/<kind>``, where generated code is kept across processes, or None
-    (with one warning per folder) where it cannot be written."""
-    directory = os.path.join(os.path.expanduser(config.cache_dir), kind)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        if os.access(directory, os.W_OK):
-            return directory
-        raise PermissionError(f"{directory} is not writable")
-    except OSError as e:
-        if directory not in _warned_dirs:
-            _warned_dirs.add(directory)
-            warnings.warn(f"plait cannot write its compilation cache ({e}); compiling into a "
-                          "temporary folder instead. Set plait.config.cache_dir "
-                          "(PLAIT_CACHE_DIR) to a writable folder to reuse builds.")
+    (with one warning per folder) where it cannot be written or is not trusted (NOTE [trusted
+    cache folder])."""
+    root = os.path.expanduser(config.cache_dir)
+    directory = os.path.join(root, kind)
+    if directory not in _verdicts:  # checked once per process
+        _verdicts[directory] = why = _untrusted(root, directory)
+        if why is not None:
+            warnings.warn(f"plait does not use its compilation cache: {why}; compiling into "
+                          "memory or a temporary folder instead. Set plait.config.cache_dir "
+                          "(PLAIT_CACHE_DIR) to a private, writable folder to reuse builds.")
+            return None
+        _remove_stale(directory)
+    if _verdicts[directory] is not None:
         return None
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)  # removed meanwhile?
+    except OSError:
+        return None
+    return directory
+
+
+def _untrusted(root: str, directory: str) -> str | None:
+    """Why ``directory`` (under ``root``; made where missing) is not to be used, or None."""
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if not os.access(directory, os.W_OK):
+            return f"{directory} is not writable"
+        if not hasattr(os, "geteuid"):  # no POSIX owners to check
+            return None
+        me = os.geteuid()
+        for folder in (directory, root):
+            st = os.stat(folder)
+            if st.st_uid != me or st.st_mode & 0o022:
+                return (f"{folder} is owned by another user" if st.st_uid != me else
+                        f"{folder} is writable by group or others (chmod go-w it)")
+        above = os.path.dirname(os.path.abspath(root))
+        while True:
+            st = os.stat(above)
+            if st.st_uid not in (me, 0) or st.st_mode & 0o002 and not st.st_mode & 0o1000:
+                return f"{above}, above it, is another user's or writable by anyone"
+            if above == os.path.dirname(above):
+                return None
+            above = os.path.dirname(above)
+    except OSError as e:
+        return str(e)
+
+
+def _remove_stale(directory: str) -> None:
+    """Build folders and half-written files a killed process left in ``directory``."""
+    import shutil
+    import time
+
+    old = time.time() - _STALE
+    for entry in os.scandir(directory):
+        try:
+            if not entry.name.startswith(TEMPORARY) or \
+                    entry.stat(follow_symlinks=False).st_mtime >= old:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except OSError:  # removed meanwhile by another process
+            pass
 
 
 @attrs.frozen
@@ -207,6 +271,45 @@ def extern_text(k: Extern | Wait) -> str:
 # ---------------------------------------------------------------------------------------
 # The wrapper: the Python side of a compiled program
 # ---------------------------------------------------------------------------------------
+# NOTE [entry checks]
+# Generated kernels trust their pointers: a pointer to no memory, or an input list one
+# shorter or longer than the program's (which shifts every input and constant after it), is
+# a segmentation fault or a silent wrong answer. Every call therefore checks, before any
+# kernel runs, that it got the program's count of inputs and that each input with elements
+# has memory (a tracer that escaped its trace into a module's attributes has the right
+# shape, dtype and device and no storage: its address is 0). Shapes, dtypes and devices
+# are the caller's to match (``Jitted`` keys its compilations by them): comparing them here
+# would cost a microsecond an input on every call.
+def entry_pointers(inputs: Sequence[torch.Tensor], count: int) -> list[int]:
+    """The addresses of a program's ``inputs``, which must be ``count`` tensors, each with
+    memory where it has elements (NOTE [entry checks]); else ``BackendError``."""
+    if len(inputs) != count:
+        raise BackendError(f"the compiled program takes {count} input tensors and was "
+                           f"given {len(inputs)}; call it with the inputs of the graph it "
+                           f"was compiled from, in order")
+    try:
+        pointers = list(map(torch.Tensor.data_ptr, inputs))
+    except RuntimeError:  # a tensor subclass with no storage at all
+        pointers = [_address(t) for t in inputs]
+    if 0 in pointers:
+        for j, (t, p) in enumerate(zip(inputs, pointers)):
+            if not p and t.numel():
+                raise BackendError(
+                    f"input {j} of the compiled program ({t.dtype}{list(t.shape)}, "
+                    f"{type(t).__name__}) has no memory: a tensor without storage, such as a "
+                    "plait tracer that escaped a finished trace (stored in a module or a "
+                    "global while a function was traced) or a meta tensor. Pass tensors "
+                    "with data.")
+    return pointers
+
+
+def _address(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 0
+
+
 @attrs.frozen
 class _Empty:
     """``env[dest] = torch.empty(shape, dtype)``: a buffer's own storage, or a pool slot."""
@@ -360,6 +463,7 @@ class Wrapper:
                         for n, span in plan.blocks().items()}
         self._size = len(names)
         self._inputs = tuple(slot[b] for b in program.inputs)
+        self.n_inputs = len(self._inputs)
         self._unbound_outputs = tuple(  # outputs nothing produces: empty buffers
             (slot[b], tuple(program.buffers[b].type.shape), program.buffers[b].type.dtype)
             for b in dict.fromkeys(program.outputs) if b not in bound and b not in lv.uses)
@@ -373,9 +477,11 @@ class Wrapper:
 
     def __call__(self, inputs: Sequence[torch.Tensor], device: torch.device,
                  constants: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        inputs = list(map(torch.Tensor.contiguous, inputs))
+        entry_pointers(inputs, self.n_inputs)
         env: list = [None] * self._size
         for s, t in zip(self._inputs, inputs):
-            env[s] = t.contiguous()
+            env[s] = t
         for s, t in constants:
             env[s] = t
         tracker = _Tracker(self, env) if config.check_memory_plan else None
@@ -565,7 +671,8 @@ class Runner:
 
 def write_atomically(path: str, data: bytes) -> None:
     """A concurrent reader sees the old file or the new one, never a partial file."""
-    fd, tmp = tempfile.mkstemp(suffix=os.path.splitext(path)[1], dir=os.path.dirname(path))
+    fd, tmp = tempfile.mkstemp(suffix=os.path.splitext(path)[1], prefix=TEMPORARY,
+                               dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

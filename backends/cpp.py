@@ -716,15 +716,41 @@ def _load(path: str, symbols: Sequence[str]) -> Library | None:
         return None
 
 
+# NOTE [sanitized builds]
+# ``config.cpp_sanitize`` (PLAIT_CPP_SANITIZE) builds every library (the kernels, the C++
+# wrapper, its memory and runtime) with SANITIZE_FLAGS: an access out of a buffer, a use after
+# free or undefined behaviour in generated code is reported where it happens, with its stack,
+# and stops the process. The flags are part of the compiler command, so of a library's file
+# name, and the setting is in ``config.cache_key``, so in the program cache's key: sanitized
+# and plain builds never mix. Python is not built with ASan, whose runtime must be the first
+# library loaded: run the interpreter with ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)``
+# and ``ASAN_OPTIONS=detect_leaks=0`` (the interpreter frees little at exit), and
+# ``UBSAN_OPTIONS=halt_on_error=1`` to stop at the first undefined behaviour too. Loading a
+# sanitized library without the preload would end the process (ASan's own check), so a build
+# refuses there (BackendError). tests/test_native_safety.py runs its programs so.
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer")
+
+
+@functools.cache
+def _asan_loaded() -> bool:
+    return hasattr(ctypes.CDLL(None), "__asan_init")
+
+
 def build(source: str, symbols: Sequence[str], flags: Sequence[str] = (),
           only_cached: bool = False) -> Library | None:
     """The shared library of ``source`` (which defines ``symbols``), from the disk cache or
     built with the configured compiler and ``flags`` after the configured ones (NOTE [C++
     build cache]); None where ``only_cached`` and the cache lacks it."""
     compiler = _compiler()
+    if config.cpp_sanitize and not _asan_loaded():  # NOTE [sanitized builds]
+        raise BackendError(
+            "config.cpp_sanitize (PLAIT_CPP_SANITIZE) builds libraries with AddressSanitizer, "
+            "whose runtime this Python process did not load first. Run it with LD_PRELOAD="
+            "$(g++ -print-file-name=libasan.so) and ASAN_OPTIONS=detect_leaks=0, or turn "
+            "the setting off.")
     # NOTE [one rounding per op] (codegen.py); before the configured flags, which may say otherwise
-    command = [compiler, "-ffp-contract=off", *shlex.split(config.cpp_flags), *flags, "-shared",
-               "-fPIC"]
+    command = [compiler, "-ffp-contract=off", *shlex.split(config.cpp_flags), *flags,
+               *(SANITIZE_FLAGS if config.cpp_sanitize else ()), "-shared", "-fPIC"]
     st = os.stat(compiler)
     key = hashlib.sha256("\0".join([source, *command, str(st.st_size),
                                     str(st.st_mtime_ns)]).encode()).hexdigest()[:40]

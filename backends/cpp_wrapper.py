@@ -59,7 +59,7 @@ from ..errors import BackendError
 from ..graph.loops import Extern, Kernel, Wait
 from ..graph.types import TensorType
 from ..tracer.primitives import Impl
-from .codegen import extern_results, extern_text, kernel_error
+from .codegen import entry_pointers, extern_results, extern_text, kernel_error
 
 # ---------------------------------------------------------------------------------------
 # The runtime: native externs, through ATen
@@ -390,7 +390,8 @@ def runtime_future() -> concurrent.futures.Future:
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                                PLAIT_CACHE_DIR=config.cache_dir,
                                PLAIT_CPP_COMPILER=config.cpp_compiler,
-                               PLAIT_CPP_FLAGS=config.cpp_flags)
+                               PLAIT_CPP_FLAGS=config.cpp_flags,
+                               PLAIT_CPP_SANITIZE=str(int(config.cpp_sanitize)))
                     code = f"import os; {_IDLE}; import {__name__} as w; w.runtime()"
                     subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                    start_new_session=True)
@@ -928,7 +929,10 @@ class NativeWrapper:
         if config.check_memory_plan or not self._ready():
             return self.fallback(inputs, device, constants)
         tensors = [*map(torch.Tensor.contiguous, inputs), *(t for _, t in constants)]
-        pointers = (ctypes.c_void_p * max(1, len(tensors)))(*map(torch.Tensor.data_ptr, tensors))
+        # NOTE [entry checks]
+        addresses = entry_pointers(tensors[:len(inputs)], self.fallback.n_inputs) + \
+            [t.data_ptr() for _, t in constants]
+        pointers = (ctypes.c_void_p * max(1, len(tensors)))(*addresses)
         results = (ctypes.c_void_p * max(1, len(self.handed_types)))()
         rc = self._run(pointers, self._table, results)
         if rc:

@@ -9,15 +9,32 @@ of the lazy imports they cost. The key digests the graph as traced (donations ma
 backend and its config, ``config.cache_key()``, the torch version and plait's own source files
 (sizes and modification times: an edited plait never runs what an older one compiled).
 
-An entry is a header line holding the sha256 of the pickle, then the pickle: a damaged or
-truncated entry, or one whose library is gone, is a miss, and the program compiled again
-replaces it. Writes are atomic, so processes compiling one function at once both succeed.
-Only the programs of backends registered with ``keeps_programs`` are looked up, and of those
-only runners that pickle are kept: the cpp backend's, whose kernel steps pickle as their
-library's path and symbol, with ATen ops by name. A program calling a collective is compiled
-in each process, as are the triton backend's (not registered: its launch configurations are
-resolved per device); ``config.program_cache`` turns the cache off. Entries are
-pickles: the cache folder must be trusted, as Triton's and Inductor's are.
+An entry is a header line, its full key, the sha256 of its pickle, then the pickle. Anything
+else under a key's name is a miss, compiled again and replaced, never an error: an entry of
+another key (copied or renamed over this one, which would run another program), a damaged
+or truncated one, a pickle that does not load, or one whose library is gone or does not
+load. Writes are atomic, so processes compiling one function at once both succeed. A hit
+marks the entry used (its modification time), and past ``config.program_cache_bytes`` the
+least recently used entries go. Only the programs of backends registered with
+``keeps_programs`` are looked up, and of those only runners that pickle are kept: the cpp
+backend's, whose kernel steps pickle as their library's path and symbol, with ATen ops by
+name. A program calling a collective is compiled in each process, as are the triton
+backend's (not registered: its launch configurations are resolved per device);
+``config.program_cache`` turns the cache off.
+
+NOTE [unpickling the cache]
+Unpickling runs code the pickle names, so an entry is only read where no one else could
+have written it: the folder passes NOTE [trusted cache folder] (owned by the user, not
+writable by group or others, nor replaceable through a folder above it), and the entry
+itself, opened without following a link, is a regular file owned by the user and writable
+by no one else. Another user's entry is not unpickled, whatever its header says. An HMAC of
+each entry under a secret key would add nothing against other users: the key would have to
+live where the entries do, under the same permissions, and whoever can write there as the
+user can run code as the user anyway (and the libraries the entries name are loaded, which
+no signature of the pickle covers). What it would catch is a cache folder copied in from
+elsewhere; a user who copies one (a CI cache restored from another branch) trusts it, as
+Triton's and Inductor's caches are trusted. A restricted unpickler would not help either:
+the classes an entry needs (kernel steps, libraries by path) load native code by design.
 """
 from __future__ import annotations
 
@@ -27,12 +44,15 @@ import io
 import logging
 import os
 import pickle
+import stat
 
 import torch
 
+from ..config import config
 from .codegen import cache_folder, write_atomically
 
 _log = logging.getLogger("plait.cache")
+_MAGIC = b"plait program 2\n"
 
 
 def key(graph, backend, config_key: tuple) -> str:
@@ -40,7 +60,7 @@ def key(graph, backend, config_key: tuple) -> str:
     (``config.cache_key()`` when the compilation began)."""
     parts = (graph.digest, repr(backend.cache_key()), repr(config_key), torch.__version__,
              _plait_source())
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
 @functools.cache
@@ -65,18 +85,34 @@ def load(key: str):
     if path is None:
         return None
     try:
-        with open(path, "rb") as f:
-            header, payload = f.readline(), f.read()
-    except OSError:  # no entry
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # no entry (or a link: not followed)
         return None
-    if header != _header(payload):
-        _log.debug("program cache: %s is damaged; compiling again", path)
+    with os.fdopen(fd, "rb") as f:
+        if not _private(os.fstat(fd)):
+            _log.warning("program cache: %s is not the user's own private file; not read", path)
+            return None
+        magic, kept_key, digest, payload = f.readline(), f.readline(), f.readline(), f.read()
+    if magic != _MAGIC or kept_key != key.encode() + b"\n" or \
+            digest != hashlib.sha256(payload).hexdigest().encode() + b"\n":
+        _log.debug("program cache: %s is damaged or another key's; compiling again", path)
         return None
     try:
-        return pickle.loads(payload)
+        runner = pickle.loads(payload)
     except Exception as e:  # whatever the entry needs is gone (a library, a function)
         _log.debug("program cache: %s does not load (%s); compiling again", path, e)
         return None
+    try:
+        os.utime(path)  # used now (NOTE [program cache]: the least recently used go first)
+    except OSError:
+        pass
+    return runner
+
+
+def _private(st: os.stat_result) -> bool:
+    """A regular file of the user's that no one else may write (NOTE [unpickling the cache])."""
+    return stat.S_ISREG(st.st_mode) and not st.st_mode & 0o022 and (
+        not hasattr(os, "geteuid") or st.st_uid == os.geteuid())
 
 
 def store(key: str, runner) -> None:
@@ -90,14 +126,37 @@ def store(key: str, runner) -> None:
         _log.debug("program cache: not kept (%s)", e)
         return
     payload = buffer.getvalue()
+    entry = b"".join([_MAGIC, key.encode(), b"\n",
+                      hashlib.sha256(payload).hexdigest().encode(), b"\n", payload])
     try:
-        write_atomically(path, _header(payload) + payload)
+        write_atomically(path, entry)
     except OSError as e:  # a full disk, say: the program runs, it is just not kept
         _log.warning("program cache: could not keep %s (%s)", path, e)
+        return
+    _evict(os.path.dirname(path), keep=path)
 
 
-def _header(payload: bytes) -> bytes:
-    return b"plait program " + hashlib.sha256(payload).hexdigest().encode() + b"\n"
+def _evict(folder: str, keep: str) -> None:
+    """Remove the least recently used entries until those left take at most
+    ``config.program_cache_bytes`` (never ``keep``, the one just written)."""
+    entries = []
+    for e in os.scandir(folder):
+        try:
+            if e.name.endswith(".pkl") and e.is_file(follow_symlinks=False):
+                st = e.stat(follow_symlinks=False)
+                entries.append((st.st_mtime_ns, st.st_size, e.path))
+        except OSError:  # removed meanwhile
+            pass
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= config.program_cache_bytes:
+            return
+        if path != keep:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            total -= size
 
 
 class _Pickler(pickle.Pickler):

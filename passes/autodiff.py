@@ -73,6 +73,15 @@ def _check_complex(node, operand_types) -> None:
             "function")
 
 
+# ATen factories that read their tensor operand's shape, dtype and device only (traced as
+# opaque draws): their results carry no derivative with respect to it, as in eager
+_SHAPE_ONLY_FACTORIES = frozenset({"randn_like", "rand_like", "randint_like", "empty_like"})
+
+
+def _reads_only_shape(node) -> bool:
+    return node.prim == "opaque" and str(node.kwargs["op"]).split(".")[1] in _SHAPE_ONLY_FACTORIES
+
+
 def depends_on(graph: Graph, inputs: Sequence[int]) -> set[int]:
     """The nodes whose values depend on the graph inputs ``inputs`` (those nodes included)."""
     active = {graph.inputs[i] for i in inputs}
@@ -102,6 +111,8 @@ def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
         if not any(map(differentiable, operand_types)):
             continue
         rule = get_primitive(node.prim).vjp
+        if rule is None and _reads_only_shape(node):
+            continue
         if rule is None:
             raise UnsupportedOpError(
                 f"the primitive {_name(node)} has no derivative rule, so plait cannot "
@@ -248,6 +259,21 @@ def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
             if len(nodes) <= RECOMPUTE_LIMIT:
                 redo[n] = nodes
     return redo
+
+
+def reaching(graph: Graph) -> list[int]:
+    """For each output, the bit set of the inputs it depends on through floating-point
+    values: the inputs a cotangent of that output reaches (eager's autograd records no
+    path through an integer or boolean value). One pass in order, a bit set per node."""
+    position = {n: i for i, n in enumerate(graph.inputs)}
+    masks: dict[int, int] = {}
+    for n in graph.order:
+        mask = 1 << position[n] if n in position else 0
+        for v in graph.operands(n):
+            if differentiable(graph.type_of(v)):
+                mask |= masks[v.node]
+        masks[n] = mask
+    return [masks[v.node] if differentiable(graph.type_of(v)) else 0 for v in graph.outputs]
 
 
 def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:

@@ -194,5 +194,5 @@ def test_jacobians_of_complex_arguments_are_refused():
     """torch.func refuses them too: reverse mode gives conj(f'(z)), forward mode f'(z)."""
     z = torch.randn(3, dtype=torch.complex64)
     for jacobian in (plait.jacrev, plait.jacfwd):
-        with pytest.raises(plait.errors.TraceError, match="complex argument"):
+        with pytest.raises(plait.errors.TraceError, match="inputs to be real.*complex"):
             jacobian(lambda a: a * a)(z)

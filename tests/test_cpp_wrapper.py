@@ -2,8 +2,11 @@
 native call per program, externs through ATen or back into Python, scans as C++ loops; each
 against eager PyTorch, torch.func and the Python wrapper."""
 import concurrent.futures
+import os
 import pickle
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -207,6 +210,59 @@ def test_a_kernel_error_stops_the_call_and_raises():
     with pytest.raises(CheckError, match="ZeroDivisionError"):
         fn(a, torch.tensor([1, 2, 0, 1, 2, 3]))
     assert torch.equal(fn(a, b), a // b + 1)  # and the next call is fine
+
+
+def _in_a_process(code: str, cpp_wrapper: bool = True) -> None:
+    """``code`` in a Python process of its own (the cpp backend, this session's cache): a
+    crash fails the test rather than ending the session."""
+    env = dict(os.environ, PLAIT_CACHE_DIR=plait.config.cache_dir, PLAIT_BACKEND="cpp",
+               PLAIT_CPP_WRAPPER=str(int(cpp_wrapper)))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_program_checks_its_inputs_before_any_kernel_runs(native):
+    """NOTE [entry checks]: too few or too many inputs, or one without memory (a tracer that
+    escaped its trace, a meta tensor), raise; the kernels would fault on them."""
+    _in_a_process("""
+        import pytest, torch, plait
+        from plait.errors import BackendError
+        runner = plait.jit(lambda x, y: x * y + 1).lower(torch.ones(3), torch.ones(3)).runner
+        two = torch.full((3,), 2.0)
+        assert torch.equal(runner([torch.ones(3), two])[0], torch.full((3,), 3.0))
+        for inputs, message in [([two], "takes 2 input tensors and was given 1"),
+                                ([two] * 3, "was given 3"),
+                                ([two, torch.ones(3, device="meta")], "input 1 .* no memory")]:
+            with pytest.raises(BackendError, match=message):
+                runner(inputs)
+        assert torch.equal(runner([torch.ones(3), two])[0], torch.full((3,), 3.0))
+        # an empty tensor may have no memory: it has nothing to read
+        empty = plait.jit(lambda x: x * 2).lower(torch.ones(0, 3)).runner
+        assert torch.empty(0, 3).data_ptr() == 0
+        assert empty([torch.empty(0, 3)])[0].shape == (0, 3)
+    """, native)
+
+
+def test_a_linearized_function_under_vmap_is_refused_then_matches_torch_func():
+    """torch.func.linearize's function folds its constants into new parameters of its module
+    at its first call. Traced, they held plait's tracers, which the compiled program was
+    then given as inputs: a segmentation fault. The trace is refused and the module put back
+    as it was; called once by eager first, the function compiles and matches torch.func."""
+    _in_a_process("""
+        import pytest, torch, plait
+        from torch.func import linearize
+        _, jvp_fn = linearize(lambda x: (x.cos(), x.sum()), torch.randn(3, 1))
+        tangents = torch.randn(3, 3, 1)
+        with pytest.raises(plait.errors.TraceError, match="_FX_CONST_FOLDED_ATTRS"):
+            plait.vmap(jvp_fn)(tangents)
+        want = torch.func.vmap(jvp_fn)(tangents)  # the module as it was: eager folds now
+        for got, w in zip(plait.vmap(jvp_fn)(tangents), want):
+            torch.testing.assert_close(got, w)
+        for got, w in zip(plait.jit(jvp_fn)(tangents[1]), jvp_fn(tangents[1])):
+            torch.testing.assert_close(got, w)
+    """)
 
 
 # ---------------------------------------------------------------------------------------

@@ -408,22 +408,28 @@ def bad_arguments_raise_distributed_error():
 # ---------------------------------------------------------------------------------------
 # The launch (torchrun runs this file) and the tests
 # ---------------------------------------------------------------------------------------
-def worker(out_dir: str) -> None:
-    warnings.simplefilter("ignore", FutureWarning)  # torch's deprecated functional names
+def run_checks(out_dir: str, checks: dict) -> None:
+    """On each rank of a gloo group: every check in turn, its outcome ("ok" or the end of its
+    traceback) written to ``rank<r>.json`` in ``out_dir`` as it ends."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, results = dist.get_rank(), {}
     try:
-        for name, fn in CHECKS.items():
+        for name, fn in checks.items():
             try:
                 fn()
                 results[name] = "ok"
             except Exception:  # noqa: BLE001 (reported to the test)
-                results[name] = traceback.format_exc(limit=-4)
+                results[name] = traceback.format_exc(limit=-6)
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
                 json.dump(results, f)
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def worker(out_dir: str) -> None:
+    warnings.simplefilter("ignore", FutureWarning)  # torch's deprecated functional names
+    run_checks(out_dir, CHECKS)
 
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

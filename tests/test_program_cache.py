@@ -2,17 +2,21 @@
 process (or a new plait.jit of the same function) traces and compiles nothing else."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
 
 import plait
-from plait.backends import program_cache
+from plait.backends import codegen, program_cache
 from plait.passes import lowering
 
 
@@ -36,8 +40,13 @@ def lowerings(monkeypatch, tmp_path):
         yield calls
 
 
-def check(jitted):
-    for got, want in zip(jitted(*inputs()), f(*inputs())):
+def g(x, i):
+    """Another program of the same inputs."""
+    return torch.softmax(x, 0).gather(1, i) - 1, torch.linalg.det(x[:, 4:8] @ x[:, 4:8].T)
+
+
+def check(jitted, fn=f):
+    for got, want in zip(jitted(*inputs()), fn(*inputs())):
         torch.testing.assert_close(got, want)
 
 
@@ -113,17 +122,133 @@ def _entries(tmp_path) -> list:
     return [tmp_path / "programs" / name for name in os.listdir(tmp_path / "programs")]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def _with_payload(entry, payload: bytes) -> None:
+    """``entry`` (a path) holding ``payload`` under its own key, with a valid header."""
+    magic, key = entry.read_bytes().split(b"\n")[:2]
+    entry.write_bytes(b"\n".join([magic, key, hashlib.sha256(payload).hexdigest().encode(),
+                                  payload]))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled", "pickle", "library"])
 def test_a_damaged_entry_is_compiled_again_and_replaced(lowerings, tmp_path, damage):
     check(plait.jit(f, backend="cpp"))
     (entry,) = _entries(tmp_path)
     data = entry.read_bytes()
-    entry.write_bytes(data[:len(data) // 2] if damage == "truncated" else
-                      data[:-20] + bytes(20))
+    if damage == "pickle":
+        _with_payload(entry, b"not a pickle")
+    elif damage == "library":  # replaced (not written in place: this process maps it)
+        for library in (tmp_path / "cpp").glob("*.so"):
+            garbage = library.with_name("garbage")
+            garbage.write_bytes(b"\0" * 64)
+            os.replace(garbage, library)
+    else:
+        entry.write_bytes(data[:len(data) // 2] if damage == "truncated" else
+                          data[:-20] + bytes(20))
     check(plait.jit(f, backend="cpp"))
     assert len(lowerings) == 2
     check(plait.jit(f, backend="cpp"))
     assert len(lowerings) == 2  # the replaced entry loads
+
+
+def test_an_entry_copied_over_another_key_is_compiled_again(lowerings, tmp_path):
+    check(plait.jit(f, backend="cpp"))
+    (f_entry,) = _entries(tmp_path)
+    check(plait.jit(g, backend="cpp"), g)
+    (g_entry,) = set(_entries(tmp_path)) - {f_entry}
+    shutil.copyfile(f_entry, g_entry)  # f's program under g's key
+    check(plait.jit(g, backend="cpp"), g)  # not f's results: compiled again
+    assert len(lowerings) == 3
+    check(plait.jit(g, backend="cpp"), g)
+    assert len(lowerings) == 3  # and replaced
+
+
+class _Planted:
+    """Unpickled, it creates the file ``marker``: what a planted entry could run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _plant(tmp_path):
+    """f's entry replaced by a planted one with a valid header; the file it would create."""
+    check(plait.jit(f, backend="cpp"))
+    (entry,) = _entries(tmp_path)
+    marker = tmp_path / "ran"
+    _with_payload(entry, pickle.dumps(_Planted(marker)))
+    return entry, marker
+
+
+def test_a_planted_entry_is_what_the_folder_holds(lowerings, tmp_path):
+    """The user's own folder is trusted (NOTE [unpickling the cache]): the planted entry of
+    the tests below runs there, so that it does not run there is the folder's check."""
+    entry, marker = _plant(tmp_path)
+    program_cache.load(entry.stem)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("unsafe", ["folder writable by others", "entry writable by others",
+                                    "folder of another user"])
+def test_a_cache_others_could_write_is_not_read(lowerings, tmp_path, monkeypatch, unsafe):
+    entry, marker = _plant(tmp_path)
+    monkeypatch.setattr(codegen, "_verdicts", {})  # as in a new process
+    if unsafe == "folder writable by others":
+        os.chmod(tmp_path / "programs", 0o777)
+    elif unsafe == "entry writable by others":
+        os.chmod(entry, 0o666)
+    else:
+        me = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+    if unsafe.startswith("folder"):
+        with pytest.warns(UserWarning, match="does not use its compilation cache"):
+            check(plait.jit(f, backend="cpp"))
+    else:
+        check(plait.jit(f, backend="cpp"))
+    assert not marker.exists()
+    assert len(lowerings) == 2
+    if unsafe == "entry writable by others":  # replaced by a private one, which loads
+        assert not entry.stat().st_mode & 0o077
+        check(plait.jit(f, backend="cpp"))
+        assert len(lowerings) == 2
+
+
+def test_folders_and_entries_are_private(lowerings, tmp_path):
+    check(plait.jit(f, backend="cpp"))
+    for kind in ("programs", "cpp"):
+        assert (tmp_path / kind).stat().st_mode & 0o777 == 0o700
+    (entry,) = _entries(tmp_path)
+    assert entry.stat().st_mode & 0o777 == 0o600
+
+
+def test_the_least_recently_used_entries_go_past_the_size_limit(tmp_path):
+    with plait.config.patch(cache_dir=str(tmp_path)):
+        for name in "abc":
+            program_cache.store(name, torch.full((256,), ord(name)))  # about 1.5 KB each
+        size = (tmp_path / "programs" / "a.pkl").stat().st_size
+        for age, name in enumerate("cba"):  # a is the oldest, then b, then c
+            os.utime(tmp_path / "programs" / f"{name}.pkl", (time.time() - 100 * (age + 1),) * 2)
+        assert program_cache.load("a")[0] == ord("a")  # used now: the newest
+        with plait.config.patch(program_cache_bytes=3 * size):
+            program_cache.store("d", torch.full((256,), ord("d")))
+        assert sorted(p.stem for p in _entries(tmp_path)) == ["a", "c", "d"]
+        assert sum(p.stat().st_size for p in _entries(tmp_path)) <= 3 * size
+
+
+def test_builds_a_killed_process_left_are_removed(tmp_path, monkeypatch):
+    stale = [tmp_path / "cpp" / "plait-build", tmp_path / "programs" / "plait-x.pkl"]
+    fresh = tmp_path / "cpp" / "plait-building-now"
+    for path in [*stale, fresh]:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir() if path.suffix != ".pkl" else path.write_bytes(b"half")
+    for path in stale:
+        os.utime(path, (time.time() - 2 * codegen._STALE,) * 2)
+    monkeypatch.setattr(codegen, "_verdicts", {})  # as in a new process
+    with plait.config.patch(cache_dir=str(tmp_path)):
+        codegen.cache_folder("cpp"), codegen.cache_folder("programs")
+    assert not any(path.exists() for path in stale)
+    assert fresh.exists()  # a build in progress
 
 
 def test_the_cache_can_be_turned_off(lowerings, tmp_path):

@@ -630,9 +630,6 @@ def test_vmap__example_model_with_captured_weights():
 
 # page: torch.func.vmap -- "vmap can also be used to compute batched gradients when composed
 # with autograd": the result of the example above is recorded by torch.autograd
-@xfail(strict=True, reason="plait.vmap's result is not recorded by torch.autograd (runs under "
-       "torch.no_grad in transforms._staged): .backward() through it raises; torch.func.vmap's "
-       "result has a grad_fn")
 def test_vmap__result_differentiable_by_torch_autograd():
     weights = torch.randn(5, requires_grad=True)
     model = lambda feature_vec: feature_vec.dot(weights).relu()  # noqa: E731
@@ -827,10 +824,7 @@ def test_vmap__randomness_different(op):
 
 
 # page: func.ux_limitations "Randomness" -- randomness="same": "the same value, repeated 3 times"
-@pytest.mark.parametrize("op", ["randn", pytest.param("rand_like", marks=xfail(
-    strict=True, reason="plait raises UnsupportedOpError \"vmap(randomness='same'): "
-    "aten.rand_like.default takes a batched operand, so its draws cannot be shared\" "
-    "(passes/batching.py _random); torch.func draws one [2]-shaped sample shared by the batch"))])
+@pytest.mark.parametrize("op", ["randn", "rand_like"])
 def test_vmap__randomness_same(op):
     f = {"randn": lambda x: x + torch.randn(()),
          "rand_like": lambda x: x * 0 + torch.rand_like(x)}[op]
@@ -1514,9 +1508,6 @@ def test_functional_call__detached_params_grad_has_no_grad_fn():
 
 # page: torch.func.functional_call -- the converse of the note above: with parameters that
 # require grad, grad's result is tracked by torch.autograd outside (grad_weight.backward())
-@xfail(strict=True, reason="plait.grad's result is never recorded by torch.autograd "
-       "(transforms._staged runs under torch.no_grad): no grad_fn, so the documented "
-       "grad_weight.backward() of torch.func is impossible")
 def test_functional_call__grad_result_tracked_when_params_require_grad():
     x, t = torch.randn(4, 3), torch.randn(4, 3)
     model = nn.Linear(3, 3)
@@ -1668,9 +1659,6 @@ def test_stack_module_state__with_buffers_eval():
 
 # page: torch.func.stack_module_state -- "The stacked parameters are optimizable": the
 # ensemble's loss backpropagates into them through vmap
-@xfail(strict=True, reason="plait.vmap's result is not recorded by torch.autograd "
-       "(transforms._staged runs under torch.no_grad), so loss.backward() cannot reach the "
-       "stacked parameters; torch.func.vmap's result can")
 def test_stack_module_state__stacked_params_optimizable_through_vmap():
     models = [nn.Linear(3, 3) for _ in range(3)]
     data = torch.randn(4, 3)

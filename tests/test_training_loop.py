@@ -729,3 +729,35 @@ def test_no_grad_inside_a_jitted_function_stops_torch_autograd():
     plait.jit(f, backend="cpp")(leaf).sum().backward()
     assert_close(leaf.grad, torch.ones(3))
     assert_close(plait.vjp(f, x)[1](torch.ones(3)), torch.func.vjp(f, x)[1](torch.ones(3)))
+
+
+class _Branches(torch.nn.Module):
+    """A loss from ``a``, a second output from ``c``, and ``b`` computed and dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        self.b(x)
+        return self.a(x).sum(), self.c(x), (self.a.weight > 0).sum()
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_parameters_no_gradient_reaches_get_none_as_in_eager(both):
+    """A parameter only an ignored output or a dropped value depends on, or one read only
+    through an integer, gets ``grad`` None after ``backward``, as in eager (an optimizer
+    with weight decay skips it then, and would not skip zeros)."""
+    grads = []
+    for wrap in (lambda m: m, plait.jit):
+        torch.manual_seed(0)
+        model = _Branches()
+        loss, other, _ = wrap(model)(torch.randn(2, 4))
+        (loss + other.sum() if both else loss).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    assert {k for k, g in grads[0].items() if g is None} == \
+        {k for k, g in grads[1].items() if g is None} == \
+        ({"b.weight", "b.bias"} | (set() if both else {"c.weight", "c.bias"}))
+    for k, g in grads[0].items():
+        if g is not None:
+            assert_close(grads[1][k], g)

@@ -24,6 +24,7 @@ from ..graph import TensorType
 from ..graph.types import contiguous_strides
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
+from . import randomness as _randomness  # noqa: F401  (refuses seeding while tracing)
 from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback,
                     bind, current_trace)
 
@@ -700,7 +701,9 @@ def _view(x, shape):
 @handles(aten.permute.default)
 def _permute(x, dims):
     ndim = type_of(x).ndim
-    return bind("transpose", x, permutation=tuple(d % max(ndim, 1) for d in dims))
+    perm = tuple(d % max(ndim, 1) for d in dims)
+    return _carry_layout(bind("transpose", x, permutation=perm), x, lambda strides, offset: (
+        tuple(strides[d] for d in perm), offset))
 
 
 @handles(aten.t.default, aten.transpose.int)
@@ -779,7 +782,10 @@ def _select(x, dim, index):
     limit = list(t.shape)
     start[dim], limit[dim] = index, index + 1
     sliced = bind("slice", x, start=tuple(start), limit=tuple(limit), step=(1,) * t.ndim)
-    return bind("reshape", sliced, shape=t.shape[:dim] + t.shape[dim + 1:])
+    out = bind("reshape", sliced, shape=t.shape[:dim] + t.shape[dim + 1:])
+    return _carry_layout(out, x, lambda strides, offset: (
+        strides[:dim] + strides[dim + 1:], None if offset is None else
+        offset + index * strides[dim]))
 
 
 @handles(aten.slice.Tensor)
@@ -881,28 +887,105 @@ def _unfold(x, dimension, size, step):
     return strided_view(x, shape + [size], strides + [element_stride])
 
 
-def _raw_layout_check(x, func: str):
-    """Raw strides are safe on a dense tracer, and when PyTorch's own code issues the op: it
-    derives them from ``x.stride()``, which a tracer answers for its logical layout."""
-    if not (getattr(x, "_dense", False) or current_trace().issued_by_torch):
+# NOTE [eager layouts]
+# A tracer's value is a logical tensor. What eager lays out in memory matters only where code
+# reads it: strides, contiguity and the storage offset, and as_strided, whose raw strides
+# address memory. A tracer reports a contiguous layout at offset 0, eager's where it is
+# ``_dense``, except an input whose eager layout is known, which reports it (``_layout``: the
+# strides and the storage offset, None where unknown): an argument whose strides jit keys
+# (``state.layout_key``; its offset too where that is 0: another is left out, so that the
+# slices of a batch, ``x[:, t]`` for each ``t``, share a compilation), and
+# vmap's example, cut from its batched argument by ``movedim`` and ``select``, whose tracers
+# carry the layout they know (without reporting it) to the input of the example's trace.
+# The example then reports what torch.func's does: the batched tensor's strides less the
+# batch dim's, and its storage offset. as_strided and as_strided_scatter read a tensor
+# through a reported layout that is eager's (or, issued by PyTorch's own code, through the
+# reported one its arguments came from): the elements in the order of their addresses (dims
+# by stride) are the memory from the storage offset on, so the view's positions
+# ``storage_offset - x.storage_offset() + sum(i_d * stride_d)`` index that order. Under vmap
+# this is torch.func's rule (functorch's as_strided batching rule): each example reads from
+# its own storage offset. Positions outside the elements, and layouts with gaps or overlaps
+# (an example of a batch mapped along a dim that is not outermost in memory, whose elements
+# have the other examples' between them; an expanded tensor), are refused: eager would read
+# memory the trace does not hold.
+def known_layout(x) -> tuple | None:
+    """Eager's (strides, storage offset or None) of the tensor tracer ``x`` stands for, where
+    known (NOTE [eager layouts])."""
+    if not isinstance(x, TracerTensor):
+        return None
+    if x._layout is not None:
+        return x._layout
+    return (contiguous_strides(type_of(x).shape), 0) if x._dense else None
+
+
+def _carry_layout(out: TracerTensor, x, view) -> TracerTensor:
+    """``out``, a view of ``x``, knows its eager layout, ``view(*x's)``, where ``x``'s is
+    known."""
+    layout = known_layout(x)
+    if layout is not None:
+        out._layout = view(*layout)
+    return out
+
+
+def _in_address_order(x, func: str, storage_offset):
+    """How ``func`` (as_strided or its scatter) reads ``x``: the permutation putting its dims
+    in the order of their addresses, and where the view starts in that order (NOTE [eager
+    layouts])."""
+    t = type_of(x)
+    strides, base = tuple(x.stride()), x.storage_offset()
+    layout = known_layout(x)
+    if not (current_trace().issued_by_torch or layout is not None and layout[0] == strides
+            and layout[1] in (base, None)):
         raise UnsupportedOpError(
             f"{func} reads raw memory strides, and plait does not model how eager lays out "
-            "this value in memory (a view, a non-contiguous argument, or an intermediate "
-            "result, whose strides eager derives from its operands'). Apply it to a "
-            "contiguous function argument, or use a logical op (diagonal, unfold, reshape, "
-            "slicing) instead.")
+            "this value in memory (a view, or an intermediate result, whose strides eager "
+            "derives from its operands'). Apply it to a function argument, or use a logical "
+            "op (diagonal, unfold, reshape, slicing) instead.")
+    if storage_offset is not None and layout is not None and layout[1] is None and \
+            not current_trace().issued_by_torch:
+        raise UnsupportedOpError(
+            f"{func} with a storage_offset, on an argument at an offset in its storage: "
+            "plait.jit does not key that offset, so it cannot tell where the view "
+            "starts. Leave storage_offset out (the view then starts at the tensor's own), or "
+            "pass a tensor of its own (x.clone()).")
+    big = sorted((d for d in range(t.ndim) if t.shape[d] != 1), key=lambda d: -strides[d])
+    if t.numel and [strides[d] for d in big] != list(contiguous_strides(
+            [t.shape[d] for d in big])):
+        raise UnsupportedOpError(
+            f"{func} on a tensor whose elements do not fill a block of memory (shape "
+            f"{list(t.shape)}, strides {list(strides)}: gaps or overlaps between them), "
+            "where eager reads whatever memory lies between; plait holds only the elements. "
+            "Under vmap, as_strided reads each example's memory: map a dim that is outermost "
+            "in memory (the batched tensor made contiguous with the batch dim first), or use "
+            "logical ops (diagonal, unfold, reshape, slicing).")
+    return tuple(big) + tuple(d for d in range(t.ndim) if t.shape[d] == 1), \
+        0 if storage_offset is None else storage_offset - base
+
+
+def _check_reach(x, func: str, size, stride, start):
+    numel, base = type_of(x).numel, x.storage_offset()
+    last = start + sum((n - 1) * st for n, st in zip(size, stride))
+    if math.prod(size) and (start < 0 or last >= numel):
+        raise ShapeError(
+            f"{func}(size={list(size)}, stride={list(stride)}, storage_offset="
+            f"{base + start}) reads memory [{base + start}, {base + last}] outside the "
+            f"tensor's elements, which fill [{base}, {base + numel - 1}] (under vmap, of "
+            "each example's own storage, as in torch.func)")
 
 
 @handles(aten.as_strided.default, aten.as_strided_copy.default)
 def _as_strided(x, size, stride, storage_offset=None):
-    _raw_layout_check(x, "as_strided")
-    return strided_view(x, size, stride, storage_offset or 0)
+    perm, start = _in_address_order(x, "as_strided", storage_offset)
+    _check_reach(x, "as_strided", size, stride, start)
+    return strided_view(bind("transpose", x, permutation=perm), size, stride, start)
 
 
 @handles(aten.as_strided_scatter.default)
 def _as_strided_scatter(x, src, size, stride, storage_offset=None):
-    _raw_layout_check(x, "as_strided_scatter")
-    return strided_scatter(x, src, size, stride, storage_offset or 0)
+    perm, start = _in_address_order(x, "as_strided_scatter", storage_offset)
+    _check_reach(x, "as_strided_scatter", size, stride, start)
+    out = strided_scatter(bind("transpose", x, permutation=perm), src, size, stride, start)
+    return bind("transpose", out, permutation=tuple(perm.index(d) for d in range(len(perm))))
 
 
 def _matmul_dtypes(op, a, b):
@@ -1669,3 +1752,99 @@ for _name in SPECIAL_BINARY:
 @handles(aten.polygamma.default)
 def _polygamma(n, x):
     return bind("polygamma", convert(x, _float_result(x)), n=n)
+
+
+
+# Random ops are traced as calls of torch's own op (NOTE [random draws] in
+# tracer/randomness.py); these handle the ones that need more.
+@handles(aten.empty_like.default)
+def _empty_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None):
+    """Uninitialized memory, as prims' ``empty``: zeros, but traced (torch's reference makes
+    a real tensor), so that a C++ composite's draw into it is traced too: dropout's
+    ``empty_like(x).bernoulli_(1 - p)`` on the CPU, which ``scaled_dot_product_attention``'s
+    math path runs out of functionalization's sight (NOTE [attention dropout])."""
+    if layout not in (None, torch.strided):
+        return NotImplemented
+    t = type_of(x)
+    return full(t.shape, 0, dtype or t.dtype, device or t.device)
+
+
+@handles(aten.bernoulli_.float)
+def _bernoulli_in_place(x, p=0.5, *, generator=None):
+    """The draw into a tensor, where functionalization did not reach (``_empty_like``): the
+    same draws as ``bernoulli.p``, which fills a fresh tensor so."""
+    return aten.copy_.default(x, aten.bernoulli.p(x, p, generator=generator))
+
+
+def _drawn_alike(factory):
+    """A random ``*_like`` op as its factory over the operand's shape: the same draws (the
+    ``_like`` op fills a fresh tensor of that shape as the factory does), and no operand, so
+    nothing is differentiated through the draw (torch's derivative of a draw is zero) and
+    ``vmap(randomness="same")`` shares it, as torch.func does."""
+    def handler(x, *bounds, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None, **generator):
+        t = type_of(x)
+        return factory(*bounds, list(t.shape), **generator, dtype=dtype or t.dtype,
+                       layout=layout, device=device or t.device)
+
+    return handler
+
+
+HANDLERS.update({like: _drawn_alike(factory) for like, factory in (
+    (aten.rand_like.default, aten.rand.default), (aten.rand_like.generator, aten.rand.generator),
+    (aten.randn_like.default, aten.randn.default),
+    (aten.randn_like.generator, aten.randn.generator),
+    (aten.randint_like.default, aten.randint.default),
+    (aten.randint_like.generator, aten.randint.generator),
+    (aten.randint_like.low_dtype, aten.randint.low),
+    (aten.randint_like.low_generator_dtype, aten.randint.low_generator))})
+
+
+def _rrelu(x, lower: float, upper: float, training: bool):
+    """Randomized leaky ReLU and its slopes (``noise``): in training each non-positive
+    element times a slope drawn uniformly from [lower, upper], 1 elsewhere (eager's CPU
+    kernel draws only for those elements, so only the distribution is eager's); else leaky
+    ReLU of the mean slope."""
+    if not training:
+        return torch.nn.functional.leaky_relu(x, (lower + upper) / 2), None
+    drawn = torch.rand_like(x) * (upper - lower) + lower
+    return torch.where(x <= 0, x * drawn, x), torch.where(x <= 0, drawn, 1.0)
+
+
+@handles(aten.rrelu_with_noise.default)
+def _rrelu_with_noise(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """Writes the slopes into ``noise`` where it is traced; ``rrelu`` hands a fresh tensor
+    of its own, which nothing reads again."""
+    if generator is not None:
+        return NotImplemented  # another stream than torch's: the op's fallback refuses it
+    out, slopes = _rrelu(x, lower, upper, training)
+    if slopes is not None and isinstance(noise, TracerTensor):
+        aten.copy_.default(noise, slopes)
+    return out
+
+
+@handles(aten.rrelu_with_noise_functional.default)
+def _rrelu_with_noise_functional(x, noise, lower=0.125, upper=1 / 3, training=False,
+                                 generator=None):
+    if generator is not None:
+        return NotImplemented
+    out, slopes = _rrelu(x, lower, upper, training)
+    return out, alias(noise) if slopes is None else slopes
+
+
+def _rrelu_in_place(x, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """``rrelu_``, which functionalization refuses (its C++ composite writes through the
+    alias it returns): computed out of place, then written."""
+    if not (isinstance(x, TracerTensor) or torch._is_functional_tensor(x)):
+        return NotImplemented
+    return x.copy_(torch.rrelu(x, lower, upper, training, generator))
+
+
+def _functional_rrelu(input, lower=0.125, upper=1 / 3, training=False, inplace=False):
+    """F.rrelu, whose ``inplace`` calls ``rrelu_`` where no handler sees it."""
+    return _rrelu_in_place(input, lower, upper, training) if inplace else NotImplemented
+
+
+FUNCTION_HANDLERS[torch.rrelu_] = _rrelu_in_place
+FUNCTION_HANDLERS[torch.nn.functional.rrelu] = _functional_rrelu

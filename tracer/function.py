@@ -17,9 +17,10 @@ from . import collectives as _collectives  # noqa: F401
 from .custom import traceable_apply
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
-from .state import State, bindings, follow, module_state, reach, slot_guards
-from .trace import (Trace, captured_write_error, check_dtype, is_dense, state_writes,
-                    tracing)
+from .state import (State, bindings, follow, layout_key, module_state, reach,
+                    refuse_dtensor, slot_guards)
+from .trace import (Trace, TracerTensor, captured_write_error, check_dtype, is_dense,
+                    state_writes, tracing)
 
 
 @attrs.frozen
@@ -89,6 +90,46 @@ def _traceable(fn: Callable) -> Callable:
     return traceable_apply(fn)
 
 
+def _module_dicts(module: torch.nn.Module) -> list[tuple[dict, dict]]:
+    """The dicts of a module tree (each module's attributes, parameters, buffers and
+    submodules), each with a copy of what it holds now."""
+    return [(d, dict(d)) for m in module.modules()
+            for d in (vars(m), m._parameters, m._buffers, m._modules)]
+
+
+def _check_kept(module: torch.nn.Module, structure: tuple, tensors: list,
+                saved: list[tuple[dict, dict]]) -> None:
+    """The traced function must leave a module's parameters and buffers as they were: the
+    graph takes those as its inputs, and each call reads the module's anew (NOTE [live
+    state]). One that made, dropped or replaced some (holding this trace's tracers, which
+    have no memory) is put back as it was, and the trace refused."""
+    after = module_state(module)
+    if list(map(id, after.tensors)) == list(map(id, tensors)):
+        return
+    for d, copy in saved:
+        d.clear()
+        d.update(copy)
+    before, now = bindings(structure), bindings(after.structure)
+    changed = sorted(set(before) ^ set(now) | {
+        n for n in set(before) & set(now) if tensors[before[n]] is not after.tensors[now[n]]})
+    raise TraceError(
+        f"the traced function changed the parameters or buffers of its "
+        f"{type(module).__name__} module while it ran ({', '.join(changed)}): plait compiles "
+        "a module's tensors as inputs and reads them at each call, so a trace must leave "
+        "them as they were. A module that makes them on its first call (the function of "
+        "torch.func.linearize, which folds its constants then; a lazy module) must be "
+        "called once outside plait first. The module was put back as it was.")
+
+
+def _input_layout(x: torch.Tensor) -> tuple[bool, tuple | None]:
+    """Whether an argument is dense in eager, and else its layout where known (NOTE [eager
+    layouts] in tracer/aten.py): what jit keys of a tensor, or what a tracer of an enclosing
+    trace knows (a nested transform's argument, vmap's example)."""
+    if isinstance(x, TracerTensor):
+        return x._dense, x._layout
+    return (True, None) if is_dense(x) else (False, layout_key(x))
+
+
 def _is_size(x) -> bool:
     return isinstance(x, torch.Size)  # a static leaf: torch's pytree would rebuild a tuple
 
@@ -108,6 +149,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     reachable = reach(roots)
     modules = [follow(roots[r], path) for r, path in reachable.modules]
     structures, state_tensors = [], []
+    saved = [_module_dicts(module) for module in modules]
     for module in modules:
         read = module_state(module)
         structures.append(read.structure)
@@ -115,9 +157,13 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     with tracing(trace):
         inputs = []
         for x in [leaves[i] for i in tensor_pos] + [t for ts in state_tensors for t in ts]:
-            check_dtype(x, "a function argument" if len(inputs) < len(tensor_pos) else
-                        "a module's parameter or buffer")
-            inputs.append(trace.new_input(TensorType.of(x), is_dense(x)))
+            where = "a function argument" if len(inputs) < len(tensor_pos) else \
+                "a module's parameter or buffer"
+            check_dtype(x, where)
+            refuse_dtensor(x, where)
+            # a state tensor's layout is keyed as dense or not (state.tensor_keys)
+            layout = _input_layout(x) if len(inputs) < len(tensor_pos) else (is_dense(x), None)
+            inputs.append(trace.new_input(TensorType.of(x), *layout))
         originals = [t._value for t in inputs]
         trace.live = {key: follow(roots[r], path)
                       for key, (r, path) in reachable.tensors.items()}
@@ -146,7 +192,10 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
 
         raw = []
         try:
-            out = torch.func.functionalize(flat_fn, remove="mutations")(*inputs)
+            # torch.autograd inside the function (torch.func.vjp) replays the views written
+            # in place, rather than addressing them by strides, which tracers do not model
+            with torch.autograd._force_original_view_tracking(True):
+                out = torch.func.functionalize(flat_fn, remove="mutations")(*inputs)
         except PlaitError:
             raise
         except RuntimeError as e:  # torch's own checks (in C++ composites) land here
@@ -154,6 +203,8 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
                 f"PyTorch raised while tracing: {e}. If eager PyTorch runs this call with "
                 "these arguments, plait does not support it yet: run that part outside "
                 "plait.jit, and please report it.") from None
+        for module, structure, tensors, dicts in zip(modules, structures, state_tensors, saved):
+            _check_kept(module, structure, tensors, dicts)
         # functionalize unwraps the result's tensors in order, but may rebuild containers
         # (torch.Size becomes a tuple): take the structure and non-tensor leaves from the raw
         # result, and the tensors from functionalize's.

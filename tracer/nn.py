@@ -35,7 +35,7 @@ from ..graph import TensorType
 from .aten import handles, type_of
 from .primitives import _check, define, pad_dim, spread_strided, vjp_rule
 from ..config import config
-from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, on_tracers
+from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, current_trace, on_tracers
 
 aten = torch.ops.aten
 
@@ -146,7 +146,11 @@ define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 # (``_dropout_kernel``, chosen when tracing and kept as the param ``kernel``, so that the
 # backward replays the mask with the kernel that drew it); elsewhere
 # ``scaled_dot_product_attention`` traces its written-out form, which stores the scores and
-# the mask, as eager's math path does (torch's CPU kernel takes no dropout). The kernel draws
+# the mask, as eager's math path does (torch's CPU kernel takes no dropout), with eager's
+# draw: ``empty_like(probabilities).bernoulli_(1 - p)``, which that C++ composite issues out
+# of functionalization's sight, into a tensor it made; so ``empty_like`` makes a traced value
+# and ``bernoulli_`` draws into it (tracer/aten.py: left to torch's reference, the mask would
+# be an untraced tensor, baked as a constant, and the draw lost). The kernel draws
 # the mask inside, from torch's CUDA generator where eager's call draws (the same seed gives
 # eager's mask where eager runs the same kernel), and returns the generator state it drew
 # with, which its backward is handed to replay the same mask. So the primitive draws
@@ -1034,8 +1038,25 @@ def _adaptive_avg_handler(nd):
     return handler
 
 
+def _fractional_max_handler(nd):
+    """Fractional max pooling, its windows placed by ``random_samples`` (drawn by the caller:
+    torch.rand in F.fractional_max_pool*d, NOTE [random draws]): torch's kernel picks each
+    window's maximum, whose value is read back by a gather of its index, so it differentiates
+    as eager's backward does (each cotangent added at the position its window chose)."""
+    op = getattr(aten, f"fractional_max_pool{nd}d").default
+
+    def handler(x, kernel_size, output_size, random_samples):
+        _, index = current_trace().opaque(
+            op, (bind("stop_gradient", x), kernel_size, output_size, random_samples), {})
+        out = x.flatten(-nd).gather(-1, index.flatten(-nd)).view(type_of(index).shape)
+        return out, index
+
+    return handler
+
+
 for _nd in (2, 3):
     handles(getattr(aten, f"max_pool{_nd}d_with_indices").default)(_max_pool_handler(_nd))
+    handles(getattr(aten, f"fractional_max_pool{_nd}d").default)(_fractional_max_handler(_nd))
     handles(getattr(aten, f"avg_pool{_nd}d").default)(_avg_pool_handler(_nd))
     handles(getattr(aten, f"adaptive_max_pool{_nd}d").default)(_adaptive_max_handler(_nd))
     handles(getattr(aten, f"_adaptive_avg_pool{_nd}d").default)(_adaptive_avg_handler(_nd))

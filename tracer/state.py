@@ -48,13 +48,15 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import sys
+import threading
 import types
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import torch
 
-from ..errors import TraceError
+from ..errors import DistributedError, TraceError
 from .trace import is_dense
 
 Path = tuple  # steps from a root: (True, attribute name) or (False, item key)
@@ -74,11 +76,16 @@ _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, "_global" + name)
 _NOT_DESCRIBED = frozenset(_MODULE_DICTS) | {
     k for k in vars(torch.nn.Module()) if k.endswith(("_hooks", "_hooks_with_kwargs",
                                                        "_hooks_always_called"))}
+# a module's attributes the walk does not follow: read apart, or hooks its call never runs
+_UNWALKED = frozenset(_MODULE_DICTS) | {k for k in _NOT_DESCRIBED if "state_dict" in k}
 _SKIPPED = (types.ModuleType, type, types.BuiltinFunctionType, types.CodeType, str, bytes,
             torch.device, torch.dtype)
 _UNGUARDED = (torch.Tensor, torch.nn.Module, types.ModuleType)  # guarded apart, or never rebound
 _CELL, _LENGTH = object(), object()  # slots' keys: a closure cell's contents, a length
 _READERS = {_CELL: operator.attrgetter("cell_contents"), _LENGTH: len}
+# Held by jit's traces, during which a module's parameters and buffers are its tracers, and
+# by the reads of modules' state for a call (NOTE [threads] in tracer/trace.py).
+STATE_LOCK = threading.RLock()
 
 
 def _reader(key: Any) -> Callable[[Any], Any]:
@@ -192,6 +199,7 @@ def reach(roots: Sequence[Any]) -> Reachable:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
+            refuse_dtensor(obj, "a tensor the function captures")
             tensors.setdefault(id(obj), (r, path))
             continue
         if slot is not None and _of_values(obj):
@@ -208,9 +216,10 @@ def reach(roots: Sequence[Any]) -> Reachable:
                     classes.add(type(m))
                     read.update(_method_strings(type(m)))
                 seen.add(id(m))
+                refuse_distributed(name, m)
                 sub = _under((), name)
                 children += [(sub + ((True, "__dict__"), (False, k)), v, None)
-                             for k, v in vars(m).items() if k not in _MODULE_DICTS]
+                             for k, v in vars(m).items() if k not in _UNWALKED]
                 forward = getattr(type(m), "forward", None)
                 if isinstance(forward, types.FunctionType):
                     children.append((sub + ((True, "__class__"), (True, "forward")), forward,
@@ -301,12 +310,103 @@ def _filled(cell) -> bool:
     return True
 
 
+# NOTE [distributed wrappers]
+# torch.distributed's wrappers act around each call of the module they manage: DDP's forward
+# readies its reducer, whose autograd hooks then all-reduce the gradients; FSDP's hooks
+# gather the parameters before the call and free them after; tensor parallelism's hooks
+# redistribute inputs and outputs, and its parameters are DTensors, global views of shards.
+# Traced, that bookkeeping would run once, while tracing, and no compiled call would repeat
+# it: the ranks would silently train apart, or the trace would meet DTensor internals. So
+# ``reach`` refuses a module tree holding one, and a function refuses DTensor arguments,
+# each error naming the order that works: ``plait.jit(ddp)`` (``api.py`` compiles the
+# module DDP wraps and runs DDP's bookkeeping around each compiled call),
+# ``DistributedDataParallel(plait.jit(model))``, ``FullyShardedDataParallel(plait.jit(
+# model))``, and under ``fully_shard`` a block whose forward calls a jitted inner
+# computation: the block's hooks run around that call, which sees the gathered parameters
+# as plain tensors. Whether a tensor's class dispatches its ops itself (a DTensor, unlike a
+# Parameter) is part of its key, so a DTensor where a plain tensor was traced retraces, and
+# is refused.
+_SHARD_LOCALLY = ("plait traces plain tensors: compute on each rank's shards "
+                  "(dtensor.to_local()) and combine them with plait.distributed's "
+                  "collectives inside the jitted function, or keep this part outside plait.jit")
+
+
+def _distributed() -> tuple:
+    """(DTensor, torch's lookup of the composable API managing a module), each None until
+    torch imports it (until then none can exist; tracing imports neither)."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    composable = sys.modules.get("torch.distributed._composable_state")
+    return getattr(tensor, "DTensor", None), getattr(composable, "_get_module_state", None)
+
+
+def _origin(hook) -> str:
+    """The Python module that defines ``hook`` (a function, bound method or partial)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return getattr(hook, "__module__", None) or ""
+
+
+def refuse_dtensor(x: torch.Tensor, what: str) -> None:
+    dtensor = _distributed()[0]
+    if dtensor is not None and isinstance(x, dtensor):
+        raise DistributedError(f"{what} is a DTensor ({x.placements} on {x.device_mesh}); "
+                               f"{_SHARD_LOCALLY}.")
+
+
+def refuse_distributed(name: str, module: torch.nn.Module) -> None:
+    """Refuse a module that torch.distributed manages, in a traced function's state (NOTE
+    [distributed wrappers])."""
+    where = f"the {type(module).__name__} module" + (f" {name!r}" if name else "")
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise DistributedError(
+            f"{where} is a DistributedDataParallel called inside a traced function: its "
+            "gradient synchronization is readied around each call, and traced it would be "
+            "readied only while tracing. Compile the DDP module itself, plait.jit(ddp_model), "
+            "or wrap the compiled model: DistributedDataParallel(plait.jit(model)).")
+    dtensor, managing = _distributed()
+    hooks = [h for h in map(_origin, itertools.chain(
+        vars(module)["_forward_pre_hooks"].values(), vars(module)["_forward_hooks"].values()))
+             if h.startswith("torch.distributed")]
+    state = managing(module) if managing is not None else None
+    if state is not None or any(".fsdp." in h for h in hooks):
+        raise DistributedError(
+            f"{where} is managed by FSDP ({type(state).__name__ if state else hooks[0]}), "
+            "whose hooks gather and free its parameters around each call of it; traced, "
+            "they would act only while tracing. Put plait.jit inside the wrapper: "
+            "FullyShardedDataParallel(plait.jit(model)), or with fully_shard, shard blocks "
+            "whose forward calls a plait.jit of their inner computation (a submodule the "
+            "block holds).")
+    for kind in ("_parameters", "_buffers") if dtensor is not None else ():
+        for key, t in vars(module)[kind].items():
+            if isinstance(t, dtensor):
+                refuse_dtensor(t, f"{kind[1:-1]} {key!r} of {where}")
+    if hooks:
+        raise DistributedError(
+            f"{where} has a forward hook of torch.distributed ({hooks[0]}); traced, it "
+            "would act only while tracing. Call plait.jit on the computation inside the "
+            "hooked module, or keep the module outside plait.jit.")
+
+
 def tensor_key(x: torch.Tensor) -> tuple:
-    """What compiling code for a tensor depends on."""
-    return x.shape, x.dtype, x.device, x.layout, is_dense(x)
+    """What compiling code for a tensor depends on (NOTE [distributed wrappers] for the
+    last)."""
+    return (x.shape, x.dtype, x.device, x.layout, is_dense(x) or layout_key(x),
+            type(x).__torch_dispatch__ is _PLAIN_DISPATCH)
+
+
+def layout_key(x: torch.Tensor) -> tuple | None:
+    """What a trace knows of a tensor's memory layout that is not dense (NOTE [eager
+    layouts] in tracer/aten.py): its strides, and its storage offset where that is 0 (any
+    other offset is left out, unknown to the trace: the slices of a batch, ``x[:, t]`` for
+    each ``t``, share a compilation)."""
+    if x.layout != torch.strided:
+        return None
+    return x.stride(), 0 if x.storage_offset() == 0 else None
 
 
 _META = operator.attrgetter("shape", "dtype", "device", "layout")
+_DISPATCH, _PLAIN_DISPATCH = operator.attrgetter("__torch_dispatch__"), \
+    torch.Tensor.__torch_dispatch__
 
 
 def tensor_keys(tensors: list[torch.Tensor]) -> tuple:
@@ -314,7 +414,9 @@ def tensor_keys(tensors: list[torch.Tensor]) -> tuple:
     density as contiguity and a zero offset), in sweeps of torch's own methods over the
     list: the state's tensors are keyed at every call. Raises RuntimeError for a sparse one."""
     return tuple(zip(map(_META, tensors), map(torch.Tensor.is_contiguous, tensors),
-                     map(operator.not_, map(torch.Tensor.storage_offset, tensors))))
+                     map(operator.not_, map(torch.Tensor.storage_offset, tensors)),
+                     map(operator.is_, map(_DISPATCH, map(type, tensors)),
+                         itertools.repeat(_PLAIN_DISPATCH))))
 
 
 class _Same:
@@ -436,10 +538,18 @@ def module_state(module: torch.nn.Module) -> ModuleState:
 
 
 def bindings(structure: tuple) -> dict[str, int]:
-    """Dotted parameter and buffer name -> position among ``module_state``'s tensors."""
-    return {f"{entry[0]}.{entry[1]}" if entry[0] else entry[1]: entry[2]
-            for entry in structure if len(entry) == 3 and isinstance(entry[2], int)
-            and isinstance(entry[1], str)}
+    """Dotted parameter and buffer name -> position among ``module_state``'s tensors, a
+    module held twice in the tree (``self.b = self.a``) under its first name alone:
+    reparametrized twice, its second swap would keep the first one's tracers, and put them
+    back for good."""
+    names, modules, first = {}, set(), False
+    for entry in structure:
+        if len(entry) == 5:  # a module; its parameters and buffers follow it
+            first = entry[1] not in modules
+            modules.add(entry[1])
+        elif first and len(entry) == 3:
+            names[f"{entry[0]}.{entry[1]}" if entry[0] else entry[1]] = entry[2]
+    return names
 
 
 @attrs.frozen
@@ -462,6 +572,12 @@ class State:
         longer leads to a module or tensor, a tensor is sparse, or a baked tensor was written.
         A module tree whose dicts hold what they held at the last read is not walked again,
         and a signature equal to the last is that object (``Jitted`` then needs no hash)."""
+        if not self.modules:
+            return self._read()
+        with STATE_LOCK:
+            return self._read()
+
+    def _read(self):
         structures: list = []
         tensors: list[torch.Tensor] = []
         trees = self._last.trees
@@ -491,8 +607,9 @@ class State:
             return None
         if any(t._version != version for t, version in self.baked):
             return None
-        if signature == self._last.signature:
-            signature = self._last.signature
+        last = self._last.signature  # once: another thread may set it meanwhile
+        if signature == last:
+            signature = last
         self._last.signature = signature
         return signature, tensors
 

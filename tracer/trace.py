@@ -22,6 +22,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -35,11 +36,19 @@ from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
                       UnsupportedDtypeError, UnsupportedOpError)
 from ..graph import Constant, GraphBuilder, Node, Provenance, TensorType, Value
-from .primitives import OperandSlot, get_primitive, is_effectful
+from .primitives import OperandSlot, draws_random, get_primitive, is_effectful
 
 aten = torch.ops.aten
 
-_TRACES: list["Trace"] = []
+
+class _PerThread(threading.local):
+    """A thread's traces in progress, outermost first: traces are per thread (NOTE [threads])."""
+
+    def __init__(self):
+        self.traces: list[Trace] = []
+
+
+_THREAD = _PerThread()
 # ATen/prims op -> handler emitting primitives; filled by tracer/aten.py.
 HANDLERS: dict[Any, Callable] = {}
 _PLAIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,18 +74,25 @@ class TracerTensor(torch.Tensor):
     # Set on a view's base and shared by every view made from it: the tracers that share one
     # storage in eager. A write into a view is a rebind only when no other of them is alive.
     _aliases: weakref.WeakValueDictionary | None  # id -> tracer (a WeakSet compares them)
-    # Known to be laid out contiguously from offset 0 in eager too. Tracers always present a
-    # contiguous layout, but eager's ops keep their operands' strides, so only dense tracers
-    # may be read through raw strides (as_strided).
+    # Known to be laid out contiguously from offset 0 in eager too. Tracers present a
+    # contiguous layout (but inputs given ``layout``), while eager's ops keep their operands'
+    # strides, so only dense tracers may be read through raw strides (as_strided).
     _dense: bool
+    # Eager's (strides, storage offset or None) where known otherwise (NOTE [eager layouts]
+    # in tracer/aten.py); an input made with it reports it.
+    _layout: tuple | None
 
     @staticmethod
-    def __new__(cls, trace: "Trace", value: Value):
+    def __new__(cls, trace: "Trace", value: Value, layout: tuple | None = None):
         t = trace.builder.type_of(value)
-        self = torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype,
+        strides, offset = layout or (None, None)
+        self = torch.Tensor._make_wrapper_subclass(cls, t.shape, strides,
+                                                   None if strides is None else offset or 0,
+                                                   dtype=t.dtype,
                                                    device=torch.device(t.device),
                                                    requires_grad=False)
         self._trace, self._value, self._aliases, self._dense = trace, value, None, False
+        self._layout = layout
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -129,15 +145,17 @@ def captured_write_error() -> TraceError:
 
 
 def tracing_active() -> bool:
-    return bool(_TRACES)
+    return bool(_THREAD.traces)
 
 
 def current_trace(func=None) -> "Trace":
-    if not _TRACES:
-        raise TraceError(f"a traced tensor was used outside of its trace (op {func}); a tracer "
-                         "escaped the traced function, e.g. stored in a global. Return it "
-                         "instead.")
-    return _TRACES[-1]
+    if not _THREAD.traces:
+        raise TraceError(f"a traced tensor was used outside of its trace (op {func}): a tracer "
+                         "escaped the traced function (e.g. stored in a global; return it "
+                         "instead), or a module was called in one thread while plait.jit "
+                         "traced it in another (its parameters are tracers meanwhile; call "
+                         "its jitted version in every thread).")
+    return _THREAD.traces[-1]
 
 
 _DATA_DEPENDENT = {
@@ -168,6 +186,7 @@ class Trace:
         # each with whether it holds a parameter (NOTE [writes to captured tracers])
         self.state_wrappers: list[tuple[torch.Tensor, bool]] = []
         self._last_effect: int | None = None
+        self.seeded: str | None = None  # a seeding call traced (NOTE [random draws])
         self.captured: list[TracerTensor] = []  # enclosing traces' tracers, in input order
         # NOTE [live state]: captured tensors the caller may change, lifted to inputs when
         # first read (id -> tensor); the lifted ones, in input order; the baked ones
@@ -188,8 +207,9 @@ class Trace:
         return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR)
 
     # -- values ----------------------------------------------------------------------------
-    def new_input(self, type: TensorType, dense: bool = True) -> TracerTensor:
-        tracer = TracerTensor(self, self.builder.add_input(type))
+    def new_input(self, type: TensorType, dense: bool = True,
+                  layout: tuple | None = None) -> TracerTensor:
+        tracer = TracerTensor(self, self.builder.add_input(type), layout)
         tracer._dense = dense
         return tracer
 
@@ -198,7 +218,7 @@ class Trace:
         if isinstance(x, TracerTensor):
             if x._trace is self:
                 return x._value
-            if x._trace in _TRACES:  # an enclosing trace's value, captured by a closure
+            if x._trace in _THREAD.traces:  # an enclosing trace's, captured by a closure
                 return self._capture(x)
             raise TraceError("a tracer of a finished trace was used: it escaped its traced "
                              "function (e.g. stored in a global; return it instead), or a "
@@ -229,7 +249,7 @@ class Trace:
         """A real tensor the function captured: an input of the outermost trace if it is
         live state, else a constant whose version is kept (NOTE [live state])."""
         check_dtype(tensor, "a captured tensor")
-        root = _TRACES[0] if _TRACES else self
+        root = _THREAD.traces[0] if _THREAD.traces else self
         if id(tensor) in root.live:
             lifted = root.lifted.get(id(tensor))
             if lifted is None:
@@ -247,7 +267,7 @@ class Trace:
         outermost trace (through the captures of nested ones), now pinned: its value
         specializes the compilation (a tensor of split sizes, say), so its identity and
         version are guarded (NOTE [live state])."""
-        x, root = unwrap_functional(x), _TRACES[0]
+        x, root = unwrap_functional(x), _THREAD.traces[0]
         if isinstance(x, torch.Tensor) and id(x) in root.live:  # read before it is lifted
             root.pinned[id(x)] = x
             return x
@@ -311,6 +331,12 @@ class Trace:
         a control edge from the one before."""
         n = self.builder.last_node
         if is_effectful(self.builder.node(n)):
+            if (seeded := _THREAD.traces[0].seeded) and draws_random(self.builder.node(n)):
+                raise TraceError(
+                    f"{seeded} in a function plait traces, then a random draw: the seeding "
+                    "would run once, while tracing, not at each call, so the compiled "
+                    "function's draws would not follow it. Seed before calling the jitted "
+                    "or transformed function.")
             if self._last_effect is not None:
                 self.builder.add_control_edge(self._last_effect, n)
             self._last_effect = n
@@ -431,7 +457,7 @@ class Trace:
             raise _NeedsFallback("a decomposition writes into a tensor it made eagerly")
         if not isinstance(dst, TracerTensor):
             raise captured_write_error()
-        if dst._trace is not self and dst._trace in _TRACES:  # NOTE [writes to captured ...]
+        if dst._trace is not self and dst._trace in _THREAD.traces:  # NOTE [writes to ...]
             self._capture(dst)
             self._captured_writes[id(dst)] = self.value_of(src)
             return dst
@@ -509,7 +535,6 @@ def _decomposition(func) -> Callable | None:
 # compiles, those layers get ``fn`` itself as their cached function, and lose it again afterwards (a later
 # torch.compile builds the real one as usual).
 _DISABLE_CODE = torch._disable_dynamo(lambda: None).__code__
-_DYNAMO_BYPASSED: list = []  # one entry per active no_dynamo_import
 
 
 @functools.cache
@@ -544,20 +569,53 @@ def _dynamo_layers() -> tuple:
 
 
 @contextlib.contextmanager
-def no_dynamo_import():
-    """NOTE [dynamo import]; an entry inside another (a trace inside jit's lowering) does
-    nothing."""
-    bare = [] if "torch._dynamo" in sys.modules or _DYNAMO_BYPASSED else [
+def _dynamo_bypassed():
+    """NOTE [dynamo import]: the layers get ``fn`` as their disabled function (those without
+    one of their own), unless dynamo is imported already."""
+    bare = [] if "torch._dynamo" in sys.modules else [
         f for f in _dynamo_layers() if not hasattr(f, "__dynamo_disable")]
-    _DYNAMO_BYPASSED.append(True)
     for f in bare:
         f.__dynamo_disable = f
     try:
         yield
     finally:
-        _DYNAMO_BYPASSED.pop()
         for f in bare:
             del f.__dynamo_disable
+
+
+class _WhileAnyThread:
+    """Process-wide changes (context managers made by ``contexts``) held while any thread is
+    inside: the first entry makes them, the last exit undoes them (NOTE [threads]). Saved and
+    restored by each entry instead, two threads' overlapping blocks would restore each
+    other's values, and the second to leave would leave the change made for good."""
+
+    def __init__(self, contexts: Callable[[], list]):
+        self._contexts, self._lock, self._inside, self._held = contexts, threading.Lock(), 0, None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            if not self._inside:
+                with contextlib.ExitStack() as stack:
+                    for context in self._contexts():
+                        stack.enter_context(context())
+                    self._held = stack.pop_all()
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if not self._inside:
+                    self._held.close()
+
+
+_DYNAMO_BYPASS = _WhileAnyThread(lambda: [_dynamo_bypassed])
+
+
+def no_dynamo_import():
+    """Inside, torch's references do not import torch._dynamo (NOTE [dynamo import])."""
+    return _DYNAMO_BYPASS()
 
 
 def _hashable(x):
@@ -623,7 +681,7 @@ def state_writes(trace: Trace):
     back the arguments a function mutates. A transform nested in another passes the write
     outwards in turn. Buffers only: a write into a parameter is refused, as torch.func
     refuses it."""
-    wrappers = _TRACES[0].state_wrappers if _TRACES else []
+    wrappers = _THREAD.traces[0].state_wrappers if _THREAD.traces else []
     before = [_wrapped(w) for w, _ in wrappers]
     yield
     for (wrapper, parameter), outer in zip(wrappers, before):
@@ -712,7 +770,7 @@ def _data_escape(method: str):
     value, whose data is only known at call time, it would bake the trace-time data into the
     compilation; refused instead. On live state it pins the tensor (NOTE [live state])."""
     def handler(x, *args, **kwargs):
-        root = _TRACES[0] if _TRACES else None
+        root = _THREAD.traces[0] if _THREAD.traces else None
         if root is not None and id(x) in root.live:  # read now, so pinned (NOTE [live state])
             root.pinned[id(x)] = x
         if not (isinstance(x, TracerTensor) or torch._is_functional_tensor(x)):
@@ -781,14 +839,23 @@ class _TraceMode(_Mode):
             with self:
                 return current_trace(func).dispatch(func, args, kwargs or {})
         if torch.Tag.nondeterministic_seeded in func.tags:  # a random factory that a
-            return current_trace(func).opaque(func, args, kwargs or {})  # decomposition calls
+            if func._schema.is_mutable:  # decomposition calls; not a draw into a tensor
+                raise _lost_draw(func)  # that a C++ composite made, which is never traced
+            return current_trace(func).opaque(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+def _lost_draw(func) -> UnsupportedOpError:
+    return UnsupportedOpError(
+        f"{func}: an op's C++ code draws random numbers into a tensor it made itself, out of "
+        "plait's sight (functionalization does not reach inside it), so the compiled "
+        "function would lose the draw. Run that op outside plait.jit, and please report it.")
 
 
 def _reads_live(args, kwargs) -> bool:
     """Does an op on real tensors read live state (NOTE [live state])? Then it is
     traced, not run once and baked."""
-    live = _TRACES[0].live if _TRACES else None
+    live = _THREAD.traces[0].live if _THREAD.traces else None
     return bool(live) and any(isinstance(x, torch.Tensor) and id(x) in live
                               for x in pytree.tree_leaves((args, kwargs)))
 
@@ -809,20 +876,36 @@ def _reads_live(args, kwargs) -> bool:
 TRACING_CONTEXTS: list[Callable] = []
 
 
+# NOTE [threads]
+# Traces are per thread: each thread has its own stack of traces in progress (``_THREAD``),
+# as torch keeps its dispatch and function modes, grad modes and functorch levels per thread,
+# so a jitted function called from several threads traces in each at once, and a thread
+# calling a compiled program while another traces runs it. What a trace changes for the
+# whole process (torch's mkldnn switch and is-compiling flag, ``Function.apply`` and torch's
+# control-flow functions replaced by plait's, the dynamo bypass) is held while any thread
+# traces (``_WhileAnyThread``): meanwhile other threads' eager code sees those changes too
+# (plait's replacements run eagerly outside a trace; mkldnn off is slower, not different in
+# meaning). A traced module's parameters and buffers are its tracers while its trace runs
+# (NOTE [live state]), so jit's traces and the reads of a module's state for a call hold
+# ``STATE_LOCK`` (tracer/state.py); an eager call of that module in another thread at that
+# moment would see the tracers, as it would under ``torch.func.functional_call``.
+# Compilation is per key (``api.Jitted``): one thread compiles a signature while others
+# asking for it wait, and different signatures compile in parallel.
+_PROCESS_WIDE = _WhileAnyThread(lambda: [_mkldnn_disabled, _compiling_announced,
+                                         *TRACING_CONTEXTS])
+
+
 @contextlib.contextmanager
 def tracing(trace: Trace):
-    _TRACES.append(trace)
+    _THREAD.traces.append(trace)
     try:
         # without mkldnn, torch's decompositions take their plain paths (an LSTM's layers
         # as matrix products, not one mkldnn_rnn_layer whose workspace only a run sizes)
         with _FunctionCapture(), no_dynamo_import(), _TraceMode(), torch.enable_grad(), \
-                _set_fwd_grad_enabled(True), _mkldnn_disabled(), _compiling_announced(), \
-                contextlib.ExitStack() as contexts:
-            for context in TRACING_CONTEXTS:
-                contexts.enter_context(context())
+                _set_fwd_grad_enabled(True), _PROCESS_WIDE():
             yield trace
     finally:
-        _TRACES.pop()
+        _THREAD.traces.pop()
 
 
 @contextlib.contextmanager
