@@ -92,7 +92,8 @@ def test_matches_eager(fn):
 
 def test_matches_eager_other_dtypes():
     def f(a, b):
-        return (a * 3 + b) // 2, (a < b).sum(1), a.to(torch.float32) / 3, a.cumsum(0)
+        return (a * 3 + b) // 2, (a < b).sum(1), a.to(torch.float32) / 3, a.cumsum(0), \
+            b.int().cumsum(0, dtype=torch.int32), b.int().cumprod(1) + 1
 
     a = torch.randint(-10, 10, (5, 4))
     b = torch.randint(-10, 10, (5, 4))

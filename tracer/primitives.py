@@ -770,6 +770,8 @@ def _scan_infer(name: str, with_indices: bool):
 def _scan_impl(fn, with_indices: bool):
     if with_indices:  # cummax/cummin return (values, indices)
         return lambda x, *, dim: tuple(fn(x, dim))
+    if fn in (torch.cumsum, torch.cumprod):  # an integer operand's dtype is the result's
+        return lambda x, *, dim: fn(x, dim, dtype=x.dtype)  # (torch's would be int64)
     return lambda x, *, dim: fn(x, dim)
 
 
@@ -930,7 +932,13 @@ def _gather_vjp(cts, x, index, *, outs, dim):
         inverse = _readers(table, x.shape[dim])
         if inverse is not None:
             return _gathered_back(cts[0], dim, *inverse), None
-    return torch.zeros_like(x).scatter_add(dim, index, cts[0]), None
+    # 16-bit floats are summed in float32, as eager's embedding backward sums them: a row
+    # many positions read (BERT's one token type) adds thousands of cotangents, and
+    # 16-bit atomic adds are also slow where they collide
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    summed = torch.zeros(x.shape, dtype=acc, device=x.device).scatter_add(
+        dim, index, cts[0].to(acc))
+    return summed.to(x.dtype), None
 
 
 # A static gather's VJP gathers back where each position has at most this many readers
