@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
 import operator
@@ -36,8 +37,27 @@ from .tracer.trace import no_dynamo_import, tracing_active
 _cache_log = logging.getLogger("plait.cache")
 
 
-def _positions(argnums: Sequence[int] | int) -> tuple[int, ...]:
-    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+def _positions(fn: Callable, argnums: Sequence[int] | int, what: str) -> tuple[int, ...]:
+    """``argnums`` as a tuple of positions, each checked to be an int that names one of
+    ``fn``'s positional parameters where its signature says how many it takes (as JAX
+    checks them: a position past the last would be silently ignored)."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
+        raise TraceError(f"{what} must be an int or a sequence of ints, got {argnums!r}")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: checked by its calls
+        return nums
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return nums
+    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    beyond = [i for i in nums if not -n <= i < n]
+    if beyond:
+        raise TraceError(f"{what}={nums} names positions {beyond}, but "
+                         f"{debug.function_name(fn)} takes {n} positional arguments; name "
+                         "positions of its parameters (keyword arguments are static when "
+                         "they are not tensors)")
+    return nums
 
 
 def _picked(argnums: Sequence[int], n: int) -> set[int]:
@@ -500,8 +520,8 @@ class Jitted:
         # one's (functools.wraps copies them), and they would replace this one's cache and fn
         functools.update_wrapper(self, fn, updated=())
         self.fn = fn
-        self.static_argnums = _positions(static_argnums)
-        self.donate_argnums = _positions(donate_argnums)
+        self.static_argnums = _positions(fn, static_argnums, "static_argnums")
+        self.donate_argnums = _positions(fn, donate_argnums, "donate_argnums")
         if set(self.static_argnums) & set(self.donate_argnums):
             raise TraceError(f"arguments {sorted(set(self.static_argnums) & set(self.donate_argnums))}"
                              " are both static and donated; only tensor arguments can be "

@@ -793,3 +793,16 @@ def test_functionalize_and_plait_compose():
     assert_close(torch.func.functionalize(plait.grad(loss))(x), torch.func.grad(loss)(x))
     with pytest.raises(plait.errors.TraceError, match="cannot nest functionalize"):
         plait.grad(lambda a: torch.func.functionalize(loss)(a))(x)
+
+
+@pytest.mark.parametrize("argnums", [dict(static_argnums=(3,)), dict(donate_argnums=-2),
+                                     dict(static_argnums=("x",))])
+def test_argnums_naming_no_parameter_are_refused(argnums):
+    """As JAX checks them: a position the function does not take would be silently
+    ignored (the argument traced, or not donated)."""
+    with pytest.raises(plait.errors.TraceError, match="argnums"):
+        plait.jit(lambda x: x + 1, **argnums)
+    # a function of *args, or with a default at that position, takes them
+    plait.jit(lambda *a: a[0], static_argnums=3)
+    assert_close(plait.jit(lambda x, n=2: x * n, static_argnums=1)(torch.ones(2), 3),
+                 torch.full((2,), 3.0))
