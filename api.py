@@ -537,6 +537,10 @@ class Jitted:
         self._lock = threading.Lock()  # the fields above, across threads
         self._compiling: dict = {}  # key -> the lock its compilation holds (NOTE [threads])
 
+    def __reduce__(self):
+        """Pickled as the function and the settings (``JittedModule.__reduce__``)."""
+        return Jitted, (self.fn, self.static_argnums, self.backend, self.donate_argnums)
+
     def _key(self, args, kwargs):
         """The call's leaves, their tree, its tensors, the cache key, and the backend that
         compiles it."""
@@ -759,6 +763,14 @@ class JittedModule(torch.nn.Module):
 
     def lower(self, *args, **kwargs) -> Lowered:
         return self.jitted.lower(*args, **kwargs)
+
+    def __reduce__(self):
+        """Pickled (``torch.save``, ``copy.deepcopy``) as the module and the jit's settings:
+        what it compiled is native code of this process, compiled again (or read from the
+        disk cache) after loading."""
+        j = self.jitted
+        return functools.partial(jit, static_argnums=j.static_argnums, backend=j.backend,
+                                 donate_argnums=j.donate_argnums), (self._orig_mod,)
 
 
 class _JittedDDP(JittedModule):

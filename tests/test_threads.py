@@ -68,6 +68,9 @@ def mixed_calls(n_calls: int, backend: str) -> None:
         p.grad = None
     counts = [0] * len(cases)  # backward() calls per case, for the parameters' .grad
     lock = threading.Lock()
+    # taken before the threads start: while plait traces the module in one thread, its
+    # parameters are tracers to any other thread reading it (NOTE [threads])
+    params = list(m.parameters())
 
     def work(i):
         for k in range(n_calls):
@@ -86,8 +89,7 @@ def mixed_calls(n_calls: int, backend: str) -> None:
                     counts[j] += 1
             elif kind == 3:
                 x = c["x"].clone().requires_grad_()
-                dx, *dparams = torch.autograd.grad(jm(x).square().sum(),
-                                                   [x, *m.parameters()])
+                dx, *dparams = torch.autograd.grad(jm(x).square().sum(), [x, *params])
                 torch.testing.assert_close(dx, c["dx"])
                 for got, want in zip(dparams, c["dparams"]):
                     torch.testing.assert_close(got, want)

@@ -761,3 +761,33 @@ def test_parameters_no_gradient_reaches_get_none_as_in_eager(both):
     for k, g in grads[0].items():
         if g is not None:
             assert_close(grads[1][k], g)
+
+
+def _thrice_plus_one(x):
+    return x * 3 + 1
+
+
+@pytest.mark.parametrize("calls", [0, 1])
+def test_jitted_modules_and_functions_pickle_in_every_state(calls):
+    """pickle, torch.save and copy.deepcopy keep the module (its weights, its mode) and the
+    jit's settings; what was compiled is compiled again after loading."""
+    import io
+    import pickle
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    jitted, x = plait.jit(model), torch.randn(2, 4)
+    for _ in range(calls):
+        jitted(x)
+    buffer = io.BytesIO()
+    torch.save(jitted, buffer)
+    buffer.seek(0)
+    copies = [pickle.loads(pickle.dumps(jitted)), copy.deepcopy(jitted),
+              torch.load(buffer, weights_only=False)]
+    for loaded in copies:
+        assert isinstance(loaded, type(jitted)) and loaded.trace_count == 0
+        loaded.eval()
+        assert_close(loaded(x), model.eval()(x))
+        model.train()
+    f = pickle.loads(pickle.dumps(plait.jit(_thrice_plus_one, backend="eager")))
+    assert f.backend == "eager"
+    assert_close(f(x), _thrice_plus_one(x))
