@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import sys
 import warnings
@@ -25,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plait
 from plait.errors import DistributedError
-from test_distributed import W, run_checks, torchrun
+from test_distributed import W, assert_passed, launch, run_checks
 
 GROUPS: dict[str, dict] = {"fast": {}, "slow": {}}
 BATCH, STEPS, LR = 8, 3, 0.1
@@ -284,23 +283,10 @@ def worker(out_dir: str, group: str) -> None:
 
 
 def _run(group: str, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"ddp-{group}")
     with pytest.MonkeyPatch.context() as patch:  # the test session's compile cache
         patch.setenv("PLAIT_CACHE_DIR", plait.config.cache_dir)
-        run = torchrun(os.path.abspath(__file__), str(out), group)
-    per_rank = []
-    for rank in range(W):
-        path = out / f"rank{rank}.json"
-        per_rank.append(json.loads(path.read_text()) if path.exists() else {})
-    return run, per_rank
-
-
-def _assert_passed(results, name):
-    run, per_rank = results
-    for rank, result in enumerate(per_rank):
-        assert name in result, (f"rank {rank} did not report {name!r}; torchrun exited "
-                                f"{run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
-        assert result[name] == "ok", f"rank {rank} failed {name}:\n{result[name]}"
+        return launch(os.path.abspath(__file__), tmp_path_factory.mktemp(f"ddp-{group}"),
+                      group)
 
 
 @pytest.fixture(scope="module")
@@ -315,13 +301,13 @@ def slow(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(GROUPS["fast"]))
 def test_fast(fast, name):
-    _assert_passed(fast, name)
+    assert_passed(fast, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(GROUPS["slow"]))
 def test_slow(slow, name):
-    _assert_passed(slow, name)
+    assert_passed(slow, name)
 
 
 def test_a_module_held_twice_is_traced_once():

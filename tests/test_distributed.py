@@ -439,24 +439,30 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT, check=False)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("distributed")
-    run = torchrun(os.path.abspath(__file__), str(out))
-    per_rank = []
-    for rank in range(W):
-        path = out / f"rank{rank}.json"
-        per_rank.append(json.loads(path.read_text()) if path.exists() else {})
-    return run, per_rank
+def launch(script: str, out, *args: str) -> tuple:
+    """torchrun of ``script`` with ``out`` and ``args``, whose ranks report through
+    ``run_checks``: the run, and each rank's outcomes."""
+    run = torchrun(script, str(out), *args)
+    return run, [json.loads(path.read_text()) if (path := out / f"rank{r}.json").exists()
+                 else {} for r in range(W)]
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_collectives(results, name):
+def assert_passed(results, name: str) -> None:
     run, per_rank = results
     for rank, result in enumerate(per_rank):
         assert name in result, (f"rank {rank} did not report {name!r}; torchrun exited "
                                 f"{run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
         assert result[name] == "ok", f"rank {rank} failed {name}:\n{result[name]}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch(os.path.abspath(__file__), tmp_path_factory.mktemp("distributed"))
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_collectives(results, name):
+    assert_passed(results, name)
 
 
 def test_data_parallel_example_matches_single_process_training():
