@@ -21,8 +21,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -c tests/pytest.ini -q -m "not slow" tests $(PYTEST_ARGS)
 
-# The heavy sweeps `make test` leaves out (tests marked slow); CI runs both.
-test-slow: $(STAMP)
+# The model suite's libraries (the `suite` extra) for the slow tier: torchvision made for the
+# torch in place and without its dependencies first (PyPI's would bring another torch).
+SUITE_STAMP := $(VENV)/.plait-suite-installed
+$(SUITE_STAMP): $(STAMP)
+	$(PY) -m pip install --no-deps "torchvision==0.$$(( $$($(PY) -c 'import torch; print(torch.__version__.split(".")[1])') + 15 )).*"
+	$(PY) -m pip install -e ".[suite]"
+	touch $(SUITE_STAMP)
+
+# The heavy sweeps `make test` leaves out (tests marked slow, the model suite); CI runs both.
+test-slow: $(SUITE_STAMP)
 	$(PY) -m pytest -c tests/pytest.ini -q -m slow tests $(PYTEST_ARGS)
 
 bench: $(STAMP)

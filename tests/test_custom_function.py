@@ -233,3 +233,60 @@ def test_custom_jvp_second_derivative_in_eager_autograd():
     (h,) = torch.autograd.grad(g.sum(), x)
     s = torch.sigmoid(x)
     assert_close(h, 2 * s * (1 - s))
+
+
+@torch.library.custom_op("plait_test::rounded_mm", mutates_args=())
+def rounded_mm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.round(a @ b * scale)
+
+
+@rounded_mm.register_fake
+def _(a, b, scale):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _rounded_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.scale = inputs[2]  # a tensor kept as a ctx attribute
+
+
+def _rounded_mm_backward(ctx, grad):  # straight through the rounding: not the op's own
+    a, b = ctx.saved_tensors
+    grad = grad * ctx.scale
+    return grad @ b.T, a.T @ grad, None
+
+
+rounded_mm.register_autograd(_rounded_mm_backward, setup_context=_rounded_mm_setup)
+
+
+@torch.library.custom_op("plait_test::plain_mm", mutates_args=())
+def plain_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+@plain_mm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def test_custom_op_with_a_registered_derivative_uses_it():
+    """torch.library.custom_op + register_autograd (transformers' mixture-of-experts matmul):
+    the op runs as itself, and its registered backward is the derivative, under plait.grad
+    and through a jitted call under eager autograd."""
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    scale = torch.tensor(4.0)
+
+    def f(a, b):
+        return (rounded_mm(a, b, scale).sin() * torch.arange(5.0)).sum()
+
+    want = torch.autograd.grad(f(a, b), (a, b))
+    assert_close(plait.jit(f)(a, b), f(a, b))
+    assert_close(plait.grad(f, argnums=(0, 1))(a, b), want)
+    assert_close(torch.autograd.grad(plait.jit(f)(a, b), (a, b)), want)
+
+
+def test_custom_op_without_a_derivative_is_refused_when_differentiated():
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    assert_close(plait.jit(plain_mm)(a, b), a @ b)
+    with pytest.raises(plait.errors.PlaitError, match="plain_mm"):
+        plait.grad(lambda a: plain_mm(a, b).sum())(a)

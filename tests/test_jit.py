@@ -806,3 +806,41 @@ def test_argnums_naming_no_parameter_are_refused(argnums):
     plait.jit(lambda *a: a[0], static_argnums=3)
     assert_close(plait.jit(lambda x, n=2: x * n, static_argnums=1)(torch.ones(2), 3),
                  torch.full((2,), 3.0))
+
+
+# -- as_strided on intermediate results (NOTE [eager layouts]) ----------------------------
+def _overlapping_chunks(h, w):
+    """Longformer's chunking: windows of 2w rows overlapping by w, read through the strides
+    of a view of a reshaped projection."""
+    h = h.view(h.size(0), h.size(1) // (2 * w), 2 * w, h.size(2))
+    size, stride = list(h.size()), list(h.stride())
+    size[1], stride[1] = size[1] * 2 - 1, stride[1] // 2
+    return h.as_strided(size=size, stride=stride)
+
+
+def test_as_strided_reads_an_intermediate_laid_out_as_eager_lays_it_out():
+    def f(x, proj):
+        batch, seq, _ = x.shape
+        q = proj(x).view(batch, seq, 2, 3)  # (B, S, H, D)
+        q = q.transpose(1, 2).reshape(batch * 2, seq, 3)  # eager copies: contiguous
+        padded = F.pad(q, (0, 0, 2, 2), value=-1)
+        st = padded.stride()
+        windows = padded.as_strided((batch * 2, 3, 6, 3), (st[0], 2 * st[1], st[1], st[2]))
+        return _overlapping_chunks(q, 2) * 2, windows.sum(2)
+
+    x, proj = torch.randn(3, 8, 6), torch.nn.Linear(6, 6)
+    assert_close(plait.jit(f)(x, proj), f(x, proj))
+    grads = torch.autograd.grad(plait.jit(f)(x, proj)[0].sum(), proj.weight)
+    assert_close(grads, torch.autograd.grad(f(x, proj)[0].sum(), proj.weight))
+
+
+def test_as_strided_on_an_intermediate_eager_lays_out_otherwise_is_refused():
+    """Eager's ``x.t() + 1`` keeps x.t()'s strides, which plait does not report: the strides
+    the user passes would address other elements."""
+    f = lambda x: (x.t() + 1).as_strided((2, 2), (1, 2))  # noqa: E731
+    with pytest.raises(PlaitError, match="otherwise than plait reports it"):
+        plait.jit(f)(torch.randn(3, 3))
+    g = lambda x: (x.t() + 1).clone(memory_format=torch.contiguous_format).as_strided(  # noqa
+        (2, 2), (1, 2))
+    x = torch.randn(3, 3)
+    assert_close(plait.jit(g)(x), g(x))

@@ -890,8 +890,8 @@ def _unfold(x, dimension, size, step):
 # NOTE [eager layouts]
 # A tracer's value is a logical tensor. What eager lays out in memory matters only where code
 # reads it: strides, contiguity and the storage offset, and as_strided, whose raw strides
-# address memory. A tracer reports a contiguous layout at offset 0, eager's where it is
-# ``_dense``, except an input whose eager layout is known, which reports it (``_layout``: the
+# address memory. A tracer reports a contiguous layout at offset 0 (eager's where it is
+# ``_dense``), except an input whose eager layout is known, which reports it (``_layout``: the
 # strides and the storage offset, None where unknown): an argument whose strides jit keys
 # (``state.layout_key``; its offset too where that is 0: another is left out, so that the
 # slices of a batch, ``x[:, t]`` for each ``t``, share a compilation), and
@@ -900,8 +900,14 @@ def _unfold(x, dimension, size, step):
 # The example then reports what torch.func's does: the batched tensor's strides less the
 # batch dim's, and its storage offset. as_strided and as_strided_scatter read a tensor
 # through a reported layout that is eager's (or, issued by PyTorch's own code, through the
-# reported one its arguments came from): the elements in the order of their addresses (dims
-# by stride) are the memory from the storage offset on, so the view's positions
+# reported one its arguments came from). Eager's layout of an intermediate result is derived
+# when as_strided needs it, from the user's op that made it (``Origin``, tracer/trace.py) and
+# the meta kernel, which computes eager's strides as torch.compile's fake tensors do
+# (a reshape that plait's contiguous report turned into a view is eager's copy where the
+# meta view fails): Longformer's chunking reads the strides of a reshaped projection. Only
+# a value whose eager layout is the one it reports is read; any other is refused, since the
+# strides the user passes came from that report. The elements in the order of their
+# addresses (dims by stride) are the memory from the storage offset on, so the view's positions
 # ``storage_offset - x.storage_offset() + sum(i_d * stride_d)`` index that order. Under vmap
 # this is torch.func's rule (functorch's as_strided batching rule): each example reads from
 # its own storage offset. Positions outside the elements, and layouts with gaps or overlaps
@@ -915,7 +921,9 @@ def known_layout(x) -> tuple | None:
         return None
     if x._layout is not None:
         return x._layout
-    return (contiguous_strides(type_of(x).shape), 0) if x._dense else None
+    if x._dense:
+        return contiguous_strides(type_of(x).shape), 0
+    return None if x._origin is None else x._origin.layout()
 
 
 def _carry_layout(out: TracerTensor, x, view) -> TracerTensor:
@@ -937,10 +945,11 @@ def _in_address_order(x, func: str, storage_offset):
     if not (current_trace().issued_by_torch or layout is not None and layout[0] == strides
             and layout[1] in (base, None)):
         raise UnsupportedOpError(
-            f"{func} reads raw memory strides, and plait does not model how eager lays out "
-            "this value in memory (a view, or an intermediate result, whose strides eager "
-            "derives from its operands'). Apply it to a function argument, or use a logical "
-            "op (diagonal, unfold, reshape, slicing) instead.")
+            f"{func} reads raw memory strides, and eager lays this value out in memory "
+            f"otherwise than plait reports it (strides {list(strides)}), or in a way plait "
+            "cannot derive (an op without a meta kernel on the way). Apply it to a function "
+            "argument or a contiguous copy (x.clone(memory_format=torch.contiguous_format)), "
+            "or use a logical op (diagonal, unfold, reshape, slicing) instead.")
     if storage_offset is not None and layout is not None and layout[1] is None and \
             not current_trace().issued_by_torch:
         raise UnsupportedOpError(

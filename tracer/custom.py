@@ -10,6 +10,11 @@ the user's ``backward`` on the replayed operands, so the derivative is the user'
 forward's own ops get none. Forward mode derives its rule from that VJP (NOTE [autodiff]);
 ``vmap`` runs it once per example, unless the rule batches (plait's own softmax rule:
 ``batched``). Lowering treats ``custom_vjp`` as the value itself.
+
+An op defined with ``torch.library.custom_op`` and given a derivative with
+``register_autograd`` (transformers' grouped matmul of mixture-of-experts layers) is traced
+the same way: its call an opaque node, its ``setup_context`` and ``backward`` those of a
+custom function (``custom_op_handler``).
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
 from .primitives import define
-from .trace import (TRACING_CONTEXTS, TracerTensor, bind, current_trace, on_tracers,
-                    tracing_active, unwrap_functional)
+from .trace import (HANDLER_FINDERS, TRACING_CONTEXTS, TracerTensor, bind, current_trace,
+                    on_tracers, tracing_active, unwrap_functional)
 
 _ORIGINAL_APPLY = Function.apply.__func__
 
@@ -161,6 +166,36 @@ def _custom_functions_traced():
 
 
 TRACING_CONTEXTS.append(_custom_functions_traced)
+
+
+@functools.cache
+def custom_op_handler(op):
+    """For a ``torch.library.custom_op`` with a ``register_autograd`` derivative: a handler
+    tracing its calls as a custom function's (NOTE [custom functions]), else None."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace in ("aten", "prims"):
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    definition = OPDEFS.get(op._name)
+    if getattr(definition, "_backward_fn", None) is None:
+        return None
+    setup = definition._setup_context_fn or (lambda ctx, inputs, output: None)
+    function = type(f"{op._name}.autograd", (Function,), {
+        "forward": staticmethod(lambda *args: current_trace().opaque(op, args, {})),
+        "setup_context": staticmethod(lambda ctx, inputs, output: setup(
+            ctx=ctx, inputs=inputs, output=output)),
+        "backward": staticmethod(definition._backward_fn)})
+
+    def handler(*args, **kwargs):
+        args, kwargs = torch._library.utils.fill_defaults(op._schema, args, kwargs)
+        if kwargs:  # keyword-only arguments: a plain opaque call, with no derivative
+            return NotImplemented
+        return traced_apply(function, *args)
+
+    return handler
+
+
+HANDLER_FINDERS.append(custom_op_handler)
 
 
 def _batched_custom(operands, batched, axis_size, rule, output):

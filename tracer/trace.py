@@ -36,6 +36,7 @@ from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
                       UnsupportedDtypeError, UnsupportedOpError)
 from ..graph import Constant, GraphBuilder, Node, Provenance, TensorType, Value
+from ..graph.types import contiguous_strides
 from .primitives import OperandSlot, draws_random, get_primitive, is_effectful
 
 aten = torch.ops.aten
@@ -51,6 +52,9 @@ class _PerThread(threading.local):
 _THREAD = _PerThread()
 # ATen/prims op -> handler emitting primitives; filled by tracer/aten.py.
 HANDLERS: dict[Any, Callable] = {}
+# Finders of a handler for an op HANDLERS lacks (``op -> handler or None``): ops defined
+# after plait is imported (tracer/custom.py: torch.library custom ops with a derivative).
+HANDLER_FINDERS: list[Callable] = []
 _PLAIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The package root is the repository root, so skip plait's own modules, not the whole tree
 # (examples/ and tests/ are user code).
@@ -81,6 +85,9 @@ class TracerTensor(torch.Tensor):
     # Eager's (strides, storage offset or None) where known otherwise (NOTE [eager layouts]
     # in tracer/aten.py); an input made with it reports it.
     _layout: tuple | None
+    # The user's op that made this tracer, from which eager's layout is derived on demand
+    # (``Origin``); None for inputs and for values made otherwise.
+    _origin: "Origin | None"
 
     @staticmethod
     def __new__(cls, trace: "Trace", value: Value, layout: tuple | None = None):
@@ -92,7 +99,7 @@ class TracerTensor(torch.Tensor):
                                                    device=torch.device(t.device),
                                                    requires_grad=False)
         self._trace, self._value, self._aliases, self._dense = trace, value, None, False
-        self._layout = layout
+        self._layout, self._origin = layout, None
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -375,6 +382,7 @@ class Trace:
                     out = pytree.tree_map_only(TracerTensor, self._without("no_grad"), out)
                 if not torch._C._is_fwd_grad_enabled():
                     out = pytree.tree_map_only(TracerTensor, self._without("no_fwd_grad"), out)
+                Origin.record(func, args, kwargs, out)
             if func.is_view and isinstance(base := args[0], TracerTensor):
                 if base._aliases is None:
                     base._aliases = weakref.WeakValueDictionary({id(base): base})
@@ -418,7 +426,8 @@ class Trace:
                 f"{func}: its output shape depends on the values of its input, which plait "
                 "cannot know while tracing. Use a fixed-size formulation (e.g. torch.where "
                 "with a mask) or run this part outside plait.jit.")
-        handler = HANDLERS.get(func)
+        handler = HANDLERS.get(func) or next(
+            (h for h in (find(func) for find in HANDLER_FINDERS) if h is not None), None)
         if handler is not None:
             out = handler(*args, **kwargs)
             if out is not NotImplemented:  # a plain rule passing on a call it does not fit
@@ -720,6 +729,106 @@ def on_tracers(fn: Callable) -> Callable:
                                if isinstance(x, TracerTensor) else x, out)
 
     return run
+
+
+class Origin:
+    """How eager made a tracer's value: the op, and its arguments with each tensor replaced by
+    what eager's layout of it is made from (``_Operand``), so that eager's layout of the
+    result can be derived when it is needed (as_strided on it: NOTE [eager layouts]) from
+    the meta kernel, which computes eager's strides (torch.compile relies on the same).
+    An origin holds no tracer, so it keeps no view alive (a write into a view depends on
+    which views are alive)."""
+
+    __slots__ = ("func", "args", "kwargs", "index", "_derived")
+
+    def __init__(self, func, args, kwargs, index):
+        self.func, self.args, self.kwargs, self.index = func, args, kwargs, index
+        self._derived = _UNDERIVED
+
+    @staticmethod
+    def record(func, args, kwargs, out) -> None:
+        """Give each new tracer among ``out`` the origin ``func(*args, **kwargs)``."""
+        results = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        given = {id(a) for a in pytree.tree_leaves((args, kwargs))}
+        fresh = [(k, t) for k, t in enumerate(results) if isinstance(t, TracerTensor)
+                 and t._origin is None and t._layout is None and not t._dense
+                 and id(t) not in given]
+        if fresh:
+            operands = pytree.tree_map_only(torch.Tensor, _Operand.of, (args, kwargs))
+            for k, t in fresh:
+                t._origin = Origin(func, *operands, k)
+
+    def layout(self) -> tuple | None:
+        """Eager's (strides, storage offset or None) of the result, or None where unknown:
+        derived from the operands' layouts in turn, without recursion (a chain of origins
+        runs through the whole model)."""
+        stack = [self]
+        while stack:
+            origin = stack[-1]
+            pending = [o.origin for o in pytree.tree_leaves((origin.args, origin.kwargs))
+                       if isinstance(o, _Operand) and o.origin is not None
+                       and o.origin._derived is _UNDERIVED]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            origin._derived = origin._derive()
+        return self._derived
+
+    def _derive(self) -> tuple | None:
+        operands = [o for o in pytree.tree_leaves((self.args, self.kwargs))
+                    if isinstance(o, _Operand)]
+        layouts = [o.layout() for o in operands]
+        if any(layout is None for layout in layouts):
+            return None
+        metas = {id(o): _meta_with(o.type, layout) for o, layout in zip(operands, layouts)}
+        args, kwargs = pytree.tree_map_only(_Operand, lambda o: metas[id(o)],
+                                            (self.args, self.kwargs))
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                out = self.func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - no meta kernel: the layout stays unknown
+            if self.func not in _RESHAPES:
+                return None
+            # a tracer reports a contiguous layout, so the user's reshape became a view
+            # where eager's copies (into a contiguous result)
+            return contiguous_strides(self.args[1]), 0
+
+        result = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][self.index]
+        known_offsets = all(layout[1] is not None for layout in layouts)
+        return tuple(result.stride()), result.storage_offset() if known_offsets else None
+
+
+_UNDERIVED = object()
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+class _Operand:
+    """A tensor operand of an ``Origin``: its type, and its eager layout or its origin."""
+
+    __slots__ = ("type", "known", "origin")
+
+    def __init__(self, type, known, origin):
+        self.type, self.known, self.origin = type, known, origin
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "_Operand":
+        if not isinstance(t, TracerTensor):  # a real tensor (a constant): its own layout
+            return _Operand(TensorType(t.shape, t.dtype, str(t.device)),
+                            (tuple(t.stride()), t.storage_offset()), None)
+        known = t._layout or ((contiguous_strides(t.shape), 0) if t._dense else None)
+        return _Operand(t._trace.builder.type_of(t._value), known, None if known else t._origin)
+
+    def layout(self) -> tuple | None:
+        return self.known if self.origin is None else self.origin._derived
+
+
+def _meta_with(type: TensorType, layout: tuple) -> torch.Tensor:
+    """A meta tensor of ``type`` laid out as ``layout`` (strides, storage offset)."""
+    strides, offset = layout
+    size = 1 + (offset or 0) + sum((n - 1) * abs(st) for n, st in zip(type.shape, strides))
+    return torch.empty(size, dtype=type.dtype, device="meta").as_strided(
+        type.shape, strides, offset or 0)
 
 
 def is_dense(tensor: torch.Tensor) -> bool:

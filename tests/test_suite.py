@@ -1,0 +1,45 @@
+"""The model suite on the CPU (benchmarks/suite.py, suite_models.py): every model of
+transformers' and timm's lists in torch.compile's benchmark harness and torchvision's
+classics, at a tiny size, trained one step and run in inference under plait.jit, its
+result, loss and every gradient checked against a float64 eager reference as the suite
+checks them. Dropout is off here (the suite's ``--dropout-seeds`` checks a model's own
+dropout; tests/test_randomness.py checks every dropout path by its statistics)."""
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+try:
+    import suite_models  # noqa: E402
+
+    suite_models.import_torchvision()
+    import timm  # noqa: F401, E402
+    import transformers  # noqa: F401, E402
+    import suite  # noqa: E402
+except ImportError as e:  # the `suite` extra, which `make test-slow` installs
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip(f"the model suite's libraries are not installed ({e})",
+                allow_module_level=True)
+
+# What plait refuses, with the reason it names: a data-dependent branch (torch.compile breaks
+# its graph there; plait compiles whole functions).
+REFUSED = {("AllenaiLongformerBase", mode): "bool() needs the concrete value"
+           for mode in ("train", "infer")}
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+@pytest.mark.parametrize("name", sorted(suite.SUITE))
+def test_suite_model(name, mode):
+    eager, plait = suite.run(name, mode, "float32", "cpu", ("eager", "plait"), rounds=0)
+    if eager.status != "pass":
+        pytest.skip(f"eager fails: {eager.reason}")
+    if (name, mode) in REFUSED:
+        assert plait.status == "fail" and plait.reason.startswith("refused") and \
+            REFUSED[name, mode] in plait.reason, plait.reason
+    else:
+        assert plait.status == "pass", plait.reason
