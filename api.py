@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import debug
 from .backends import get_backend, program_cache, resolve_backend
+from .backends.eager import compile_graph as eager_program
 from .config import config
 from .distributed import ddp_call
 from .errors import TraceError
@@ -295,6 +296,19 @@ class _Compiled:
         self._reaches = autodiff.reaching(graph)[:len(graph.outputs) - len(self._mutated)]
         reached = functools.reduce(operator.or_, self._reaches, 0)
         self._read = [bool(reached >> i & 1) for i in range(len(graph.inputs))]
+        # NOTE [value guards]: (program, its input count, the bool it must compute again);
+        # the compilations of one signature that took other branches, this one among them
+        self.guards = [(eager_program(g), len(g.inputs), value) for g, value in traced.guards]
+        self.variants = [self]
+
+    def holds(self, tensors: list[torch.Tensor]) -> bool:
+        """Does every branch this compilation took go the same way for ``tensors``?"""
+        with torch.no_grad():
+            return all(bool(run(tensors[:n])[0]) == value for run, n, value in self.guards)
+
+    def variant(self, tensors: list[torch.Tensor]) -> "_Compiled | None":
+        """The compilation of this signature whose branches ``tensors`` take, if any."""
+        return next((c for c in self.variants if c.holds(tensors)), None)
 
     def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False):
         """``interpreted``: the program runs torch's ops (the eager backend) under a mode or
@@ -594,7 +608,8 @@ class Jitted:
         start = time.perf_counter()
         # the traced modules' parameters are tracers meanwhile (NOTE [threads])
         with collector_paused(), STATE_LOCK:
-            traced = trace_function(self.fn, leaves, tree, live=True)
+            traced = trace_function(self.fn, leaves, tree, live=True,
+                                    evaluate=lambda graph, tensors: eager_program(graph)(tensors))
         stages.record("traced", traced.graph, time.perf_counter() - start)
         lowered = Lowered(traced, backend, donated, stages)
         debug.on_compile(self.fn, lowered)  # logs; writes the report when debug_dir is set
@@ -607,10 +622,10 @@ class Jitted:
                 torch._C._functorch.peek_interpreter_stack() is not None:
             return self._interpreted(args, kwargs)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
-        compiled, state, read = self._lookup(key)
+        compiled, state, read = self._find(key, tensors)
         if compiled is None:
             with self._compiling_key(key):
-                compiled, state, read = self._lookup(key)  # compiled meanwhile?
+                compiled, state, read = self._find(key, tensors)  # compiled meanwhile?
                 if compiled is None:
                     compiled, read = self._compile(args, kwargs, leaves, tree, tensors, key,
                                                    backend, state, read)
@@ -620,6 +635,13 @@ class Jitted:
             _cache_log.debug("hit %s", debug.function_name(self.fn))
         self._latest = key, read[0], compiled
         return compiled(tensors + read[1])
+
+    def _find(self, key, tensors):
+        """``_lookup``, then the compilation whose value guards hold (NOTE [value guards])."""
+        compiled, state, read = self._lookup(key)
+        if compiled is not None and compiled.guards:
+            compiled = compiled.variant(tensors + read[1])
+        return compiled, state, read
 
     def _lookup(self, key):
         """The compilation of ``key`` for the state as read now (None where there is none),
@@ -677,7 +699,14 @@ class Jitted:
                 for stale in [k for k in self._cache if k[0] == key]:  # no longer read
                     del self._cache[stale]
             self._states[key] = state
-            self._cache[key, read[0]] = compiled
+            first = self._cache.get((key, read[0]))
+            if first is not None and first.guards:  # another branch (NOTE [value guards])
+                compiled.variants = first.variants
+                compiled.variants.append(compiled)
+                if len(compiled.variants) > config.cache_size:
+                    del compiled.variants[0]
+            else:
+                self._cache[key, read[0]] = compiled
             if len(self._cache) > config.cache_size:
                 self._cache.popitem(last=False)
                 _cache_log.debug("%s: evicted the oldest signature", name)

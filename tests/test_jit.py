@@ -844,3 +844,45 @@ def test_as_strided_on_an_intermediate_eager_lays_out_otherwise_is_refused():
         (2, 2), (1, 2))
     x = torch.randn(3, 3)
     assert_close(plait.jit(g)(x), g(x))
+
+
+# -- branches on values (NOTE [value guards]) ------------------------------------------------
+def test_a_branch_on_a_bool_of_the_arguments_compiles_each_branch_once():
+    def f(x, mask):
+        if (mask > 0).any():
+            return x * 2
+        return x - 1
+
+    jitted, x = plait.jit(f), torch.randn(4)
+    for mask in [torch.zeros(4), torch.ones(4), torch.zeros(4), torch.tensor([0., 1, 0, 0])]:
+        assert_close(jitted(x, mask), f(x, mask))
+    assert jitted.trace_count == 2
+
+
+def test_a_branch_on_a_bool_trains_through_each_branch():
+    model = torch.nn.Linear(3, 3)
+
+    def loss(model, x):
+        y = model(x)
+        return (y.sin() if y.sum() > 0 else y.cos()).sum()
+
+    jitted = plait.jit(loss)
+    for sign in (1, -1, 1):
+        x = sign * torch.ones(2, 3) * 10
+        want = torch.autograd.grad(loss(model, x), model.weight)
+        got = torch.autograd.grad(jitted(model, x), model.weight)
+        assert_close(got, want)
+    assert jitted.trace_count == 2
+
+
+@pytest.mark.parametrize("case", ["random", "number", "transform"])
+def test_a_branch_plait_cannot_guard_is_refused(case):
+    x = torch.randn(4)
+    if case == "random":  # a draw is made anew at each call: no value to guard
+        fn = plait.jit(lambda x: x * 2 if torch.rand(()) > 0.5 else x)
+    elif case == "number":  # a guard on a float would compile once per value
+        fn = plait.jit(lambda x: x / x.abs().max().item())
+    else:  # under a transform no call tensors exist
+        fn = plait.grad(lambda x: (x.sin() if x.sum() > 0 else x.cos()).sum())
+    with pytest.raises(plait.errors.ConcretizationError):
+        fn(x)

@@ -921,9 +921,16 @@ def known_layout(x) -> tuple | None:
         return None
     if x._layout is not None:
         return x._layout
-    if x._dense:
-        return contiguous_strides(type_of(x).shape), 0
-    return None if x._origin is None else x._origin.layout()
+    return (contiguous_strides(type_of(x).shape), 0) if x._dense else None
+
+
+def eager_layout(x) -> tuple | None:
+    """``known_layout``, or else the one derived from the op that made ``x`` (meta kernels
+    follow their chain back: only as_strided pays for that)."""
+    known = known_layout(x)
+    if known is None and isinstance(x, TracerTensor) and x._origin is not None:
+        return x._origin.layout()
+    return known
 
 
 def _carry_layout(out: TracerTensor, x, view) -> TracerTensor:
@@ -941,7 +948,7 @@ def _in_address_order(x, func: str, storage_offset):
     layouts])."""
     t = type_of(x)
     strides, base = tuple(x.stride()), x.storage_offset()
-    layout = known_layout(x)
+    layout = eager_layout(x)
     if not (current_trace().issued_by_torch or layout is not None and layout[0] == strides
             and layout[1] in (base, None)):
         raise UnsupportedOpError(

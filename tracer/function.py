@@ -48,6 +48,9 @@ class TracedFunction:
     captured: tuple = ()
     # The captured state the graph reads after the arguments' tensors (NOTE [live state])
     state: State | None = None
+    # (graph of the graph's inputs, bool): what the trace took a branch on (NOTE [value
+    # guards]); it holds for inputs where each graph computes its bool again
+    guards: tuple = ()
 
 
 def _as_plait_error(e: RuntimeError) -> PlaitError | None:
@@ -135,12 +138,14 @@ def _is_size(x) -> bool:
 
 
 def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec,
-                   live: bool = False) -> TracedFunction:
+                   live: bool = False, evaluate: Callable | None = None) -> TracedFunction:
     """Trace ``fn(*args, **kwargs)`` where ``(args, kwargs) = unflatten(leaves, in_tree)``.
 
     Tensor leaves become graph inputs (in order); ``Static`` leaves are passed unwrapped.
     With ``live``, the state the function captures (its modules' parameters and buffers,
-    then the other captured tensors it reads) becomes further inputs (NOTE [live state]).
+    then the other captured tensors it reads) becomes further inputs (NOTE [live state]),
+    and with ``evaluate`` too (``evaluate(graph, tensors) -> outputs``), a branch on a bool
+    computed from the call's tensors takes the branch they take (NOTE [value guards]).
     """
     trace, fn = Trace(), _traceable(fn)
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -165,6 +170,10 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             layout = _input_layout(x) if len(inputs) < len(tensor_pos) else (is_dense(x), None)
             inputs.append(trace.new_input(TensorType.of(x), *layout))
         originals = [t._value for t in inputs]
+        if live and evaluate is not None:
+            trace.arguments = [leaves[i] for i in tensor_pos] + [
+                t for ts in state_tensors for t in ts]
+            trace.evaluate = evaluate
         trace.live = {key: follow(roots[r], path)
                       for key, (r, path) in reachable.tensors.items()}
 
@@ -230,6 +239,6 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
                                                for key, t in trace.pinned.items()),
         *slot_guards(reachable.slots))
     return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated),
-                          tuple(trace.captured), state if live else None)
+                          tuple(trace.captured), state if live else None, tuple(trace.guards))
 
 

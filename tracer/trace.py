@@ -26,6 +26,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import networkx as nx
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.overrides import TorchFunctionMode
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
                       UnsupportedDtypeError, UnsupportedOpError)
-from ..graph import Constant, GraphBuilder, Node, Provenance, TensorType, Value
+from ..graph import Constant, Graph, GraphBuilder, Node, Provenance, TensorType, Value, rewrite
 from ..graph.types import contiguous_strides
 from .primitives import OperandSlot, draws_random, get_primitive, is_effectful
 
@@ -201,6 +202,12 @@ class Trace:
         self.lifted: dict[int, TracerTensor] = {}
         self.baked: dict[int, torch.Tensor] = {}
         self.pinned: dict[int, torch.Tensor] = {}  # live ones whose value the trace read
+        # NOTE [value guards]: a jit's root trace runs on its call's tensors (``arguments``,
+        # one per input made before tracing began) and evaluates graphs on them
+        # (``evaluate(graph, tensors) -> outputs``); the guards it took: (graph, value)
+        self.arguments: list[torch.Tensor] | None = None
+        self.evaluate: Callable | None = None
+        self.guards: list[tuple[Graph, bool]] = []
 
     @property
     def issued_by_torch(self) -> bool:
@@ -288,6 +295,38 @@ class Trace:
             return None
         root.pinned[key] = root.live[key]
         return root.live[key]
+
+    # NOTE [value guards]
+    # A Python branch on a tensor's value (``if (mask > 0).any():``, Longformer's "is any
+    # token global?") needs a value a trace does not have. plait.jit traces on its call's
+    # tensors, so where the branch is on a one-element bool computed from them, with nothing
+    # random or effectful on the way, the trace computes it: the graph of the value so far,
+    # cut to what it reads, run on the call's tensors by the reference backend. The trace
+    # takes that branch and keeps (graph, bool) as a guard; a later call of the signature
+    # runs the guards first (a few small ops) and uses the compilation whose guards all
+    # hold, or traces the other branch as another compilation of the signature (at most
+    # ``config.cache_size``). Only bools: a guard on a number (``.item()``, ``bool()`` of a
+    # float, which reaches plait as the same op) would compile once per value.
+    # Under a transform (grad, vmap) or in a control-flow body there are no call tensors,
+    # and the branch is refused as before.
+    def guarded_value(self, x: Any) -> torch.Tensor | None:
+        """The value of the one-element bool tracer ``x``, computed from this call's tensors,
+        where this is a jit's root trace and nothing random or effectful leads to ``x``; the
+        compilation then holds for calls where it is the same (NOTE [value guards])."""
+        x = unwrap_functional(x)
+        if self.evaluate is None or not isinstance(x, TracerTensor) or x._trace is not self \
+                or self.type_of(x).numel != 1:
+            return None
+        graph = self.builder.build([x._value])
+        needed = nx.ancestors(graph.nx, x._value.node) | {x._value.node}
+        if any(is_effectful(graph.node(n)) for n in needed):
+            return None
+        guard = rewrite(graph, keep=needed)
+        tensors = self.arguments + [self.live[k] for k in self.lifted]
+        with _disable_current_modes(), torch.no_grad():
+            value = self.evaluate(guard, tensors)[0]
+        self.guards.append((guard, bool(value)))
+        return value
 
     def _bake(self, tensor: torch.Tensor) -> Value:
         """A constant node; a broadcast view (stride 0 along a dim: a mask or a scalar that
@@ -416,6 +455,8 @@ class Trace:
     def _dispatch(self, func, args, kwargs):
         if func in _DATA_DEPENDENT:
             live = self.live_value(args[0])
+            if live is None and self.type_of(args[0]).dtype == torch.bool:
+                live = self.guarded_value(args[0])
             if live is None:
                 raise _concretization(_DATA_DEPENDENT[func])
             with _disable_current_modes():
@@ -781,10 +822,10 @@ class Origin:
         layouts = [o.layout() for o in operands]
         if any(layout is None for layout in layouts):
             return None
-        metas = {id(o): _meta_with(o.type, layout) for o, layout in zip(operands, layouts)}
-        args, kwargs = pytree.tree_map_only(_Operand, lambda o: metas[id(o)],
-                                            (self.args, self.kwargs))
         try:
+            metas = {id(o): _meta_with(o.type, layout) for o, layout in zip(operands, layouts)}
+            args, kwargs = pytree.tree_map_only(_Operand, lambda o: metas[id(o)],
+                                                (self.args, self.kwargs))
             with _disable_current_modes(), torch.no_grad():
                 out = self.func(*args, **kwargs)
         except Exception:  # noqa: BLE001 - no meta kernel: the layout stays unknown
