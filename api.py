@@ -517,6 +517,33 @@ def _check_not_aliased(tensors, written: dict[int, str]) -> None:
                 "(e.g. .clone() one of them).")
 
 
+def _change(before, now) -> str:
+    """How one argument's key changed between two traces, and what to do about it."""
+    if len(before) != 6 or not isinstance(before[0], torch.Size) or len(now) != 6:
+        kind = before[0]
+        if kind is float:
+            return (f" ({before[1]!r}, then {now[1]!r}): a float the function uses as a Python "
+                    "number (float(), math functions, an op's scalar argument) is static, "
+                    "and each value compiles anew. Compute with it as a tensor (torch "
+                    "ops), or pass a tensor.")
+        return (f" ({before[1]!r}, then {now[1]!r}): an argument of type {kind.__name__} is "
+                "static, and each value compiles anew. Pass a tensor where it is data, or "
+                "keep it to a few values.")
+    shape, dtype, device, layout, dense, _ = before
+    if shape != now[0]:
+        dims = [f"dim {d}: {a}, then {b}" for d, (a, b) in enumerate(zip(shape, now[0]))
+                if a != b] if len(shape) == len(now[0]) else [f"{list(shape)}, then "
+                                                                f"{list(now[0])}"]
+        return (f" (its shape, {'; '.join(dims)}): plait compiles each input shape once. "
+                "Pad the varying dims to a few sizes (a multiple of 64, or powers of two) "
+                "and mask the padding.")
+    if dtype != now[1] or device != now[2]:
+        return (f" (its dtype or device, {dtype} on {device}, then {now[1]} on {now[2]}): "
+                "convert it once, before the calls.")
+    return (" (its memory layout: strides or storage offset): plait compiles each layout "
+            "once. Pass it contiguous (x.contiguous()).")
+
+
 def _argument_name(path) -> str:
     """A leaf of ``(args, kwargs)`` named as the user knows it: ``argument 1``,
     ``argument 'lr'``, ``argument 0['w']``."""
@@ -728,27 +755,26 @@ class Jitted:
         """Past ``config.retrace_warning`` traces, warn once per argument that keeps changing
         (the leaves whose key differs from the previous trace's)."""
         # each leaf by what compiling depends on, not the leaf: no call's tensors kept alive
-        leaves = [(path, tensor_key(x) if isinstance(x, torch.Tensor) else (type(x), x))
+        leaves = [(path, tensor_key(x) if isinstance(x, torch.Tensor) else
+                   (float, None) if type(x) is float and self._trace_floats else (type(x), x))
                   for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]]
         self._signatures.append((leaves, key))
         if self.trace_count <= config.retrace_warning or len(self._signatures) < 2:
             return
         (before, key_before), (now, key_now) = self._signatures
         if len(before) != len(now):
-            changed = ["the structure of the arguments"]
+            changed = [("the structure of the arguments", "")]
         else:
-            changed = [_argument_name(path) for (path, a), (_, b) in zip(before, now) if a != b]
-            changed = changed or (["captured state (a module's attributes or parameters)"]
-                                  if key_before == key_now else ["the configuration"])
-        for what in changed:
+            changed = [(_argument_name(path), _change(a, b))
+                       for (path, a), (_, b) in zip(before, now) if a != b]
+            changed = changed or ([("captured state (a module's attributes or parameters)", "")]
+                                  if key_before == key_now else [("the configuration", "")])
+        for what, how in changed:
             if what not in self._warned:
                 self._warned.add(what)
-                _cache_log.warning(
-                    "%s has been traced %d times; it retraces because %s keeps changing. "
-                    "Pass a value that changes from call to call as a tensor (a float is "
-                    "traced too, unless the function uses it as a Python number).",
-                    debug.function_name(self.fn),
-                    self.trace_count, what)
+                _cache_log.warning("%s has been traced %d times; it retraces because %s keeps "
+                                   "changing%s", debug.function_name(self.fn),
+                                   self.trace_count, what, how or ".")
 
     def clear_cache(self) -> None:
         with self._lock:

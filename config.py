@@ -93,6 +93,9 @@ class Config:
     # go (NOTE [program cache]).
     program_cache_bytes: int = attrs.field(factory=lambda: _env("program_cache_bytes", 1 << 30,
                                                                 int))
+    # The C++ libraries kept there (<cache_dir>/cpp) take at most this many bytes: past it,
+    # the least recently used go (NOTE [C++ build cache], backends/cpp.py).
+    cpp_cache_bytes: int = attrs.field(factory=lambda: _env("cpp_cache_bytes", 2 << 30, int))
     # The C++ compiler of the cpp backend, and its flags (-shared -fPIC are always added).
     # -fwrapv: signed integer overflow wraps, as in torch; -fno-math-errno and -lmvec (glibc's
     # vector math) let loops calling exp, sin, ... vectorize.

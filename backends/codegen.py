@@ -225,6 +225,35 @@ def _remove_stale(directory: str) -> None:
             pass
 
 
+def evict_least_used(folder: str, limit: int, keep: str) -> None:
+    """Remove the least recently used entries of a cache ``folder`` until those left take
+    at most ``limit`` bytes; never ``keep``, the one just written. An entry is the files
+    named by one key (``<key>.so``, ``<key>.so.sha256``, ``<key>.cpp``), used when its
+    newest file was last modified (a hit marks it so)."""
+    entries: dict[str, list] = {}
+    for e in os.scandir(folder):
+        try:
+            if e.name.startswith(TEMPORARY) or not e.is_file(follow_symlinks=False):
+                continue
+            st = e.stat(follow_symlinks=False)
+        except OSError:  # removed meanwhile
+            continue
+        entry = entries.setdefault(e.name.split(".")[0], [0, 0, []])
+        entry[0], entry[1] = max(entry[0], st.st_mtime_ns), entry[1] + st.st_size
+        entry[2].append(e.path)
+    total = sum(size for _, size, _ in entries.values())
+    for name, (_, size, paths) in sorted(entries.items(), key=lambda kv: kv[1][0]):
+        if total <= limit:
+            return
+        if name != keep:
+            for path in paths:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            total -= size
+
+
 @attrs.frozen
 class CompiledKernel:
     """One step of a compiled program, for inspection: a generated kernel (C++ or Triton), an
@@ -280,9 +309,12 @@ def extern_text(k: Extern | Wait) -> str:
 # shape, dtype and device and no storage: its address is 0). Shapes, dtypes and devices
 # are the caller's to match (``Jitted`` keys its compilations by them): comparing them here
 # would cost a microsecond an input on every call.
-def entry_pointers(inputs: Sequence[torch.Tensor], count: int) -> list[int]:
+def entry_pointers(inputs: Sequence[torch.Tensor], count: int,
+                   unread: frozenset = frozenset()) -> list[int]:
     """The addresses of a program's ``inputs``, which must be ``count`` tensors, each with
-    memory where it has elements (NOTE [entry checks]); else ``BackendError``."""
+    memory where it has elements and the program reads it (NOTE [entry checks]: a module's
+    parameters made meta by ``make_functional`` are inputs no kernel reads); else
+    ``BackendError``."""
     if len(inputs) != count:
         raise BackendError(f"the compiled program takes {count} input tensors and was "
                            f"given {len(inputs)}; call it with the inputs of the graph it "
@@ -293,7 +325,7 @@ def entry_pointers(inputs: Sequence[torch.Tensor], count: int) -> list[int]:
         pointers = [_address(t) for t in inputs]
     if 0 in pointers:
         for j, (t, p) in enumerate(zip(inputs, pointers)):
-            if not p and t.numel():
+            if not p and t.numel() and j not in unread:
                 raise BackendError(
                     f"input {j} of the compiled program ({t.dtype}{list(t.shape)}, "
                     f"{type(t).__name__}) has no memory: a tensor without storage, such as a "
@@ -464,6 +496,8 @@ class Wrapper:
         self._size = len(names)
         self._inputs = tuple(slot[b] for b in program.inputs)
         self.n_inputs = len(self._inputs)
+        self.unread = frozenset(j for j, b in enumerate(program.inputs)
+                                if b not in lv.uses and b not in keep)
         self._unbound_outputs = tuple(  # outputs nothing produces: empty buffers
             (slot[b], tuple(program.buffers[b].type.shape), program.buffers[b].type.dtype)
             for b in dict.fromkeys(program.outputs) if b not in bound and b not in lv.uses)
@@ -478,7 +512,7 @@ class Wrapper:
     def __call__(self, inputs: Sequence[torch.Tensor], device: torch.device,
                  constants: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
         inputs = list(map(torch.Tensor.contiguous, inputs))
-        entry_pointers(inputs, self.n_inputs)
+        entry_pointers(inputs, self.n_inputs, self.unread)
         env: list = [None] * self._size
         for s, t in zip(self._inputs, inputs):
             env[s] = t

@@ -43,8 +43,10 @@ built (``<name>.so.sha256``): a truncated library can pass the loader's checks a
 so concurrent builds of one program both succeed and readers never see a partial file. An
 unwritable cache folder warns once and builds in a temporary folder instead. ``-march=native``
 code is keyed by the flags, not the CPU: a cache folder shared by different machines needs
-flags without it. The program calling the library is kept too, by its traced graph (NOTE
-[program cache]): a new process loads both and compiles nothing.
+flags without it. A hit marks the library used (its modification time), and past
+``config.cpp_cache_bytes`` the least recently used go (a loaded library stays mapped). The
+program calling the library is kept too, by its traced graph (NOTE [program cache]): a new
+process loads both and compiles nothing.
 """
 from __future__ import annotations
 
@@ -67,8 +69,8 @@ from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
                            column_wise, is_inner, levels, loop_vars, walk)
 from . import codegen, cpp_wrapper
-from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, cache_folder, KERNEL_NAME,
-                      kernel_error, with_error_codes)
+from .codegen import (INFIX, INT_DIVISIONS, KERNEL_NAME, IndexPrinter, cache_folder,
+                      evict_least_used, kernel_error, with_error_codes)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
            torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
@@ -758,6 +760,10 @@ def build(source: str, symbols: Sequence[str], flags: Sequence[str] = (),
     if cache is not None:
         target = os.path.join(cache, key + ".so")
         if os.path.exists(target) and (lib := _load(target, symbols)) is not None:
+            try:
+                os.utime(target)  # used now: the last to be evicted
+            except OSError:
+                pass
             return lib
     if only_cached:
         return None
@@ -780,7 +786,8 @@ def build(source: str, symbols: Sequence[str], flags: Sequence[str] = (),
             os.replace(src, os.path.join(cache, key + ".cpp"))  # kept for reading
             os.replace(out, target)
             os.replace(out + ".sha256", target + ".sha256")  # after it: a reader between
-        return Library(target, symbols)                      # the two sees none, a miss
+            evict_least_used(cache, config.cpp_cache_bytes, keep=key)  # the two sees none
+        return Library(target, symbols)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -930,7 +930,8 @@ class NativeWrapper:
             return self.fallback(inputs, device, constants)
         tensors = [*map(torch.Tensor.contiguous, inputs), *(t for _, t in constants)]
         # NOTE [entry checks]
-        addresses = entry_pointers(tensors[:len(inputs)], self.fallback.n_inputs) + \
+        addresses = entry_pointers(tensors[:len(inputs)], self.fallback.n_inputs,
+                                   self.fallback.unread) + \
             [t.data_ptr() for _, t in constants]
         pointers = (ctypes.c_void_p * max(1, len(tensors)))(*addresses)
         results = (ctypes.c_void_p * max(1, len(self.handed_types)))()

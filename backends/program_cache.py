@@ -49,7 +49,7 @@ import stat
 import torch
 
 from ..config import config
-from .codegen import cache_folder, write_atomically
+from .codegen import cache_folder, evict_least_used, write_atomically
 
 _log = logging.getLogger("plait.cache")
 _MAGIC = b"plait program 2\n"
@@ -133,30 +133,7 @@ def store(key: str, runner) -> None:
     except OSError as e:  # a full disk, say: the program runs, it is just not kept
         _log.warning("program cache: could not keep %s (%s)", path, e)
         return
-    _evict(os.path.dirname(path), keep=path)
-
-
-def _evict(folder: str, keep: str) -> None:
-    """Remove the least recently used entries until those left take at most
-    ``config.program_cache_bytes`` (never ``keep``, the one just written)."""
-    entries = []
-    for e in os.scandir(folder):
-        try:
-            if e.name.endswith(".pkl") and e.is_file(follow_symlinks=False):
-                st = e.stat(follow_symlinks=False)
-                entries.append((st.st_mtime_ns, st.st_size, e.path))
-        except OSError:  # removed meanwhile
-            pass
-    total = sum(size for _, size, _ in entries)
-    for _, size, path in sorted(entries):
-        if total <= config.program_cache_bytes:
-            return
-        if path != keep:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            total -= size
+    evict_least_used(os.path.dirname(path), config.program_cache_bytes, keep=key)
 
 
 class _Pickler(pickle.Pickler):

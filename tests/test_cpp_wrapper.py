@@ -242,6 +242,9 @@ def test_a_program_checks_its_inputs_before_any_kernel_runs(native):
         empty = plait.jit(lambda x: x * 2).lower(torch.ones(0, 3)).runner
         assert torch.empty(0, 3).data_ptr() == 0
         assert empty([torch.empty(0, 3)])[0].shape == (0, 3)
+        # nor one the program does not read (make_functional's meta parameters)
+        unread = plait.jit(lambda x, y: x * 2).lower(torch.ones(3), torch.ones(3)).runner
+        assert torch.equal(unread([two, torch.ones(3, device="meta")])[0], two * 2)
     """, native)
 
 

@@ -99,19 +99,36 @@ def test_new_style_function_under_vmap_jacrev_and_jvp_matches_torch_func():
     assert_close(plait.jvp(f, (x,), (t,)), want)
 
 
-def test_a_function_writing_into_its_input_is_refused():
-    class AddOne(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.mark_dirty(x)
-            return x.add_(1)
+class TripledInPlace(torch.autograd.Function):
+    """Writes into its input (ctx.mark_dirty) and returns it; its backward is not the
+    op's own, so a test shows whose runs."""
 
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
 
-    with pytest.raises(TraceError, match="mark_dirty"):
-        plait.jit(lambda x: AddOne.apply(x * 1))(torch.randn(3))
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+def _reads_after_the_write(x):
+    y = x.sin()
+    z = TripledInPlace.apply(y)
+    return (z * y + x).sum()  # y is z after the write, as in eager
+
+
+def test_a_function_writing_into_its_input_is_differentiated_at_the_value_before():
+    x = torch.randn(5, requires_grad=True)
+    want = torch.autograd.grad(_reads_after_the_write(x), x)[0]
+    assert_close(plait.jit(_reads_after_the_write)(x), _reads_after_the_write(x))
+    assert_close(plait.grad(_reads_after_the_write)(x), want)
+    assert_close(torch.autograd.grad(plait.jit(_reads_after_the_write)(x), x)[0], want)
+    batch = [torch.randn(5, requires_grad=True) for _ in range(3)]  # torch.func refuses it
+    assert_close(plait.vmap(plait.grad(_reads_after_the_write))(torch.stack(batch)),
+                 torch.stack([torch.autograd.grad(_reads_after_the_write(b), b)[0]
+                              for b in batch]))
 
 
 class Cube(torch.autograd.Function):

@@ -3,6 +3,7 @@ arguments, config, and write-back of mutated inputs."""
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import subprocess
 import sys
@@ -886,3 +887,22 @@ def test_a_branch_plait_cannot_guard_is_refused(case):
         fn = plait.grad(lambda x: (x.sin() if x.sum() > 0 else x.cos()).sum())
     with pytest.raises(plait.errors.ConcretizationError):
         fn(x)
+
+
+# -- the retrace warning ---------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["shape", "int", "layout"])
+def test_the_retrace_warning_names_the_argument_what_changes_and_the_fix(case, caplog):
+    f = plait.jit(lambda x, n: x * n)
+    with caplog.at_level(logging.WARNING, logger="plait.cache"):
+        for i in range(1, 12):
+            if case == "shape":
+                f(torch.randn(4, i), 2.0)
+            elif case == "int":
+                f(torch.randn(4), i)
+            else:  # the same shape, other strides
+                f(torch.randn(4, 4 * i)[:, ::i], 2.0)
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    want = {"shape": ("argument 0", "dim 1: 8, then 9", "Pad the varying dims"),
+            "int": ("argument 1", "8, then 9", "Pass a tensor"),
+            "layout": ("argument 0", "memory layout", "x.contiguous()")}[case]
+    assert all(w in message for w in want), message

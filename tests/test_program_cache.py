@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import plait
-from plait.backends import codegen, program_cache
+from plait.backends import codegen, cpp, program_cache
 from plait.passes import lowering
 
 
@@ -234,6 +234,27 @@ def test_the_least_recently_used_entries_go_past_the_size_limit(tmp_path):
             program_cache.store("d", torch.full((256,), ord("d")))
         assert sorted(p.stem for p in _entries(tmp_path)) == ["a", "c", "d"]
         assert sum(p.stat().st_size for p in _entries(tmp_path)) <= 3 * size
+
+
+def test_the_least_recently_used_libraries_go_past_the_size_limit(tmp_path):
+    """The C++ build cache is bounded too: a library with its source and checksum goes as
+    one, the least recently loaded first, never the one just built."""
+    source = "extern \"C\" int answer_{0}() {{ return {0}; }}\n"
+    with plait.config.patch(cache_dir=str(tmp_path)):
+        for k in range(3):
+            cpp.build(source.format(k), [f"answer_{k}"])
+        libraries = sorted((tmp_path / "cpp").glob("*.so"), key=lambda p: p.stat().st_mtime)
+        for age, path in enumerate(reversed(libraries)):  # the first built is the oldest
+            os.utime(path, (time.time() - 100 * (age + 1),) * 2)
+        assert cpp.build(source.format(0), ["answer_0"], only_cached=True) is not None  # used
+        entry = sum(p.stat().st_size for p in (tmp_path / "cpp").iterdir()) / 3
+        with plait.config.patch(cpp_cache_bytes=int(3.5 * entry)):
+            cpp.build(source.format(3), ["answer_3"])
+        left = {p.name.split(".")[0] for p in (tmp_path / "cpp").iterdir()}
+        assert len(left) == 3 and len(list((tmp_path / "cpp").iterdir())) == 9
+        assert cpp.build(source.format(1), ["answer_1"], only_cached=True) is None  # it went
+        for k in (0, 2, 3):
+            assert cpp.build(source.format(k), [f"answer_{k}"], only_cached=True) is not None
 
 
 def test_builds_a_killed_process_left_are_removed(tmp_path, monkeypatch):

@@ -9,7 +9,10 @@ saved (``ctx.save_for_backward``, or tensors kept as ``ctx`` attributes). Its VJ
 the user's ``backward`` on the replayed operands, so the derivative is the user's, and the
 forward's own ops get none. Forward mode derives its rule from that VJP (NOTE [autodiff]);
 ``vmap`` runs it once per example, unless the rule batches (plait's own softmax rule:
-``batched``). Lowering treats ``custom_vjp`` as the value itself.
+``batched``). Lowering treats ``custom_vjp`` as the value itself. A forward that writes into
+an input (``ctx.mark_dirty``) returns that input: its operand is the input's value before
+the write, and the input is then written with the ``custom_vjp``'s result, so what reads it
+afterwards is differentiated through the user's backward, as in eager.
 
 An op defined with ``torch.library.custom_op`` and given a derivative with
 ``register_autograd`` (transformers' grouped matmul of mixture-of-experts layers) is traced
@@ -41,6 +44,7 @@ class _Context:
         self.saved_tensors: tuple = ()
         self.materialize_grads = True
         self.non_differentiable: tuple = ()
+        self.dirty: tuple = ()  # inputs the forward wrote into (ctx.mark_dirty)
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
@@ -55,9 +59,7 @@ class _Context:
         self.materialize_grads = value
 
     def mark_dirty(self, *tensors):
-        raise TraceError("a torch.autograd.Function that writes into its inputs "
-                         "(ctx.mark_dirty) is not supported under plait; return a new "
-                         "tensor instead.")
+        self.dirty = tensors
 
 
 class CustomRule:
@@ -109,6 +111,9 @@ def traced_apply(cls, *args, **kwargs):
     inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     ctx = _Context(tuple(isinstance(a, torch.Tensor) and a.dtype.is_floating_point
                          for a in args))
+    # an input the forward writes into (ctx.mark_dirty) is differentiated at its value
+    # before the write: the functional value under the argument, which the write replaces
+    before = {i: unwrap_functional(args[i]) for i in inputs}
     with torch.no_grad():
         if _has_setup_context(cls):
             out = cls.forward(*args)
@@ -117,16 +122,21 @@ def traced_apply(cls, *args, **kwargs):
             out = cls.forward(ctx, *args)
     outs = out if isinstance(out, tuple) else (out,)
     saved_names = [k for k, v in vars(ctx).items()
-                   if isinstance(v, torch.Tensor) and k != "saved_tensors"]
+                   if isinstance(v, torch.Tensor) and k not in ("saved_tensors", "dirty")]
     rule = CustomRule(cls, ctx, inputs, saved_names,
                       [_type_of(o) for o in outs if isinstance(o, torch.Tensor)])
-    operands = [args[i] for i in inputs] + list(ctx.saved_tensors) + [
-        getattr(ctx, k) for k in saved_names]
+    dirty = {id(t) for t in ctx.dirty}
+    operands = [before[i] if id(args[i]) in dirty else args[i] for i in inputs] + \
+        list(ctx.saved_tensors) + [getattr(ctx, k) for k in saved_names]
     frozen = {id(t) for t in ctx.non_differentiable}
     results, k = [], 0
     for o in outs:
         if isinstance(o, torch.Tensor) and id(o) not in frozen:
-            o = on_tracers(_bind_custom)(operands, o, rule, k)
+            bound = on_tracers(_bind_custom)(operands, o, rule, k)
+            if id(o) in dirty:  # returned as the input itself, as eager returns it
+                o.copy_(bound)
+            else:
+                o = bound
         k += isinstance(o, torch.Tensor)
         results.append(o)
     return tuple(results) if isinstance(out, tuple) else results[0]
