@@ -733,3 +733,27 @@ def test_cuda_dropout_attention_draws_as_eager(causal, kernel):
             results.append([out, *(p.grad for p in model.parameters())])
             model.zero_grad(set_to_none=True)
         assert relative(*results) < 2e-2
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
+def test_a_cuda_kernel_torch_picked_is_traced_as_attention(kernel, monkeypatch):
+    """Inside ``F.multi_head_attention_forward`` (which a function mode runs whole), torch's
+    scaled_dot_product_attention picks a CUDA kernel at the ATen level: traced as plait's
+    attention, its output eager's (on the CPU here: the call as torch issues it)."""
+    from plait.tracer.trace import Trace
+
+    monkeypatch.setattr(Trace, "issued_by_torch", property(lambda self: True))
+    op = getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_attention").default
+    q, k, v = (torch.randn(2, 3, 8, 16) for _ in range(3))
+    bias = torch.randn(8, 8)
+    extra = () if kernel == "flash" else (None if kernel == "cudnn" else bias, False)
+
+    def f(q, k, v):
+        return op(q, k, v, *extra, 0.0, True, scale=0.3)[0]
+
+    mask = None if kernel != "efficient" else bias
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=kernel != "efficient",
+                                          scale=0.3) if kernel != "efficient" else \
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask + torch.ones(8, 8).tril().log(),
+                                       scale=0.3)
+    assert_close(plait.jit(f)(q, k, v), want)

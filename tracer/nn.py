@@ -539,6 +539,43 @@ FUNCTION_HANDLERS[torch.nn.functional.scaled_dot_product_attention] = \
     _scaled_dot_product_attention
 
 
+def _fused_attention_issued_by_torch(op):
+    """A CUDA attention kernel that torch's own ``scaled_dot_product_attention`` picked
+    (called from Python code that plait's function handler does not see: inside
+    ``F.multi_head_attention_forward``, which a function mode runs as a whole): traced as
+    ``_scaled_dot_product_attention`` is. torch's composite keeps only the output, so the
+    kernel's other results are placeholders of their types (NaN where floating point); a
+    call of the kernel from the user's own code stays an opaque call of it."""
+    names = [a.name for a in op._schema.arguments]
+    defaults = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
+
+    def handler(*args, **kwargs):
+        if not current_trace().issued_by_torch:
+            return NotImplemented
+        given = {**defaults, **dict(zip(names, args)), **kwargs}
+        out = _scaled_dot_product_attention(
+            given["query"], given["key"], given["value"], given.get("attn_bias"),
+            given["dropout_p"], given["is_causal"], given["scale"])
+        if out is NotImplemented:
+            return NotImplemented
+        with _disable_current_modes():
+            metas = op(*[torch.empty(type_of(a).shape, dtype=type_of(a).dtype, device="meta")
+                         if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        device = type_of(given["query"]).device
+        rest = [torch.full(m.shape, math.nan if m.dtype.is_floating_point else 0,
+                           dtype=m.dtype, device=device) if isinstance(m, torch.Tensor) else m
+                for m in metas[1:]]
+        return (out, *rest)
+
+    return handler
+
+
+for _op in (aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default):
+    HANDLERS[_op] = _fused_attention_issued_by_torch(_op)
+
+
 def _flipped_transpose(w, groups: int):
     """Kernel [groups * a, b, k...] -> [groups * b, a, k...], spatially flipped: within each
     group, inputs and outputs swap, which runs the convolution backwards."""
