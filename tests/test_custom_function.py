@@ -307,3 +307,20 @@ def test_custom_op_without_a_derivative_is_refused_when_differentiated():
     assert_close(plait.jit(plain_mm)(a, b), a @ b)
     with pytest.raises(plait.errors.PlaitError, match="plain_mm"):
         plait.grad(lambda a: plain_mm(a, b).sum())(a)
+
+
+def test_a_custom_op_whose_derivative_gives_no_gradient_is_refused():
+    """torch's chunked linear_cross_entropy computes its gradients in the forward, for the
+    arguments that require grad, which plait's traced tensors do not: its registered
+    backward has none to give, and zero would be a wrong answer."""
+    x, w = torch.randn(4, 8), torch.randn(5, 8)
+    target = torch.randint(0, 5, (4,))
+
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True)
+
+    def loss(x):
+        return torch.nn.functional.linear_cross_entropy(x, w, target, options=options)
+
+    assert_close(plait.jit(loss)(x), loss(x))
+    with pytest.raises(plait.errors.PlaitError, match="gave no gradient"):
+        plait.grad(loss)(x)

@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import Function
 from torch.utils import _pytree as pytree
 
-from ..errors import TraceError
+from ..errors import TraceError, UnsupportedOpError
 from .primitives import define
 from .trace import (HANDLER_FINDERS, TRACING_CONTEXTS, TracerTensor, bind, current_trace,
                     on_tracers, tracing_active, unwrap_functional)
@@ -71,7 +71,10 @@ class CustomRule:
         self.attributes = {k: v for k, v in vars(ctx).items() if k not in saved_names
                            and k != "saved_tensors"}
         self.input_slots = inputs  # argument position of each tensor operand
-        self.saved_names, self.n_saved = saved_names, len(ctx.saved_tensors)
+        # tensors saved for backward, less the Nones among them (no operands): where they were
+        self.nones = tuple(i for i, t in enumerate(ctx.saved_tensors) if t is None)
+        self.saved_names = saved_names
+        self.n_saved = len(ctx.saved_tensors) - len(self.nones)
         self.out_types = out_types
 
     def __repr__(self) -> str:
@@ -80,7 +83,9 @@ class CustomRule:
     def backward(self, ct, output: int, operands: tuple) -> list:
         """The user's backward on the replayed operands, for the cotangent of one output."""
         n_in = len(self.input_slots)
-        saved = operands[n_in:n_in + self.n_saved]
+        saved = list(operands[n_in:n_in + self.n_saved])
+        for i in self.nones:
+            saved.insert(i, None)
         named = operands[n_in + self.n_saved:len(operands) - 1]
         ctx = _Context(self.attributes["needs_input_grad"])
         vars(ctx).update(self.attributes)
@@ -127,7 +132,7 @@ def traced_apply(cls, *args, **kwargs):
                       [_type_of(o) for o in outs if isinstance(o, torch.Tensor)])
     dirty = {id(t) for t in ctx.dirty}
     operands = [before[i] if id(args[i]) in dirty else args[i] for i in inputs] + \
-        list(ctx.saved_tensors) + [getattr(ctx, k) for k in saved_names]
+        [t for t in ctx.saved_tensors if t is not None] + [getattr(ctx, k) for k in saved_names]
     frozen = {id(t) for t in ctx.non_differentiable}
     results, k = [], 0
     for o in outs:
@@ -190,11 +195,32 @@ def custom_op_handler(op):
     if getattr(definition, "_backward_fn", None) is None:
         return None
     setup = definition._setup_context_fn or (lambda ctx, inputs, output: None)
+    names = [a.name for a in op._schema.arguments]
+
+    def backward(ctx, *cts):
+        grads = definition._backward_fn(ctx, *cts)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        # NOTE [custom op gradients]: a caller that chose what the op computes from its
+        # arguments' requires_grad (torch's linear_cross_entropy computes its gradients in
+        # the forward, only for arguments that require grad) saw plait's tracers, which do
+        # not: the registered backward then has no gradient at all to give, and zero would
+        # be a wrong answer (one that gives some, and None for an argument it does not
+        # differentiate, is taken at its word)
+        missing = [names[i] for i, (needed, g) in enumerate(zip(ctx.needs_input_grad, grads))
+                   if needed and g is None]
+        if missing and all(g is None for g in grads):
+            raise UnsupportedOpError(
+                f"the derivative registered for {op} gave no gradient for its floating-point "
+                f"argument(s) {missing}; its caller may have decided what to compute from "
+                "requires_grad, which plait's traced tensors do not set. Differentiate it "
+                "outside plait, or call the op where its gradients are not needed.")
+        return grads
+
     function = type(f"{op._name}.autograd", (Function,), {
         "forward": staticmethod(lambda *args: current_trace().opaque(op, args, {})),
         "setup_context": staticmethod(lambda ctx, inputs, output: setup(
             ctx=ctx, inputs=inputs, output=output)),
-        "backward": staticmethod(definition._backward_fn)})
+        "backward": staticmethod(backward)})
 
     def handler(*args, **kwargs):
         args, kwargs = torch._library.utils.fill_defaults(op._schema, args, kwargs)
