@@ -31,7 +31,7 @@ $(SUITE_STAMP): $(STAMP)
 
 # The heavy sweeps `make test` leaves out (tests marked slow, the model suite); CI runs both.
 test-slow: $(SUITE_STAMP)
-	$(PY) -m pytest -c tests/pytest.ini -q -m slow tests $(PYTEST_ARGS)
+	PLAIT_SUITE_REQUIRED=1 $(PY) -m pytest -c tests/pytest.ini -q -m slow tests $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
