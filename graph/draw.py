@@ -33,7 +33,7 @@ import attrs
 import networkx as nx
 
 from ..errors import DebugError
-from .graph import CONTROL, Graph
+from .types import CONTROL
 
 ENGINES = ("auto", "python", "dot")
 _FILL = {"input": "#dbeafe", "constant": "#e5e7eb", "op": "#fef9c3"}
@@ -96,11 +96,11 @@ def _boxes(graph) -> dict[int, _Box]:
         lines = [head, ", ".join(map(str, node.out_types)) or "()"]
         if n in outs:
             lines.append("-> out " + ", ".join(map(str, outs[n])))
-        bodies = [(k, v) for k, v in node.params if isinstance(v, Graph)]  # control flow's
+        bodies = [(k, v) for k, v in node.params if isinstance(v, type(graph))]  # control flow's
         lines += [f"{k}: {len(v) - len(v.inputs)} nodes" for k, v in bodies]
         where = "  ".join(filter(None, (node.provenance.aten, node.provenance.source)))
         params = ", ".join(f"{k}={v!r}" for k, v in node.params
-                           if node.prim != "constant" and not isinstance(v, Graph))
+                           if node.prim != "constant" and not isinstance(v, type(graph)))
         title = "\n".join(filter(None, (f"{head}[{params}]" if params else head, where,
                                          *(f"{k}: {v.as_text()}" for k, v in bodies))))
         kind = node.prim if node.prim in _FILL else "op"

@@ -20,14 +20,13 @@ import attrs
 import networkx as nx
 
 from ..errors import GraphError
-from .types import Node, Provenance, TensorType, Value
+from .types import CONTROL, DATA, Node, Provenance, TensorType, Value
 
 # primitive name -> its shape and dtype rule (or None), which ``Graph.validate`` checks nodes
 # against: the tracer's primitive table (tracer/primitives.py) registers each primitive here,
 # so the IR knows the rules by name without importing the layer above it.
 TYPE_RULES: dict[str, Callable | None] = {}
 
-DATA, CONTROL = "data", "control"
 
 
 class Graph:

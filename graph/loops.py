@@ -48,7 +48,8 @@ import attrs
 import sympy
 import torch
 
-from .types import TensorType
+from .printer import format_param
+from .types import TensorType, dtype_name
 
 
 def loop_vars(prefix: str, n: int) -> tuple[sympy.Symbol, ...]:
@@ -228,8 +229,6 @@ class LoopProgram:
     updates: dict = attrs.field(factory=dict)
 
     def as_text(self) -> str:
-        from .printer import program_to_text
-
         return program_to_text(self)
 
     def describe(self, kernel) -> list[str]:
@@ -364,3 +363,71 @@ def reduces(*exprs) -> list:
     for e in exprs:
         visit(e)
     return out
+
+
+def program_to_text(program) -> str:
+    """A loop program (graph/loops.py) as text: each step in order, a kernel with its loops,
+    its values (``t..``, operands first), its stores and the source lines it computes.
+
+        program(in0: f32[4,8], in1: f32[8,8]) {
+          buf2: f32[4,8] = extern0 dot_general(in0, in1)
+          kernel3 for x0 < 4, reduce r0 < 8 {  # aten._softmax.default  model.py:3
+            t0: f32 = amax[r](buf2[r0 + 8*x0])
+            ...
+            buf5[r0 + 8*x0] = t5
+          }
+          return (buf5)
+        }
+    """
+    def typed(b: str) -> str:
+        return f"{b}: {program.buffers[b].type}"
+
+    def kernel_lines(k: Kernel) -> list[str]:
+        names: dict = {}
+
+        def value(e) -> str:
+            if isinstance(e, Load):
+                where = "".join(f", i{j}={value(p)} in [0,{n})" for j, (p, n) in
+                                enumerate(e.indirect))
+                return f"{e.buffer}[{e.index}{where}]"
+            if isinstance(e, Constant):
+                return repr(e.value)
+            if isinstance(e, IndexValue):
+                return f"index({e.expr})"
+            return names[e]
+
+        loops = [f"x{i} < {n}" for i, n in enumerate(k.sizes)]
+        if k.reduction_sizes:
+            loops.append("reduce " + ", ".join(f"r{i} < {n}"
+                                               for i, n in enumerate(k.reduction_sizes)))
+        where = dict.fromkeys(line.split("  ", 1)[-1] for line in program.describe(k))
+        comment = f"  # {'; '.join(where)}" if where else ""
+        lines = [f"  {k.name} for {', '.join(loops) or '()'} {{{comment}"]
+        for e in walk(*(s.value for s in k.stores)):
+            if isinstance(e, Apply):
+                params = ", ".join(f"{n}={format_param(v)}" for n, v in e.params)
+                rhs = f"{e.op}{f'[{params}]' if params else ''}(" \
+                      f"{', '.join(value(a) for a in e.args)})"
+            elif isinstance(e, Reduce):
+                rhs = f"{e.op}[r]({value(e.body)})"
+            else:
+                continue
+            names[e] = f"t{len(names)}"
+            lines.append(f"    {names[e]}: {dtype_name(e.dtype)} = {rhs}")
+        lines += [f"    {s.buffer}[{s.index}] = {value(s.value)}" for s in k.stores]
+        return lines + ["  }"]
+
+    lines = [f"program({', '.join(typed(b) for b in program.inputs)}) {{"]
+    lines += [f"  {typed(b)} = constant" for b in program.constants]
+    for k in program.kernels:
+        if isinstance(k, Kernel):
+            lines += kernel_lines(k)
+            continue
+        outs = ", ".join(typed(b) for b in k.outputs) or "()"
+        what = f"wait({k.start})" if isinstance(k, Wait) else f"{k.label}"
+        lines.append(f"  {outs} = {k.name} {what}({', '.join(k.inputs)})")
+    taken = {o: b for o, b in program.aliases.items()}
+    if taken:
+        lines.append("  # in place: " + ", ".join(f"{o} in {b}" for o, b in taken.items()))
+    lines.append(f"  return ({', '.join(program.outputs)})")
+    return "\n".join(lines + ["}"])

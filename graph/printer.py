@@ -20,17 +20,16 @@ import torch
 from .types import Constant, dtype_name
 
 
-def _format_param(value, canonical: bool) -> str:
-    from .graph import Graph
-
-    if isinstance(value, Graph):  # printed in full below its node's line
+def format_param(value, canonical: bool = False, graph_type: type | tuple = ()) -> str:
+    """A node's param as text; one of ``graph_type`` (a body) is printed below its node."""
+    if isinstance(value, graph_type):
         return "{...}"
     if isinstance(value, torch.dtype):
         return dtype_name(value)
     if isinstance(value, Constant):
         return f"const<{value.digest}>" if canonical else repr(value)
     if isinstance(value, tuple):
-        inner = ", ".join(_format_param(v, canonical) for v in value)
+        inner = ", ".join(format_param(v, canonical, graph_type) for v in value)
         return f"({inner},)" if len(value) == 1 else f"({inner})"
     if isinstance(value, float):
         return repr(value)
@@ -40,8 +39,6 @@ def _format_param(value, canonical: bool) -> str:
 def graph_to_text(graph, provenance: bool = True, canonical: bool = False) -> str:
     """``canonical`` is the hashed form: no provenance, devices on types, full constant
     digests."""
-    from .graph import Graph
-
     provenance = provenance and not canonical
     names: dict[tuple[int, int], str] = {}
 
@@ -71,7 +68,8 @@ def graph_to_text(graph, provenance: bool = True, canonical: bool = False) -> st
         if node.prim == "input":
             continue
         lhs = define(n)
-        params = ", ".join(f"{k}={_format_param(v, canonical)}" for k, v in node.params)
+        params = ", ".join(f"{k}={format_param(v, canonical, type(graph))}"
+                           for k, v in node.params)
         args = ", ".join(name(v) for v in graph.operands(n))
         line = f"  {lhs} = {node.prim}{f'[{params}]' if params else ''}({args})"
         preds = graph.control_preds(n)
@@ -82,79 +80,9 @@ def graph_to_text(graph, provenance: bool = True, canonical: bool = False) -> st
             line += f"  # {where}"
         lines.append(line)
         for k, sub in node.params:  # a control-flow node's bodies, nested below it
-            if isinstance(sub, Graph):
+            if isinstance(sub, type(graph)):
                 text = graph_to_text(sub, provenance, canonical).split("\n")
                 lines += [f"    {k}: {text[0]}"] + [f"    {t}" for t in text[1:]]
     lines.append("  return (" + ", ".join(name(v) for v in graph.outputs) + ")")
     lines.append("}")
     return "\n".join(lines)
-
-
-def program_to_text(program) -> str:
-    """A loop program (graph/loops.py) as text: each step in order, a kernel with its loops,
-    its values (``t..``, operands first), its stores and the source lines it computes.
-
-        program(in0: f32[4,8], in1: f32[8,8]) {
-          buf2: f32[4,8] = extern0 dot_general(in0, in1)
-          kernel3 for x0 < 4, reduce r0 < 8 {  # aten._softmax.default  model.py:3
-            t0: f32 = amax[r](buf2[r0 + 8*x0])
-            ...
-            buf5[r0 + 8*x0] = t5
-          }
-          return (buf5)
-        }
-    """
-    from .loops import Apply, Constant as Literal, IndexValue, Kernel, Load, Reduce, Wait, walk
-
-    def typed(b: str) -> str:
-        return f"{b}: {program.buffers[b].type}"
-
-    def kernel_lines(k: Kernel) -> list[str]:
-        names: dict = {}
-
-        def value(e) -> str:
-            if isinstance(e, Load):
-                where = "".join(f", i{j}={value(p)} in [0,{n})" for j, (p, n) in
-                                enumerate(e.indirect))
-                return f"{e.buffer}[{e.index}{where}]"
-            if isinstance(e, Literal):
-                return repr(e.value)
-            if isinstance(e, IndexValue):
-                return f"index({e.expr})"
-            return names[e]
-
-        loops = [f"x{i} < {n}" for i, n in enumerate(k.sizes)]
-        if k.reduction_sizes:
-            loops.append("reduce " + ", ".join(f"r{i} < {n}"
-                                               for i, n in enumerate(k.reduction_sizes)))
-        where = dict.fromkeys(line.split("  ", 1)[-1] for line in program.describe(k))
-        comment = f"  # {'; '.join(where)}" if where else ""
-        lines = [f"  {k.name} for {', '.join(loops) or '()'} {{{comment}"]
-        for e in walk(*(s.value for s in k.stores)):
-            if isinstance(e, Apply):
-                params = ", ".join(f"{n}={_format_param(v, False)}" for n, v in e.params)
-                rhs = f"{e.op}{f'[{params}]' if params else ''}(" \
-                      f"{', '.join(value(a) for a in e.args)})"
-            elif isinstance(e, Reduce):
-                rhs = f"{e.op}[r]({value(e.body)})"
-            else:
-                continue
-            names[e] = f"t{len(names)}"
-            lines.append(f"    {names[e]}: {dtype_name(e.dtype)} = {rhs}")
-        lines += [f"    {s.buffer}[{s.index}] = {value(s.value)}" for s in k.stores]
-        return lines + ["  }"]
-
-    lines = [f"program({', '.join(typed(b) for b in program.inputs)}) {{"]
-    lines += [f"  {typed(b)} = constant" for b in program.constants]
-    for k in program.kernels:
-        if isinstance(k, Kernel):
-            lines += kernel_lines(k)
-            continue
-        outs = ", ".join(typed(b) for b in k.outputs) or "()"
-        what = f"wait({k.start})" if isinstance(k, Wait) else f"{k.label}"
-        lines.append(f"  {outs} = {k.name} {what}({', '.join(k.inputs)})")
-    taken = {o: b for o, b in program.aliases.items()}
-    if taken:
-        lines.append("  # in place: " + ", ".join(f"{o} in {b}" for o, b in taken.items()))
-    lines.append(f"  return ({', '.join(program.outputs)})")
-    return "\n".join(lines + ["}"])

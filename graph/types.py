@@ -18,6 +18,10 @@ for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
         _DTYPE_NAMES[getattr(torch, _name)] = _name.replace("float", "f").replace("uint", "u")
 
 
+# the kinds of a graph's edges: a value flows, or a node must run after another
+DATA, CONTROL = "data", "control"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
