@@ -1,6 +1,7 @@
 """The public entry points: jit, make_graph, and the Lowered view of one compilation.
 
-They only wire stages together: trace (tracer/), simplify (passes/), compile (backends/).
+They only wire stages together: trace (tracer/), then the driver (compiler/pipeline.py) for
+the rest.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from .config import config
 from .distributed import ddp_call
 from .errors import TraceError
 from .graph import Graph, TensorType
-from .passes import autodiff, memory, simplify
-from .passes.pipeline import Stages, collector_paused
+from .compiler import pipeline
+from .compiler.stages import Stages, collector_paused
+from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.state import STATE_LOCK, tensor_key
 from .tracer.trace import no_dynamo_import, tracing_active
@@ -133,20 +135,13 @@ class _once:
         return obj.__dict__[self._name]
 
 
-def _settings(keyed: dict):
-    """``config.patch`` of those knobs of ``keyed`` that differ from config's now: none where
-    a compilation finishes under the settings it began with, so that threads compiling at
-    once do not restore each other's values (config is process-wide)."""
-    return config.patch(**{k: v for k, v in keyed.items() if getattr(config, k) != v})
-
-
 class Lowered:
     """One compilation of a jitted function for one signature, for inspection. Its stages run
     when first needed, under the settings it was created with; a call needs only ``runner``,
     which the program cache may give without simplifying or compiling anything."""
 
     def __init__(self, traced: TracedFunction, backend: str, donated: frozenset = frozenset(),
-                 stages: Stages | None = None, simplified: bool = False):
+                 stages: Stages | None = None, simplified: bool = False, settings=None):
         self.traced = traced
         self._simplify = not simplified
         self.backend = backend
@@ -157,7 +152,7 @@ class Lowered:
         mutated = traced.mutated_inputs
         self.source_graph = traced.graph.donating(sorted(donated - set(mutated))).updating(
             mutated, len(traced.graph.outputs) - len(mutated))
-        self._config = config.keyed()
+        self._settings = settings or pipeline.snapshot(get_backend(backend))
         self._keeps_program = config.program_cache
         self._lock = threading.RLock()
 
@@ -169,18 +164,13 @@ class Lowered:
     @_once
     def _simplified(self) -> tuple[Graph, tuple]:
         passes: list = []
-        last = time.perf_counter()
 
         def on_pass(name: str, graph: Graph) -> None:
-            nonlocal last
-            now = time.perf_counter()
             passes.append((name, graph))
-            self._stages.record(name, graph, now - last)
-            last = now
 
-        with _settings(self._config), no_dynamo_import(), collector_paused():
-            graph = simplify(self.source_graph, on_pass) if config.simplify and \
-                self._simplify else self.source_graph
+        with no_dynamo_import(), collector_paused():
+            graph = pipeline.simplified(self.source_graph, self._settings, self._stages,
+                                        on_pass) if self._simplify else self.source_graph
         return graph, tuple(passes)
 
     @property
@@ -201,22 +191,32 @@ class Lowered:
         return debug.stage(self, stage).draw(path, engine)
 
     @_once
+    def scheduled(self) -> tuple | None:
+        """For a backend that generates code, the loop program and its memory plan made for
+        it (the stages up to ``plan``; no code is generated); None for one that interprets
+        the graph."""
+        backend = get_backend(self.backend)
+        if backend.target is None:
+            return None
+        graph = self.graph
+        with no_dynamo_import():
+            return pipeline.scheduled(graph, backend, self._settings, self._stages)
+
+    @_once
     def compiled(self):
         """The backend's callable for this graph (compiled on first use)."""
-        backend = get_backend(self.backend)
-        graph = self.graph
-        with _settings(self._config), no_dynamo_import(), collector_paused():
-            if backend.staged:
-                return backend.factory(graph, stages=self._stages)
-            return self._stages.run("compile", backend.factory, graph, keep=False)
+        schedule = self.scheduled
+        with no_dynamo_import():
+            return pipeline.compiled(self.graph, get_backend(self.backend), self._settings,
+                                     self._stages, schedule)
 
     @property
     def stages(self) -> dict:
         """Stage name -> what it made, in the order they ran (NOTE [pipeline]): the traced
-        graph, the graph after each simplify pass, and for a compiling backend the loop
-        program after lowering, fusion and each memory pass, then the memory plan. Each
-        prints with ``.as_text()``. Compiles what is not compiled yet."""
-        self.compiled
+        graph, the graph after each simplify pass, and for a backend that generates code
+        the loop program after lowering, fusion and each memory pass, then the memory plan.
+        Each prints with ``.as_text()``. Runs the stages not run yet, generating no code."""
+        self.scheduled
         return dict(self._stages.irs)
 
     @property
@@ -235,7 +235,8 @@ class Lowered:
         backend = get_backend(self.backend)
         if not (self._keeps_program and backend.keeps_programs):
             return self.compiled
-        key = program_cache.key(self.source_graph, backend, tuple(self._config.values()))
+        key = program_cache.key(self.source_graph, backend, pipeline.settings_key(
+            self._settings))
         runner = program_cache.load(key)
         if runner is not None:
             _cache_log.debug("program cache hit: %s", key)
@@ -361,20 +362,20 @@ class _Differentiable:
         self.seeded = [k for k in range(self.n_results)
                        if autodiff.differentiable(graph.output_types[k])]
         name = lowered._stages.name
-        with _settings(lowered._config), no_dynamo_import(), collector_paused():
-            joint = autodiff.joint(graph, wrt, self.seeded)
-            if config.simplify:
-                joint = simplify(joint)
+        stages = Stages(f"{name} (forward)")
+        with no_dynamo_import():
             # a primal the call does not write is read by the backward where it is (a
             # weight): returned by the forward, a CUDA graph would copy it out every call
-            forward, backward, self.read = autodiff.split(
-                joint, len(graph.inputs), self.n_outputs,
-                frozenset(range(len(graph.inputs))) - set(self.mutated))
+            forward, backward, self.read = pipeline.training(
+                graph, wrt, self.seeded, frozenset(range(len(graph.inputs))) - set(self.mutated),
+                lowered._settings, stages)
+        backward_stages = Stages(f"{name} (backward)")
+        backward_stages.record("backward", backward, 0.0)
         self._forward = Lowered(_program(forward.updating(self.mutated, self.n_results)),
-                                lowered.backend,
-                                stages=Stages(f"{name} (forward)"), simplified=True)
-        self._backward = Lowered(_program(backward), lowered.backend,
-                                 stages=Stages(f"{name} (backward)"), simplified=True)
+                                lowered.backend, stages=stages, simplified=True,
+                                settings=lowered._settings)
+        self._backward = Lowered(_program(backward), lowered.backend, stages=backward_stages,
+                                 simplified=True, settings=lowered._settings)
         self._lock = threading.RLock()  # for _backward_runner
 
     def forward(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
@@ -589,7 +590,7 @@ class Jitted:
                                            self._trace_floats)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend = get_backend(resolve_backend(self.backend or config.backend, tensors))
-        key = (signature, backend.cache_key(), config.cache_key(), _torch_modes())
+        key = (signature, backend.cache_key(), pipeline.settings_key(), _torch_modes())
         return leaves, tree, tensors, key, backend.name
 
     def lower(self, *args, **kwargs) -> Lowered:

@@ -2,13 +2,13 @@
 
 Each field can be set from the environment as ``PLAIT_<NAME>`` (read once, at import) and
 changed for a block of code with ``plait.config.patch(name=value)``, which also works as a
-decorator. Knobs that change generated code join the compilation cache key (`cache_key`).
+decorator. Knobs that change generated code join the compilation cache key (NOTE [pipeline]:
+those the compiler's stages, tracing and a backend name).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import os
 
 import attrs
@@ -84,7 +84,7 @@ class Config:
     cache_dir: str = attrs.field(factory=lambda: _env("cache_dir", os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "plait"), str))
     # A compilation running longer than this many seconds says once on stderr where it is
-    # (NOTE [pipeline], passes/pipeline.py).
+    # (NOTE [pipeline], compiler/pipeline.py).
     progress_after: float = attrs.field(factory=lambda: _env("progress_after", 5.0, float))
     # Compiled programs are kept there too, so a new process calling a function that another
     # compiled traces it and compiles nothing (NOTE [program cache], backends/program_cache.py).
@@ -153,15 +153,6 @@ class Config:
     def __attrs_post_init__(self):
         _set_log(self, None, self.log)
 
-    def cache_key(self) -> tuple:
-        """The knobs that change what a compiled function computes or how."""
-        return _key(self)
-
-    def keyed(self) -> dict:
-        """The knobs of ``cache_key`` by name, for ``patch``: a compilation finished later
-        (``Lowered``'s lazy stages) runs under the settings it started with."""
-        return dict(zip(_KEYED, _key(self)))
-
     @contextlib.contextmanager
     def _patched(self, changes: dict):
         unknown = set(changes) - {f.name for f in attrs.fields(Config)}
@@ -182,13 +173,6 @@ class Config:
     def patch(self, **changes):
         """Context manager (and decorator) that sets knobs and restores them on exit."""
         return _Patch(self, changes)
-
-
-_KEYED = ("simplify", "fuse_attention", "channels_last", "fold_max_numel", "allow_opaque",
-          "cpp_compiler", "cpp_flags", "cpp_wrapper", "cpp_sanitize", "split_reductions",
-          "inplace", "reorder", "plan_memory", "overlap", "symm_mem_max_bytes",
-          "comm_pool_reuse")
-_key = operator.attrgetter(*_KEYED)
 
 
 class _Patch(contextlib.ContextDecorator):

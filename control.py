@@ -39,18 +39,20 @@ import torch
 import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
-from .backends import compiled_body, resolve_backend
+from .backends import resolve_backend
+from .compiler.pipeline import compiled_body
 from .config import config
 from .errors import ShapeError, TraceError, UnsupportedOpError
 from .graph import Graph, Provenance, TensorType, Value, extract
-from .passes import autodiff, batching
+from .passes import autodiff
+from .tracer import batching
 from .passes.autodiff import differentiable, zeros
-from .passes.interpret import graph_of, inline, replay
+from .tracer.interpret import graph_of, inline, replay
 from .passes.simplify import with_carry_history
-from .tracer.primitives import bodies, define, draws_random, is_effectful
+from .tracer.registry import bodies, define, draws_random, is_effectful
 from .tracer.trace import (TRACING_CONTEXTS, bind, current_trace, on_tracers, tracing_active,
                            user_source)
-from .transforms import _TENSOR, _Traced
+from .transforms import _TENSOR, _Traced, vjp_graph
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,7 +182,7 @@ def _cond_vjp(cts, pred, *args, outs, true_branch, false_branch):
     _refuse_drawing("plait.cond whose branch", "the cond", true_branch, false_branch)
     wrt = [i for i, t in enumerate(true_branch.input_types) if differentiable(t)]
     n = len(true_branch.input_types) + len(outs)
-    branches = {k: _rewired(autodiff.vjp(g, wrt), range(n), len(outs))
+    branches = {k: _rewired(vjp_graph(g, wrt), range(n), len(outs))
                 for k, g in (("true_branch", true_branch), ("false_branch", false_branch))}
     grads = iter(bind("cond", pred, *args, *map(_or_zeros, cts, outs), **branches))
     return [None] + [next(grads) if i in wrt else None for i in range(len(args))]
@@ -432,7 +434,7 @@ def _scan_vjp(cts, *operands, outs, body, n_carry, n_xs, length, reverse):
     carries = bind("scan", *operands, body=with_carry_history(body, nc), n_carry=nc,
                    reverse=reverse, **params)[nc + ny:]
     # then backwards: each step recomputes its body from its carry and takes its VJP
-    vjp = _rewired(autodiff.vjp(body, diff), range(len(types) + nc + ny), nc + ny)
+    vjp = _rewired(vjp_graph(body, diff), range(len(types) + nc + ny), nc + ny)
 
     def step(*ins):
         ct_c, acc, c, x, ct_y, k = _take(ins, len(dc), len(dk), nc, nx, ny, nk)

@@ -199,8 +199,9 @@ def on_compile(fn, lowered) -> Path | None:
 
 
 def _program(lowered):
-    """The fused loop program of a backend that lowers to loops; None for eager."""
-    return getattr(lowered.compiled, "program", None) if lowered.backend != "eager" else None
+    """The scheduled loop program of a backend that generates code; None for one that
+    interprets the graph."""
+    return None if lowered.scheduled is None else lowered.scheduled[0]
 
 
 def _program_text(program) -> str:

@@ -27,7 +27,7 @@ import torch
 from .errors import DistributedError
 from .graph import TensorType
 from .tracer.collectives import group_params, normalize_dim, process_group
-from .tracer.primitives import get_primitive
+from .tracer.registry import get_primitive
 from .tracer.trace import bind, on_tracers, tracing_active
 
 

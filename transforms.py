@@ -4,7 +4,7 @@ NOTE [how a transform runs]
 A transform traces the function it wraps into a graph (a nested trace when it is called
 inside ``jit`` or another transform: tracers of enclosing traces that the function captures
 become extra graph inputs), transforms that graph with a pass (``passes/autodiff.py``,
-``passes/batching.py``) and inlines the result into the enclosing trace. Called on real
+``tracer/batching.py``) and inlines the result into the enclosing trace. Called on real
 tensors, a transformed function runs through ``jit`` (so it is traced once per signature and
 cached). The one-shot forms (``jvp(f, ...)``, ``vjp(f, ...)``, ``vmap(f)(...)``) keep that
 jit per function and options (``_staged_for``), so calling them again on the same function
@@ -24,11 +24,18 @@ import torch
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils import _pytree as pytree
 
+from .config import config
 from .errors import TraceError, TransformError
 from .passes import autodiff
-from .passes.interpret import inline
+from .tracer.interpret import inline
 from .tracer import trace_function
 from .tracer.trace import TracerTensor, bind, current_trace, on_tracers, tracing_active
+
+
+def vjp_graph(graph, wrt: Sequence[int]):
+    """``autodiff.vjp`` under the settings tracing reads now (attention fusion, channels-last
+    convolutions), which the passes take as arguments."""
+    return autodiff.vjp(graph, wrt, config.fuse_attention, config.channels_last)
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,7 +283,7 @@ def _vjp_body(func: Callable, argnums, has_aux: bool, args: tuple, kwargs: dict,
     seeds = seeds_for(main, types)
     cotangents = [seeds[k] if k in seeds else autodiff.zeros(ty) for k, ty in enumerate(types)]
     wrt = [i for pos in chosen for i in t.leaf_index(pos)]
-    results = inline(autodiff.vjp(t.graph, wrt), t.inputs + cotangents)
+    results = inline(vjp_graph(t.graph, wrt), t.inputs + cotangents)
     values, grads = results[:len(types)], iter(results[len(types):])
     writes = t.writes(values, wrt)  # checked where the forward pass wrote them too
     if write_back:
@@ -527,7 +534,7 @@ def vmap(func: Callable, in_dims=0, out_dims=0, randomness: str = "error",
     """As ``torch.func.vmap``: ``func`` mapped over dimension ``in_dims`` of its arguments,
     results stacked along ``out_dims``. ``chunk_size`` is checked as torch.func checks it;
     the whole batch is always computed at once (the results are the same)."""
-    from .passes import batching
+    from .tracer import batching
 
     _check_chunk_size("vmap", chunk_size)
     if randomness not in batching.RANDOMNESS:
@@ -547,7 +554,7 @@ def vmap(func: Callable, in_dims=0, out_dims=0, randomness: str = "error",
 
 
 def _vmapped(func, dims, out_dims, randomness, args, kwargs):
-    from .passes import batching
+    from .tracer import batching
 
     def body(args, kwargs):
         leaves, tree = pytree.tree_flatten(args)

@@ -1,22 +1,25 @@
-"""Backends turn a graph into a callable; they are registered by name.
+"""Backends make a compiled graph runnable; they are registered by name.
 
-A backend factory takes a ``Graph`` and returns ``run(inputs: list[Tensor]) -> list[Tensor]``;
-one that also takes ``stages`` gets the compilation's ``passes.pipeline.Stages`` to record
-its stages and their seconds in (what ``Lowered.stages`` and ``Lowered.timings`` show).
-A backend may bring a config object; its ``repr`` joins the compilation cache key, so changing
-it never serves code compiled under other settings. A backend whose callables may have a
-picklable ``runner`` (the callable's runtime alone) registers with ``keeps_programs``: the
-program cache keeps those on disk (NOTE [program cache]).
+A backend either interprets a graph, ``factory(graph) -> run(inputs) -> outputs`` (eager, or
+one of a user's), or generates code for the loop program the driver scheduled for it
+(``target``: what its code generator accepts, NOTE [pipeline] in compiler/pipeline.py):
+``factory(program, plan, stages, bodies) -> run`` records its own stages in ``stages`` and
+compiles a control-flow body with ``bodies(graph)``. A backend may bring a config object; its
+``repr`` joins the compilation cache key, as do the values of the global settings its code
+generator reads (``reads``). A backend whose callables may have a picklable ``runner`` (the
+callable's runtime alone) registers with ``keeps_programs``: the program cache keeps those on
+disk (NOTE [program cache]). Nothing here imports the passes: backends only generate code.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import attrs
 
+from ..config import config as global_config
 from ..errors import BackendError
 from . import cpp, eager, loopeval, triton
+from .codegen import Target
 
 
 @attrs.frozen
@@ -25,23 +28,21 @@ class Backend:
     factory: Callable
     config: Any = None
     keeps_programs: bool = False
-
-    @property
-    def staged(self) -> bool:
-        """Does the factory take ``stages`` (NOTE [pipeline]) to record its stages in?"""
-        return "stages" in inspect.signature(self.factory).parameters
+    target: Callable[[], Target] | None = None  # a code generator's (None: interprets graphs)
+    reads: tuple[str, ...] = ()  # the global settings its code generation reads
 
     def cache_key(self) -> tuple:
-        return (self.name, repr(self.config))
+        return (self.name, repr(self.config), tuple(getattr(global_config, r) for r in self.reads))
 
 
 _BACKENDS: dict[str, Backend] = {}
 
 
 def register_backend(name: str, factory: Callable, config: Any = None, *,
-                     keeps_programs: bool = False) -> None:
+                     keeps_programs: bool = False, target: Callable[[], Target] | None = None,
+                     reads: tuple[str, ...] = ()) -> None:
     """Register (or replace) the backend ``name``."""
-    _BACKENDS[name] = Backend(name, factory, config, keeps_programs)
+    _BACKENDS[name] = Backend(name, factory, config, keeps_programs, target, tuple(reads))
 
 
 def get_backend(name: str) -> Backend:
@@ -62,30 +63,15 @@ def resolve_backend(name: str, tensors) -> str:
     return "cpp" if devices <= {"cpu"} else "triton" if devices == {"cuda"} else "eager"
 
 
-_BODIES: dict = {}  # (body digest, backend, settings) -> its compiled program
-
-
-def compiled_body(graph, backend: str):
-    """A control-flow body (or branch) as a program of its own on ``backend``: simplified and
-    compiled once per body, backend and settings (NOTE [control-flow primitives], NOTE [native
-    loops])."""
-    from ..config import config
-    from ..passes.simplify import simplify
-
-    key = (graph.digest, backend, config.cache_key())
-    if key not in _BODIES:
-        _BODIES[key] = get_backend(backend).factory(simplify(graph))
-    return _BODIES[key]
-
-
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
 register_backend("eager", eager.compile_graph)
-register_backend("cpp", cpp.compile_graph, keeps_programs=True)
-register_backend("loops", loopeval.compile_graph)  # the reference for lowering and fusion
-register_backend("triton", triton.compile_graph)
+register_backend("cpp", cpp.CompiledProgram, keeps_programs=True, target=cpp.target,
+                 reads=cpp.READS)
+register_backend("loops", loopeval.Interpreted, target=loopeval.target)  # the reference
+register_backend("triton", triton.generate, target=triton.target, reads=triton.READS)
 
-__all__ = ["Backend", "available_backends", "compiled_body", "get_backend", "register_backend",
+__all__ = ["Backend", "Target", "available_backends", "get_backend", "register_backend",
            "resolve_backend"]

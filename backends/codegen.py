@@ -623,10 +623,25 @@ class _Tracker:
 # ---------------------------------------------------------------------------------------
 # A compiled program
 # ---------------------------------------------------------------------------------------
+@attrs.frozen
+class Target:
+    """What a code generator accepts, which lowering and the loop passes are told (NOTE
+    [pipeline]): the primitives it computes in kernels (others become externs), the dtypes its
+    kernels handle, whether it plans communication buffers (NOTE [lowering collectives]), and
+    whether long reductions split in two kernels (many parallel processors: NOTE [split
+    reductions])."""
+
+    supported_ops: frozenset
+    supported_dtypes: frozenset
+    comm_buffers: bool = True
+    split_reductions: bool = False
+
+
 class CompiledProgram:
-    """A LoopProgram compiled by a code generator: ``run(inputs) -> outputs``, with
-    ``.kernels`` (one CompiledKernel per step), ``.source`` (the generated code, then the
-    wrapper's listing), ``.wrapper_source`` and ``.plan`` (by default one without a pool). A
+    """A LoopProgram compiled by a code generator, given its memory plan, the ``Stages`` to
+    record in (NOTE [pipeline]) and ``bodies(graph)``, which compiles a control-flow body:
+    ``run(inputs) -> outputs``, with ``.kernels`` (one CompiledKernel per step), ``.source``
+    (the generated code, then the wrapper's listing), ``.wrapper_source`` and ``.plan``. A
     generator subclasses it with ``write(kernel) -> (writer, text)`` (the text names the
     kernel ``KERNEL_NAME`` and its parameters by position; the writer gets ``.name``),
     ``load(texts) -> code`` (builds or imports the distinct kernels' code), ``launch`` (a
@@ -640,13 +655,8 @@ class CompiledProgram:
     written into the program's code once, compiled and loaded once, and every step that runs
     it calls the one function on its own buffers."""
 
-    def __init__(self, program: LoopProgram, plan=None, stages=None):
-        from ..passes import memory
-        from ..passes.pipeline import Stages
-
-        self.program = program
-        self.plan = plan = plan or memory.plan(program, pool=False)
-        self.stages = stages = stages or Stages()
+    def __init__(self, program: LoopProgram, plan, stages, bodies: Callable | None = None):
+        self.program, self.plan, self.stages, self.bodies = program, plan, stages, bodies
         texts = stages.run("codegen", self._write, program, stages, keep=False)
         code = stages.run("native", self.load, texts, keep=False)
         self._wrapper = stages.run("wrapper", self.wrap, program, plan, keep=False)
@@ -677,16 +687,6 @@ class CompiledProgram:
     @property
     def measured_peak_bytes(self) -> int | None:
         return self._wrapper.measured_peak_bytes
-
-
-def compile_graph(compiled_program: type, graph, stages=None, **target) -> CompiledProgram:
-    """A compiling backend's factory: ``graph`` through the pipeline (NOTE [pipeline]) for a
-    code generator that accepts ``target`` (``supported_ops``, ``supported_dtypes``), then
-    compiled by it."""
-    from ..passes.pipeline import Stages, schedule
-
-    stages = stages or Stages()
-    return compiled_program(*schedule(graph, stages, **target), stages)
 
 
 @attrs.frozen

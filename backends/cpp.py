@@ -32,50 +32,26 @@ Dtypes: float32/64, int8/16/32/64, uint8 and bool have C types. Lowering is told
 (``supported_dtypes``) and makes anything else (float16, bfloat16, complex) an ``Extern``,
 which runs torch on whole buffers; a Kernel that still names another dtype is a lowering bug
 and raises ``BackendError``.
-
-NOTE [C++ build cache]
-The library's file name is a hash of the source, the compiler command and the compiler
-binary's identity (path, size, mtime), under ``<config.cache_dir>/cpp``. A hit is loaded
-without running anything; one that fails to load or lacks a kernel symbol is rebuilt. A
-library is loaded only if its length and sha256 are those written beside it when it was
-built (``<name>.so.sha256``): a truncated library can pass the loader's checks and fault
-(SIGBUS) when a page past its end is touched, killing the process. Builds happen in a private temporary folder and are moved in with ``os.replace``,
-so concurrent builds of one program both succeed and readers never see a partial file. An
-unwritable cache folder warns once and builds in a temporary folder instead. ``-march=native``
-code is keyed by the flags, not the CPU: a cache folder shared by different machines needs
-flags without it. A hit marks the library used (its modification time), and past
-``config.cpp_cache_bytes`` the least recently used go (a loaded library stays mapped). The
-program calling the library is kept too, by its traced graph (NOTE [program cache]): a new
-process loads both and compiles nothing.
+The library is built and cached by the toolchain (toolchain.py, NOTE [C++ build cache]).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
 import functools
-import hashlib
 import math
 import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 
 import torch
 
-from ..config import config
 from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
                            column_wise, is_inner, levels, loop_vars, walk)
 from . import codegen, cpp_wrapper
-from .codegen import (INFIX, INT_DIVISIONS, KERNEL_NAME, IndexPrinter, cache_folder,
-                      evict_least_used, kernel_error, with_error_codes)
-
-_CTYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t",
-           torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
-           torch.uint8: "uint8_t", torch.bool: "bool"}
-CPP_DTYPES = frozenset(_CTYPES)
+from .codegen import (INFIX, INT_DIVISIONS, KERNEL_NAME, IndexPrinter, kernel_error,
+                      with_error_codes)
+from .toolchain import CPP_DTYPES, Library, build, ctype
 
 # op -> C++ expression: {0}, {1}, {2} are the operands' locals, {T} the result's C type.
 _STD_MATH = ("acos acosh asin asinh atan atanh cbrt cos cosh erf erfc exp exp2 expm1 lgamma "
@@ -279,15 +255,6 @@ def _stored_by_the_reductions(passes: list, inner: list) -> bool:
         isinstance(e, Reduce) for s in inner for e in walk(s.value))
 
 
-def _ctype(dtype: torch.dtype) -> str:
-    try:
-        return _CTYPES[dtype]
-    except KeyError:
-        raise BackendError(f"the cpp backend has no C type for {dtype}; lowering should have "
-                           f"made this an extern. Use backend='eager' for this "
-                           f"function.") from None
-
-
 # ---------------------------------------------------------------------------------------
 # Printing expressions
 # ---------------------------------------------------------------------------------------
@@ -322,7 +289,7 @@ inline int64_t plait_mod(int64_t a, int64_t b) {
 
 
 def _literal(value, dtype: torch.dtype) -> str:
-    t = _ctype(dtype)
+    t = ctype(dtype)
     if dtype == torch.bool:
         return "true" if value else "false"
     if dtype.is_floating_point:
@@ -348,7 +315,7 @@ class _Scope:
             raise BackendError(f"kernel {self.kernel.kernel.name}: a {e.op} reduction inside "
                                "another reduction or in a kernel without reduction loops")
         args = [self.value(c) for c in children(e)]
-        t = _ctype(e.dtype)
+        t = ctype(e.dtype)
         if isinstance(e, Load):
             code = f"{self.kernel.param(e.buffer)}[{self.index(e, args)}]"
         elif isinstance(e, Constant):
@@ -406,7 +373,7 @@ class _KernelWriter:
             written, read = b in k.writes, b in k.reads
             const = "" if written else "const "
             restrict = "" if (written and read) or b in self.shared else " __restrict__"
-            decls.append(f"{const}{_ctype(buffer_types[b].dtype)}*{restrict} {self.params[b]}")
+            decls.append(f"{const}{ctype(buffer_types[b].dtype)}*{restrict} {self.params[b]}")
         lines = [f'extern "C" void {self.name}({", ".join(decls)}) {{']
         passes = levels(*(s.value for s in k.stores))
         inner = [s for s in k.stores if is_inner(s)]
@@ -478,7 +445,7 @@ class _KernelWriter:
         inner = self._point_loop(lines, inner)
         scope = _Scope(self, lines, inner, bound)
         for red, s in self.stashes.items():  # read back before any store overwrites them
-            scope.names[red.body] = scope.local(_ctype(red.body.dtype),
+            scope.names[red.body] = scope.local(ctype(red.body.dtype),
                                                 f"{self.params[s.buffer]}[{_index(s.index)}]")
         for s in stores:
             lines.append(f"{inner}{self.params[s.buffer]}[{_index(s.index)}] = "
@@ -538,7 +505,7 @@ class _KernelWriter:
         point = f"{x} - {first}" if first != "0" else x
         names = {e: f"c{self.count + j}" for j, e in enumerate(hoisted)}
         self.count += len(hoisted)
-        lines += [f"{indent}{_ctype(e.dtype)} {name}[{size}];" for e, name in names.items()]
+        lines += [f"{indent}{ctype(e.dtype)} {name}[{size}];" for e, name in names.items()]
         lines += [f"{indent}#pragma omp simd",
                   f"{indent}for (int64_t {x} = {first}; {x} < {extent}; ++{x}) {{"]
         scope = _Scope(self, lines, indent + "  ", {})
@@ -572,7 +539,7 @@ class _KernelWriter:
         for i, red in enumerate(reduces):
             if red.op not in _REDUCTIONS:
                 raise BackendError(f"kernel {k.name}: unknown reduction {red.op!r}")
-            acc, body_t = f"acc{self.count}", _ctype(red.body.dtype)
+            acc, body_t = f"acc{self.count}", ctype(red.body.dtype)
             self.count += 1
             acc_t = "double" if red.body.dtype == torch.float32 and red.op in (
                 "sum", "prod") else body_t
@@ -585,7 +552,7 @@ class _KernelWriter:
                 lines.append(f"{indent}int64_t {acc}_index = 0;")
                 results[red] = f"{acc}_index"
             else:
-                results[red] = f"static_cast<{_ctype(red.dtype)}>({acc}{point})"
+                results[red] = f"static_cast<{ctype(red.dtype)}>({acc}{point})"
             if red.op in ("amax", "amin") and acc_t != "bool":
                 # NOTE [vectorized extrema]: a plain max/min (which the compiler vectorizes)
                 # and a separate "saw a NaN" flag, instead of a NaN-propagating combine; the
@@ -598,7 +565,7 @@ class _KernelWriter:
                     lines.append(f"{indent}int {acc}_nan{array} = {{}};")
                     update += " {nan} |= ({v} != {v});"
                     clauses.setdefault("|", []).append(f"{acc}_nan")
-                    results[red] = (f"static_cast<{_ctype(red.dtype)}>({acc}_nan{point} ? "
+                    results[red] = (f"static_cast<{ctype(red.dtype)}>({acc}_nan{point} ? "
                                     f"std::numeric_limits<{acc_t}>::quiet_NaN() : "
                                     f"{acc}{point})")
             updates.append((red, acc, update))
@@ -635,7 +602,7 @@ class _KernelWriter:
         if self.columns:  # the results are read per point, in the later point loops
             return results
         for red, acc, _ in updates:  # each result once, as a local of its own
-            lines.append(f"{indent}const {_ctype(red.dtype)} {acc}_out = {results[red]};")
+            lines.append(f"{indent}const {ctype(red.dtype)} {acc}_out = {results[red]};")
             results[red] = f"{acc}_out"
         return results
 
@@ -670,129 +637,6 @@ KERNELS_PER_LIBRARY = 16  # fewest distinct kernels a library is built for (Comp
 
 
 # ---------------------------------------------------------------------------------------
-# Building and caching the library
-# ---------------------------------------------------------------------------------------
-def _compiler() -> str:
-    path = shutil.which(config.cpp_compiler)
-    if path is None:
-        raise BackendError(
-            f"the cpp backend needs a C++ compiler and {config.cpp_compiler!r} was not found "
-            "on PATH. Install one (e.g. `apt-get install g++`), point "
-            "plait.config.cpp_compiler (PLAIT_CPP_COMPILER) at one, or use backend='eager'.")
-    return path
-
-
-class Library:
-    """A built shared library loaded through ctypes. It pickles as its path and symbols and
-    loads again where unpickled (NOTE [program cache]); loading raises ``BackendError`` where
-    the file is gone or lacks a symbol (corrupt, truncated)."""
-
-    def __init__(self, path: str, symbols: Sequence[str]):
-        self.path, self.symbols = path, tuple(symbols)
-        try:
-            with open(path + ".sha256") as f:
-                if f.read() != _fingerprint(path):
-                    raise OSError("its length or digest is not the one written when it was "
-                                  "built (damaged or truncated)")
-            self.cdll = ctypes.CDLL(path)
-            for s in self.symbols:
-                getattr(self.cdll, s)
-        except (OSError, AttributeError) as e:
-            raise BackendError(f"the library {path} does not load: {e}") from None
-
-    def __reduce__(self):
-        return Library, (self.path, self.symbols)
-
-
-def _fingerprint(path: str) -> str:
-    """A library file's length and sha256 (NOTE [C++ build cache])."""
-    with open(path, "rb") as f:
-        data = f.read()
-    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
-
-
-def _load(path: str, symbols: Sequence[str]) -> Library | None:
-    try:
-        return Library(path, symbols)
-    except BackendError:
-        return None
-
-
-# NOTE [sanitized builds]
-# ``config.cpp_sanitize`` (PLAIT_CPP_SANITIZE) builds every library (the kernels, the C++
-# wrapper, its memory and runtime) with SANITIZE_FLAGS: an access out of a buffer, a use after
-# free or undefined behaviour in generated code is reported where it happens, with its stack,
-# and stops the process. The flags are part of the compiler command, so of a library's file
-# name, and the setting is in ``config.cache_key``, so in the program cache's key: sanitized
-# and plain builds never mix. Python is not built with ASan, whose runtime must be the first
-# library loaded: run the interpreter with ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)``
-# and ``ASAN_OPTIONS=detect_leaks=0`` (the interpreter frees little at exit), and
-# ``UBSAN_OPTIONS=halt_on_error=1`` to stop at the first undefined behaviour too. Loading a
-# sanitized library without the preload would end the process (ASan's own check), so a build
-# refuses there (BackendError). tests/test_native_safety.py runs its programs so.
-SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer")
-
-
-@functools.cache
-def _asan_loaded() -> bool:
-    return hasattr(ctypes.CDLL(None), "__asan_init")
-
-
-def build(source: str, symbols: Sequence[str], flags: Sequence[str] = (),
-          only_cached: bool = False) -> Library | None:
-    """The shared library of ``source`` (which defines ``symbols``), from the disk cache or
-    built with the configured compiler and ``flags`` after the configured ones (NOTE [C++
-    build cache]); None where ``only_cached`` and the cache lacks it."""
-    compiler = _compiler()
-    if config.cpp_sanitize and not _asan_loaded():  # NOTE [sanitized builds]
-        raise BackendError(
-            "config.cpp_sanitize (PLAIT_CPP_SANITIZE) builds libraries with AddressSanitizer, "
-            "whose runtime this Python process did not load first. Run it with LD_PRELOAD="
-            "$(g++ -print-file-name=libasan.so) and ASAN_OPTIONS=detect_leaks=0, or turn "
-            "the setting off.")
-    # NOTE [one rounding per op] (codegen.py); before the configured flags, which may say otherwise
-    command = [compiler, "-ffp-contract=off", *shlex.split(config.cpp_flags), *flags,
-               *(SANITIZE_FLAGS if config.cpp_sanitize else ()), "-shared", "-fPIC"]
-    st = os.stat(compiler)
-    key = hashlib.sha256("\0".join([source, *command, str(st.st_size),
-                                    str(st.st_mtime_ns)]).encode()).hexdigest()[:40]
-    cache = cache_folder("cpp")
-    if cache is not None:
-        target = os.path.join(cache, key + ".so")
-        if os.path.exists(target) and (lib := _load(target, symbols)) is not None:
-            try:
-                os.utime(target)  # used now: the last to be evicted
-            except OSError:
-                pass
-            return lib
-    if only_cached:
-        return None
-    work = tempfile.mkdtemp(prefix="plait-", dir=cache)
-    try:
-        src, out = os.path.join(work, key + ".cpp"), os.path.join(work, key + ".so")
-        with open(src, "w") as f:
-            f.write(source)
-        # the source before the flags: libraries named in them (-lmvec) resolve its symbols
-        proc = subprocess.run([command[0], src, *command[1:], "-o", out], capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            raise BackendError(f"the C++ compiler failed ({shlex.join(command)}):\n"
-                               f"{proc.stderr[-4000:]}")
-        with open(out + ".sha256", "w") as f:
-            f.write(_fingerprint(out))
-        if cache is None:
-            target = out  # loaded before the folder goes: the mapping outlives the file
-        else:
-            os.replace(src, os.path.join(cache, key + ".cpp"))  # kept for reading
-            os.replace(out, target)
-            os.replace(out + ".sha256", target + ".sha256")  # after it: a reader between
-            evict_least_used(cache, config.cpp_cache_bytes, keep=key)  # the two sees none
-        return Library(target, symbols)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------
 # The compiled program
 # ---------------------------------------------------------------------------------------
 class CompiledProgram(codegen.CompiledProgram):
@@ -812,7 +656,8 @@ class CompiledProgram(codegen.CompiledProgram):
         names = list(dict.fromkeys(w.name for w in self.writers.values()))  # as ``texts``
         parts = max(1, min(os.cpu_count() or 1, len(texts) // KERNELS_PER_LIBRARY))
         chunks = [(texts[j::parts], names[j::parts]) for j in range(parts)]
-        self.native = cpp_wrapper.generate(self.program, self.plan, self.writers) \
+        self.native = cpp_wrapper.generate(
+            self.program, self.plan, self.writers, self.bodies) \
             if cpp_wrapper.applies(self.program, self.plan) else None
         if self.native is not None:
             chunks[0] = ([*chunks[0][0], self.native.source], [*chunks[0][1], "plait_program"])
@@ -881,11 +726,10 @@ class _KernelCall:
 _CPU = torch.device("cpu")
 
 
-compile_program = CompiledProgram
+# the settings its code reads, which join the cache key (NOTE [sanitized builds])
+READS = ("cpp_compiler", "cpp_flags", "cpp_wrapper", "cpp_sanitize")
 
 
-def compile_graph(graph, stages=None):
-    """The ``cpp`` backend's factory (NOTE [pipeline]): lowered for this code generator,
-    fused, through the memory passes, compiled."""
-    return codegen.compile_graph(CompiledProgram, graph, stages, supported_ops=CPP_OPS,
-                                 supported_dtypes=CPP_DTYPES)
+def target() -> codegen.Target:
+    """What the ``cpp`` backend's code generator accepts (NOTE [pipeline])."""
+    return codegen.Target(frozenset(CPP_OPS), CPP_DTYPES)

@@ -58,8 +58,9 @@ from ..config import config
 from ..errors import BackendError
 from ..graph.loops import Extern, Kernel, Wait
 from ..graph.types import TensorType
-from ..tracer.primitives import Impl
+from ..tracer.registry import Impl
 from .codegen import entry_pointers, extern_results, extern_text, kernel_error
+from .toolchain import CPP_DTYPES, build, ctype
 
 # ---------------------------------------------------------------------------------------
 # The runtime: native externs, through ATen
@@ -323,15 +324,13 @@ _SCALAR_TYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, 
 def _build(source: str, symbols: list, libraries: list, only_cached: bool = False):
     """A library against torch's headers and ``libraries``, built once per torch version and
     compiler (NOTE [C++ build cache]); None where ``only_cached`` and it was not built."""
-    from . import cpp
-
     root = os.path.dirname(torch.__file__)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = [f"-I{root}/include", f"-I{root}/include/torch/csrc/api/include",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-L{root}/lib",
              *(f"-l{name}" for name in libraries), f"-Wl,-rpath,{root}/lib"]
     source = f"// for torch {torch.__version__}\n{source}"  # its headers: part of the key
-    return cpp.build(source, symbols, flags, only_cached)
+    return build(source, symbols, flags, only_cached)
 
 
 @functools.cache
@@ -465,20 +464,19 @@ BODIES = {"scan": ("body",), "while_loop": ("cond_graph", "body_graph"),
           "cond": ("true_branch", "false_branch")}
 
 
-def _sub_programs(k, buffers) -> list | None:
+def _sub_programs(k, buffers, compile_body) -> list | None:
     """NOTE [native loops]: the sub-programs of a control-flow extern, each a ``codegen.Runner``
-    whose wrapper is native and writes every output into memory of its caller's; or None."""
-    from . import compiled_body, cpp
-
-    if _prim(k) not in BODIES or k.fenced or any(m != "reshape" for v in k.fn.views
-                                                 for m, _ in v):
+    whose wrapper is native and writes every output into memory of its caller's; or None.
+    ``compile_body(graph)``: a body compiled by this backend (None: none is)."""
+    if compile_body is None or _prim(k) not in BODIES or k.fenced or any(
+            m != "reshape" for v in k.fn.views for m, _ in v):
         return None
-    runners = [compiled_body(dict(k.params)[name], "cpp").runner for name in BODIES[_prim(k)]]
+    runners = [compile_body(dict(k.params)[name]).runner for name in BODIES[_prim(k)]]
     if not all(isinstance(r.wrapper, NativeWrapper) and r.wrapper.loopable for r in runners):
         return None
     pred = {"cond": lambda: buffers[k.inputs[0]].type,
             "while_loop": lambda: runners[0].wrapper.output_types[0]}.get(_prim(k))
-    return runners if pred is None or pred().dtype in cpp.CPP_DTYPES else None
+    return runners if pred is None or pred().dtype in CPP_DTYPES else None
 
 
 def applies(program, plan) -> bool:
@@ -536,9 +534,10 @@ class Generated:
         return any(kind == "runtime" and what not in _RESERVED for kind, what in self.entries)
 
 
-def generate(program, plan, writers: dict) -> Generated:
+def generate(program, plan, writers: dict, compile_body=None) -> Generated:
     """The C++ wrapper of ``program`` under ``plan`` (NOTE [C++ wrapper]); ``writers``: step ->
-    its kernel's writer (``name``, ``buffers``, ``checks_error``)."""
+    its kernel's writer (``name``, ``buffers``, ``checks_error``); ``compile_body``: as
+    ``_sub_programs`` takes it."""
     lv, kernels, buffers = plan.liveness, program.kernels, program.buffers
     table, lines, python_steps, bodies = _Table(), [], [], []
     shapes: list[str] = []  # each result's shape, for its DLPack tensor
@@ -598,7 +597,7 @@ def generate(program, plan, writers: dict) -> Generated:
         elif (params := _native_params(k)) is not None and all(
                 buffers[b].type.dtype in _SCALAR_TYPES for b in (*k.inputs, *k.outputs)):
             _native_call(k, params, buffers, var, table, lines)
-        elif (runners := _sub_programs(k, buffers)) is not None:
+        elif (runners := _sub_programs(k, buffers, compile_body)) is not None:
             calls = [_Call(f"a{j}", len(bodies) + j, r, table, lines)
                      for j, r in enumerate(runners)]
             bodies += runners
@@ -740,8 +739,6 @@ def _scan(k: Extern, calls: list, buffers, var: dict, lines: list) -> None:
 
 
 def _while_loop(k: Extern, calls: list, buffers, var: dict, lines: list) -> None:
-    from .cpp import _ctype
-
     nc, ins, outs = dict(k.params)["n_carry"], k.inputs, k.outputs
     cond, body = calls
     pred = cond.wrapper.output_types[0]
@@ -753,7 +750,7 @@ def _while_loop(k: Extern, calls: list, buffers, var: dict, lines: list) -> None
     inputs = [f"(n ? carry[(n - 1) % 2][{c}] : {var[ins[c]]})" for c in range(nc)] + \
         [var[b] for b in ins[nc:]]
     lines += cond(inputs, ["pred"], "        ")
-    lines.append(f"        if (rc || !*({_ctype(pred.dtype)}*)pred) break;")
+    lines.append(f"        if (rc || !*({ctype(pred.dtype)}*)pred) break;")
     lines += body(inputs, [f"carry[n % 2][{c}]" for c in range(nc)], "        ")
     lines.append("    }")
     for c, b in enumerate(outs):
@@ -764,11 +761,9 @@ def _while_loop(k: Extern, calls: list, buffers, var: dict, lines: list) -> None
 
 
 def _cond(k: Extern, calls: list, buffers, var: dict, lines: list) -> None:
-    from .cpp import _ctype
-
     pred, args = k.inputs[0], [var[b] for b in k.inputs[1:]]
     targets = [var[b] for b in k.outputs]
-    lines.append(f"    if (*({_ctype(buffers[pred].type.dtype)}*){var[pred]}) {{")
+    lines.append(f"    if (*({ctype(buffers[pred].type.dtype)}*){var[pred]}) {{")
     lines += calls[0](args, targets, "        ")
     lines.append("    } else {")
     lines += calls[1](args, targets, "        ")

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..graph import Graph
-from ..tracer.primitives import get_primitive
+from ..tracer.registry import get_primitive
 
 
 def compile_graph(graph: Graph) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:

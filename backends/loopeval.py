@@ -1,22 +1,27 @@
-"""The ``loops`` backend: lower and fuse a graph (passes/lowering.py, passes/fusion.py) and
-evaluate the LoopProgram with torch, one whole kernel at a time over a grid of its loops.
+"""The ``loops`` backend: the LoopProgram the driver scheduled (NOTE [pipeline]: lowered,
+fused and through the memory passes, as for every code generator) evaluated with torch, one
+whole kernel at a time over a grid of its loops.
 
-It is the reference for lowering and fusion, independent of any code generator: a bug in
-them shows up here as a wrong answer, a code generator bug only in that generator.
+It is the reference for the loop passes, independent of any code generator: a bug in them
+shows up here as a wrong answer, a code generator bug only in that generator.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import sympy
 import torch
 
-from ..graph import Graph
 from ..graph.loops import (Apply, Constant, Extern, IndexValue, Load, LoopProgram, Reduce,
                            is_inner)
-from ..tracer.primitives import get_primitive
-from .codegen import INDEX_OUT_OF_RANGE, extern_results, kernel_error
+from ..tracer.primitives import ELEMENTWISE
+from ..tracer.registry import get_primitive
+from .codegen import INDEX_OUT_OF_RANGE, Target, extern_results, kernel_error
+
+# the dtypes its kernels compute in (others: externs, which run torch)
+_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
+           torch.uint8, torch.bool)
 
 
 def _index(expr, env: dict, shape):
@@ -142,21 +147,19 @@ def _empty(buffer):
     return torch.empty(buffer.type.shape, dtype=buffer.type.dtype)
 
 
-def compile_graph(graph: Graph, stages=None) -> Callable[[Sequence[torch.Tensor]],
-                                                          list[torch.Tensor]]:
-    from ..passes.fusion import fuse
-    from ..passes.lowering import lower
-    from ..passes.pipeline import Stages
-
-    stages = stages or Stages()
-    return _Interpreted(stages.run("fuse", fuse, stages.run("lower", lower, graph)))
+def target() -> Target:
+    """What the ``loops`` backend evaluates: every elementwise primitive and view, in every
+    dtype torch has, planning no communication buffers."""
+    return Target(frozenset(ELEMENTWISE), frozenset(_DTYPES), comm_buffers=False)
 
 
-class _Interpreted:
-    def __init__(self, program: LoopProgram):
+class Interpreted:
+    """The ``loops`` backend's program: the scheduled LoopProgram, evaluated by ``run_program``
+    at each call, which allocates each buffer on its own (the memory plan is the compiling
+    backends' business: this one keeps none)."""
+
+    def __init__(self, program: LoopProgram, plan, stages, bodies=None):
         self.program = program
 
     def __call__(self, inputs):
         return run_program(self.program, inputs)
-
-

@@ -6,7 +6,7 @@ kernels, the constants, the device) is pickled to ``<cache_dir>/programs/<key>.p
 calling a function that an earlier one compiled traces it (the traced graph is the key) and
 loads the runner: no simplify, lowering, fusion, memory passes or code generation, and none
 of the lazy imports they cost. The key digests the graph as traced (donations marked), the
-backend and its config, ``config.cache_key()``, the torch version and plait's own source files
+backend and its config, the settings the compilation read (NOTE [pipeline]), the torch version and plait's own source files
 (sizes and modification times: an edited plait never runs what an older one compiled).
 
 An entry is a header line, its full key, the sha256 of its pickle, then the pickle. Anything
@@ -57,7 +57,7 @@ _MAGIC = b"plait program 2\n"
 
 def key(graph, backend, config_key: tuple) -> str:
     """The entry of ``graph`` compiled by ``backend`` under settings ``config_key``
-    (``config.cache_key()`` when the compilation began)."""
+    (``compiler.settings_key`` when the compilation began)."""
     parts = (graph.digest, repr(backend.cache_key()), repr(config_key), torch.__version__,
              _plait_source())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()

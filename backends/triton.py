@@ -1154,11 +1154,11 @@ class CompiledProgram(codegen.CompiledProgram):
     """A LoopProgram as one module of ``@triton.jit`` kernels and the shared wrapper
     (backends/codegen.py, NOTE [wrapper memory]), which allocates on the inputs' device."""
 
-    def __init__(self, program: LoopProgram, plan=None, stages=None):
+    def __init__(self, program: LoopProgram, plan, stages, bodies=None):
         self._types = {b: buf.type for b, buf in program.buffers.items()}
         self._on_device: dict = {}  # device -> constants there
         self._error_flags: dict = {}  # device -> the flag checking kernels set
-        super().__init__(program, plan, stages)
+        super().__init__(program, plan, stages, bodies)
         # NOTE [CUDA graphs]: not a program that communicates (every rank must issue its
         # collectives itself, in one order)
         self._graphed = None if self.plan.comm_pools or any(
@@ -1325,14 +1325,14 @@ class CompiledProgram(codegen.CompiledProgram):
         return self._graphed(inputs, device)
 
 
-compile_program = CompiledProgram
+generate = CompiledProgram
+READS = ()  # the settings its code reads (``triton_autotune``, ``compile_workers``) change
+#             how fast it runs, not what
 
 
-def compile_graph(graph, stages=None):
-    """The ``triton`` backend's factory (NOTE [pipeline]): lowered for this code generator
-    (its ops: ``supported_ops()``), fused, through the memory passes; its kernels compile for
-    a device at the first call there."""
+def target() -> codegen.Target:
+    """What the ``triton`` backend's code generator accepts (NOTE [pipeline]); its compile
+    workers start now, while lowering runs."""
     if config.compile_workers and not interpreting() and torch.cuda.is_available():
-        compile_workers.pool(config.compile_workers)  # they start while lowering runs
-    return codegen.compile_graph(compile_program, graph, stages, supported_ops=supported_ops(),
-                                 supported_dtypes=TRITON_DTYPES, split_reductions=True)
+        compile_workers.pool(config.compile_workers)
+    return codegen.Target(supported_ops(), TRITON_DTYPES, split_reductions=True)

@@ -1,9 +1,10 @@
-"""Pure graph -> graph passes, each registered by name in ``PASSES``."""
+"""Pure graph -> graph passes (simplification, attention fusion, layout, differentiation) and
+loop-program passes (lowering, indexing, fusion, split reductions, memory). The driver
+(compiler/pipeline.py) runs them in order."""
 from .attention import fuse_attention
 from .layout import channels_last
-from .simplify import (PASSES, algebra, cse, dce, erase_markers, fold_constants, rewrite,
-                       simplify, unread_input_grads, unread_ys)
+from .simplify import (algebra, cse, dce, erase_markers, fold_constants, rewrite,
+                       unread_input_grads, unread_ys)
 
-__all__ = ["PASSES", "algebra", "channels_last", "cse", "dce", "erase_markers",
-           "fold_constants", "fuse_attention", "rewrite", "simplify", "unread_input_grads",
-           "unread_ys"]
+__all__ = ["algebra", "channels_last", "cse", "dce", "erase_markers", "fold_constants",
+           "fuse_attention", "rewrite", "unread_input_grads", "unread_ys"]

@@ -36,23 +36,19 @@ jit's simplify pipeline and, on the graph being differentiated, before reverse-m
 differentiation (``autodiff.joint``): a training step's attention then differentiates by
 the primitive's own rule, torch's fused backward (tracer/nn.py), and neither pass stores
 the scores. Its second derivatives differentiate the written-out form (``attention_scores``
-then softmax and the product with v).
+then softmax and the product with v; passes/autodiff.py).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 
 import attrs
 import torch
 
-from ..config import config
 from ..graph import Graph, GraphBuilder, TensorType, Value, rewrite
 from ..tracer.aten import SoftmaxRule
-from ..tracer.nn import attention_scores, refuse_dropout_derivative, stays_written
-from ..tracer.primitives import get_primitive, is_effectful
-from ..tracer.trace import current_trace
-from .interpret import graph_of, inline
+from ..tracer.nn import stays_written
+from ..tracer.registry import get_primitive, is_effectful
 
 
 def _batch_view(g, v: Value, members: set | None = None) -> Value:
@@ -300,8 +296,6 @@ def _bias_operand(b: GraphBuilder, bias: Value, q: TensorType, provenance) -> Va
 
 def fuse_attention(graph: Graph) -> Graph:
     """NOTE [attention fusion]."""
-    if not config.fuse_attention:
-        return graph
     pinned = {v.node for v in graph.outputs} | {u for edge in graph.control_edges() for u in edge}
 
     def visit(b, n, operands, preds):
@@ -336,59 +330,3 @@ def fuse_attention(graph: Graph) -> Graph:
         return b.add_node("reshape", (result,), {"shape": t.shape}, (t,), provenance)
 
     return rewrite(graph, visit)
-
-
-# ---------------------------------------------------------------------------------------
-# Second derivatives: attention_backward's rules, from the written-out form's VJP
-# ---------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=64)
-def _backward_graph(types: tuple, scale: float, causal: bool) -> Graph:
-    """(q, k, v[, bias], ct) -> (out, dq, dk, dv): the written-out attention's VJP."""
-    from .autodiff import vjp
-
-    with config.patch(fuse_attention=False):
-        forward = graph_of(lambda q, k, v, *bias: [
-            attention_scores(q, k, scale, causal, *bias).softmax(-1) @ v], types)
-        return vjp(forward, [0, 1, 2])
-
-
-def _graph_for(q, k, v, bias, scale, causal) -> Graph:
-    trace = current_trace()
-    return _backward_graph(tuple(trace.type_of(x) for x in (q, k, v, *bias)), scale, causal)
-
-
-def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False, dropout=0.0,
-                  kernel=None):
-    from .autodiff import vjp, zeros
-
-    if dropout:
-        refuse_dropout_derivative("a second derivative")
-
-    graph = _graph_for(q, k, v, bias, scale, causal)
-    with config.patch(fuse_attention=False):
-        second = vjp(graph, range(len(graph.inputs)))
-    seeds = [zeros(graph.output_types[0]),
-             *(c if c is not None else torch.zeros_like(x) for c, x in zip(cts, (q, k, v)))]
-    *grads, gct = inline(second, [q, k, v, *bias, ct, *seeds])[4:]
-    # none for out and lse: they are functions of q, k and v (and the bias), whose
-    # cotangents above are the written-out form's, which reads no out or lse
-    return [gct, *grads[:3], None, None, *grads[3:]]
-
-
-def _backward_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0,
-                  kernel=None):
-    from .autodiff import jvp
-
-    if dropout:
-        refuse_dropout_derivative("a second derivative")
-
-    ct, q, k, v, _, _, *bias = operands  # (out and lse: as in _backward_vjp)
-    graph = _graph_for(q, k, v, bias, scale, causal)
-    # in the graph's input order
-    given = [*tangents[1:4], *tangents[6:], tangents[0]]
-    wrt = [i for i, t in enumerate(given) if t is not None]
-    return inline(jvp(graph, wrt), [q, k, v, *bias, ct, *(given[i] for i in wrt)])[5:8]
-
-
-get_primitive("attention_backward").vjp = _backward_vjp
-get_primitive("attention_backward").jvp = _backward_jvp

@@ -28,15 +28,20 @@ transpose is J again.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
+
+import torch
 
 from ..errors import UnsupportedOpError
 from ..graph import Graph, GraphBuilder, TensorType, Value, extract
-from ..tracer.primitives import COMPLEX_RULES, ELEMENTWISE, get_primitive, is_effectful
-from ..tracer.trace import Trace, bind, tracing
+from ..tracer.primitives import COMPLEX_RULES, ELEMENTWISE
+from ..tracer.registry import get_primitive, is_effectful
+from ..tracer.interpret import graph_of, inline, replay
+from ..tracer.nn import attention_scores, refuse_dropout_derivative
+from ..tracer.trace import Trace, bind, current_trace, tracing
 from .attention import fuse_attention
 from .layout import channels_last
-from .interpret import inline, replay
 
 
 def differentiable(t: TensorType) -> bool:
@@ -131,9 +136,10 @@ def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
     return cts
 
 
-def vjp(graph: Graph, wrt: Sequence[int]) -> Graph:
-    """(inputs, output cotangents) -> (outputs, cotangents of inputs ``wrt``)."""
-    return joint(graph, wrt, range(len(graph.outputs)))
+def vjp(graph: Graph, wrt: Sequence[int], fuse: bool = True, layout: str = "all") -> Graph:
+    """(inputs, output cotangents) -> (outputs, cotangents of inputs ``wrt``); ``fuse`` and
+    ``layout``: as ``joint`` takes them."""
+    return joint(graph, wrt, range(len(graph.outputs)), fuse, layout)
 
 
 def jvp(graph: Graph, wrt: Sequence[int]) -> Graph:
@@ -276,13 +282,15 @@ def reaching(graph: Graph) -> list[int]:
     return [masks[v.node] if differentiable(graph.type_of(v)) else 0 for v in graph.outputs]
 
 
-def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int]) -> Graph:
+def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int], fuse: bool = True,
+          layout: str = "all") -> Graph:
     """(inputs, one seed per output in ``seeded``) -> (outputs, cotangents of inputs ``wrt``);
     seeds of outputs that are not floating point are ignored (NOTE [autodiff]). Attention
-    written out is fused first, to differentiate by its fused rule (NOTE [attention
-    fusion]), and convolutions made channels-last, so their backward is too (NOTE
+    written out is fused first (``fuse``, ``config.fuse_attention``), to differentiate by its
+    fused rule (NOTE [attention fusion]), and convolutions made channels-last (on the devices
+    ``layout`` names, ``config.channels_last``), so their backward is too (NOTE
     [channels-last convolutions])."""
-    graph = channels_last(fuse_attention(graph))
+    graph = channels_last(fuse_attention(graph) if fuse else graph, layout)
     trace = Trace()
     with tracing(trace):
         primals = [trace.new_input(t) for t in graph.input_types]
@@ -460,3 +468,52 @@ def split(joint_graph: Graph, n_primals: int, n_outputs: int,
     return (extract(g, in_forward, primals, forward_outputs),
             extract(g, in_backward, read + saved + seeds, g.outputs[n_outputs:]),
             tuple(position[v.node] for v in read))
+
+
+# ---------------------------------------------------------------------------------------
+# Second derivatives of attention: attention_backward's rules, from the written-out form's
+# VJP (NOTE [attention fusion]), taken without fusing it back
+# ---------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _backward_graph(types: tuple, scale: float, causal: bool) -> Graph:
+    """(q, k, v[, bias], ct) -> (out, dq, dk, dv): the written-out attention's VJP."""
+    forward = graph_of(lambda q, k, v, *bias: [
+        attention_scores(q, k, scale, causal, *bias).softmax(-1) @ v], types)
+    return vjp(forward, [0, 1, 2], fuse=False)
+
+
+def _graph_for(q, k, v, bias, scale, causal) -> Graph:
+    trace = current_trace()
+    return _backward_graph(tuple(trace.type_of(x) for x in (q, k, v, *bias)), scale, causal)
+
+
+def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False, dropout=0.0,
+                  kernel=None):
+    if dropout:
+        refuse_dropout_derivative("a second derivative")
+
+    graph = _graph_for(q, k, v, bias, scale, causal)
+    second = vjp(graph, range(len(graph.inputs)), fuse=False)
+    seeds = [zeros(graph.output_types[0]),
+             *(c if c is not None else torch.zeros_like(x) for c, x in zip(cts, (q, k, v)))]
+    *grads, gct = inline(second, [q, k, v, *bias, ct, *seeds])[4:]
+    # none for out and lse: they are functions of q, k and v (and the bias), whose
+    # cotangents above are the written-out form's, which reads no out or lse
+    return [gct, *grads[:3], None, None, *grads[3:]]
+
+
+def _backward_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0,
+                  kernel=None):
+    if dropout:
+        refuse_dropout_derivative("a second derivative")
+
+    ct, q, k, v, _, _, *bias = operands  # (out and lse: as in _backward_vjp)
+    graph = _graph_for(q, k, v, bias, scale, causal)
+    # in the graph's input order
+    given = [*tangents[1:4], *tangents[6:], tangents[0]]
+    wrt = [i for i, t in enumerate(given) if t is not None]
+    return inline(jvp(graph, wrt), [q, k, v, *bias, ct, *(given[i] for i in wrt)])[5:8]
+
+
+get_primitive("attention_backward").vjp = _backward_vjp
+get_primitive("attention_backward").jvp = _backward_jvp

@@ -45,7 +45,6 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..config import config
 from ..errors import PlaitError
 from ..graph import Graph, GraphBuilder, Value, input_marks
 from ..tracer.primitives import ELEMENTWISE, REDUCTIONS
@@ -74,12 +73,13 @@ def _eligible(node) -> bool:
             and all(d == 1 for d in p["lhs_dilation"]))
 
 
-def channels_last(graph: Graph) -> Graph:
-    """NOTE [channels-last convolutions]."""
-    if config.channels_last not in CHOICES:
-        raise PlaitError(f"config.channels_last={config.channels_last!r}: expected one of "
+def channels_last(graph: Graph, devices: str = "all") -> Graph:
+    """NOTE [channels-last convolutions]; ``devices``: those whose convolutions turn (one of
+    ``CHOICES``, ``config.channels_last``)."""
+    if devices not in CHOICES:
+        raise PlaitError(f"config.channels_last={devices!r}: expected one of "
                          f"{', '.join(CHOICES)}")
-    kinds = {"cuda": ("cuda",), "all": ("cuda", "cpu"), "none": ()}[config.channels_last]
+    kinds = {"cuda": ("cuda",), "all": ("cuda", "cpu"), "none": ()}[devices]
     convs = [n for n in graph.order if graph.node(n).prim == "conv"
              and torch.device(graph.node(n).out_types[0].device).type in kinds]
     if not convs or not all(_eligible(graph.node(n)) and not graph.node(n).kwargs.get(

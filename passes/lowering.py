@@ -47,8 +47,8 @@ from ..graph.types import contiguous_strides
 from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, loop_vars, walk)
 from ..tracer import collectives
-from ..tracer.primitives import (ELEMENTWISE, SPECIAL_BINARY, SPECIAL_UNARY, Impl,
-                                 is_effectful)
+from ..tracer.primitives import ELEMENTWISE, SPECIAL_BINARY, SPECIAL_UNARY
+from ..tracer.registry import Impl, is_effectful
 
 REDUCTIONS = frozenset(("sum", "prod", "amax", "amin", "argmax", "argmin"))
 VIEWS = frozenset(("broadcast_in_dim", "reshape", "transpose", "slice", "rev", "pad",

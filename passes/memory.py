@@ -3,7 +3,7 @@ overlap, pool planning.
 
 NOTE [memory passes]
 Both compiling backends (cpp, triton) run them after fusion (NOTE [pipeline] in
-passes/pipeline.py): ``reuse -> reorder -> overlap -> plan``, each behind its switch in
+compiler/pipeline.py): ``reuse -> reorder -> overlap -> plan``, each behind its switch in
 ``plait.config`` (``inplace``, ``reorder``, ``overlap``, ``plan_memory``).
 
 * ``liveness``: a *storage* is a buffer together with the in-place aliases that took it over
@@ -385,14 +385,13 @@ STRATEGIES = {
 }
 
 
-def reorder(program: LoopProgram,
-            then: Callable[[LoopProgram], LoopProgram] | None = None) -> LoopProgram:
+def reorder(program: LoopProgram, overlapped: bool = False) -> LoopProgram:
     """The kernels in the order, among the strategies' topological orders, with the lowest
-    estimated peak; the given order unless another is strictly lower. ``then`` is the pass
-    that runs next (``overlap``): each order is measured as it will run, after it, and one
+    estimated peak; the given order unless another is strictly lower. ``overlapped``: the
+    ``overlap`` pass runs next, so each order is measured as it will run, after it, and one
     where a collective overlaps fewer kernels than in the given order is not taken (the
     compute between its start and its wait hides its communication, NOTE [overlap])."""
-    settle = then or (lambda p: p)
+    settle = overlap if overlapped else (lambda p: p)
     succ, lv = _successors(program), liveness(program)
     given = settle(program)  # the program itself where nothing settles
     best, windows = program, _overlap_windows(given)

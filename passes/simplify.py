@@ -7,16 +7,12 @@ or fold an effectful node.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import attrs
 import torch
 
-from ..config import config
 from ..graph import Constant, Graph, GraphBuilder, Node, TensorType, Value, extract, rewrite
-from ..tracer.primitives import ELEMENTWISE, get_primitive, is_effectful
-from .attention import fuse_attention
-from .layout import channels_last
+from ..tracer.primitives import ELEMENTWISE
+from ..tracer.registry import get_primitive, is_effectful
 
 
 # each the identity of its last operand (the others, a custom VJP's, are for its rule alone)
@@ -143,13 +139,14 @@ def cse(graph: Graph) -> Graph:
 _SOURCES = ("constant", "full", "iota")
 
 
-def fold_constants(graph: Graph) -> Graph:
-    """Evaluate small nodes whose operands are all known at compile time."""
+def fold_constants(graph: Graph, max_numel: int = 4096) -> Graph:
+    """Evaluate small nodes (at most ``max_numel`` elements each result: the limit on what a
+    compiled program holds as constants) whose operands are all known at compile time."""
     known: dict[Value, torch.Tensor] = {}  # new-graph value -> its tensor
 
     def visit(b, n, operands, preds):
         node = graph.node(n)
-        small = all(t.numel <= config.fold_max_numel for t in node.out_types)
+        small = all(t.numel <= max_numel for t in node.out_types)
         if preds or not small or is_effectful(node) or node.prim == "opaque" or any(
                 isinstance(v, Graph) for _, v in node.params):  # loops run when called
             return None
@@ -357,28 +354,3 @@ def algebra(graph: Graph) -> Graph:
         return None
 
     return rewrite(graph, visit)
-
-
-PASSES: dict[str, Callable[[Graph], Graph]] = {
-    "erase_markers": erase_markers, "dce": dce, "cse": cse, "fold_constants": fold_constants,
-    "algebra": algebra, "fuse_attention": fuse_attention, "channels_last": channels_last,
-    "unread_ys": unread_ys, "unread_input_grads": unread_input_grads,
-}
-
-
-PIPELINE = ("erase_markers", "dce", "fold_constants", "fuse_attention", "channels_last",
-            "algebra", "cse", "dce", "unread_ys", "unread_input_grads")
-
-
-def simplify(graph: Graph, on_pass: Callable[[str, Graph], None] | None = None) -> Graph:
-    """The default pipeline: derivative markers erased and DCE first (less to look at), then
-    fold, fuse attention, channels-last convolutions, algebraic identities, CSE, and DCE
-    again (the rewrites leave the nodes they bypass dead); last, the results of scans and
-    convolution backwards that nothing reads are not computed.
-
-    ``on_pass(name, graph)`` sees the graph after each pass (the debug report draws them)."""
-    for name in PIPELINE:
-        graph = PASSES[name](graph)
-        if on_pass is not None:
-            on_pass(name, graph)
-    return graph

@@ -5,11 +5,13 @@ start/wait split (NOTE [overlap]). Functions with collectives run on a one-rank 
 this process; tests/test_distributed.py runs them on two ranks."""
 from __future__ import annotations
 
+import functools
+
 import plait
 import pytest
 import torch
 import torch.distributed as dist
-from plait.backends.cpp import compile_program
+from plait.compiler import generated
 from plait.graph import TensorType
 from plait.graph.loops import (
     Apply,
@@ -25,6 +27,8 @@ from plait.graph.loops import (
 )
 from plait.passes import memory
 from plait.tracer import collectives
+
+compile_program = functools.partial(generated, "cpp")  # a hand-made program, as cpp compiles it
 
 F32 = torch.float32
 (x0,) = loop_vars("x", 1)
@@ -173,7 +177,7 @@ def test_the_memory_order_keeps_what_a_collective_overlaps():
     unaware = memory.reorder(given)
     assert names(unaware) == ["k_b0", "k_b2", "k_b1", "c_b3"]
     assert names(memory.overlap(unaware))[-2:] == ["c_b3", "wait_c_b3"]  # overlaps nothing
-    aware = memory.reorder(given, then=memory.overlap)
+    aware = memory.reorder(given, overlapped=True)
     assert names(memory.overlap(aware)) == ["k_b0", "k_b1", "c_b3", "k_b2", "wait_c_b3"]
 
 

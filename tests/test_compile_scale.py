@@ -10,7 +10,7 @@ import torch
 
 import plait
 from plait.passes import fusion
-from plait.passes.pipeline import Stages
+from plait.compiler import Stages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

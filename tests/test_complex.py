@@ -6,7 +6,7 @@ from torch import func
 
 import plait
 from plait.passes import autodiff
-from plait.passes.interpret import inline
+from plait.tracer.interpret import inline
 
 
 def _same(fn, *args):

@@ -3,6 +3,7 @@ reductions, externs, buffer lifetimes, the disk cache, and every op of CPP_OPS; 
 wrapper both code generators share, for each."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -13,9 +14,9 @@ import plait
 import pytest
 import sympy
 import torch
-from plait.backends import available_backends, cpp, cpp_wrapper
-from plait.backends import triton as triton_backend
-from plait.backends.cpp import CPP_DTYPES, CPP_OPS, compile_program
+from plait.backends import available_backends, cpp, cpp_wrapper, toolchain
+from plait.backends.cpp import CPP_DTYPES, CPP_OPS
+from plait.compiler import generated
 from plait.errors import BackendError, CheckError
 from plait.graph import TensorType
 from plait.graph.loops import (
@@ -31,15 +32,11 @@ from plait.graph.loops import (
     Store,
     loop_vars,
 )
-from plait.tracer.primitives import (
-    BINARY,
-    COMPARISONS,
-    UNARY,
-    UNARY_PREDICATES,
-    get_primitive,
-)
+from plait.tracer.primitives import BINARY, COMPARISONS, UNARY, UNARY_PREDICATES
+from plait.tracer.registry import get_primitive
 
 F32, I64, BOOL = torch.float32, torch.int64, torch.bool
+compile_program = functools.partial(generated, "cpp")  # a hand-made program, as cpp compiles it
 x0, x1, x2 = loop_vars("x", 3)
 r0, r1 = loop_vars("r", 2)
 
@@ -73,7 +70,7 @@ def count_builds(monkeypatch) -> list:
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpp.subprocess, "run", run)
+    monkeypatch.setattr(toolchain.subprocess, "run", run)
     return calls
 
 
@@ -291,7 +288,7 @@ def test_buffers_are_freed_after_their_last_use(native):
 
 # Behaviour of the wrapper both code generators share (backends/codegen.py), for each.
 WRAPPED = pytest.mark.parametrize("compile_program", [
-    compile_program, triton_backend.compile_program], ids=["cpp", "triton"])
+    compile_program, functools.partial(generated, "triton")], ids=["cpp", "triton"])
 
 
 @WRAPPED
@@ -439,9 +436,9 @@ def test_missing_compiler_says_how_to_get_one():
 
 
 def test_compiler_flags_join_the_cache_key():
-    key = plait.config.cache_key()
+    key = plait.backends.get_backend("cpp").cache_key()
     with plait.config.patch(cpp_flags="-O2 -fopenmp -fwrapv -std=c++17"):
-        assert plait.config.cache_key() != key
+        assert plait.backends.get_backend("cpp").cache_key() != key
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ import plait
 from plait.debug import DebugError, Section, stages, write_report
 from plait.graph import CONTROL, Constant, Graph, GraphBuilder, TensorType, Value
 from plait.graph.draw import to_svg
+from plait.passes import memory
 from plait.passes.memory import liveness
-from plait.passes.simplify import PIPELINE, simplify
+from plait.compiler import GRAPH_STAGES, simplified, snapshot
 from plait.tracer import get_primitive
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -176,10 +177,11 @@ def test_stages():
     exps = {name: sum(g.node(n).prim == "exp" for n in g.nx.nodes) for name, g in by_name.items()}
     assert exps["traced"] == 2 and exps["cse"] == 1
     assert by_name["dce.2"] is lowered.graph
-    # simplify reports each pass without changing its result
+    # simplification reports each pass without changing its result
     seen = []
-    assert simplify(lowered.traced_graph, lambda *p: seen.append(p)) == lowered.graph
-    assert [name for name, _ in seen] == list(PIPELINE)
+    assert simplified(lowered.traced_graph, snapshot(),
+                      on_pass=lambda *p: seen.append(p)) == lowered.graph
+    assert [name for name, _ in seen] == [stage.name for stage in GRAPH_STAGES]
 
 
 def test_lowered_draw(tmp_path):
@@ -505,7 +507,8 @@ def test_memory_timeline(tmp_path):
 
 def test_memory_timeline_without_a_memory_plan(tmp_path):
     """A backend that plans no memory (loops) allocates each storage on its own: the
-    chart is liveness alone, its peak stats["peak_bytes"]."""
+    chart is the program's liveness (with the in-place pairs its reuse pass made) and no
+    pool, its peak stats["peak_bytes"]."""
     with plait.config.patch(debug_dir=str(tmp_path)):
         plait.jit(_pooled, backend="loops")(*_pooled_args())
     lowered = plait.jit(_pooled, backend="loops").lower(*_pooled_args())
@@ -515,7 +518,11 @@ def test_memory_timeline_without_a_memory_plan(tmp_path):
     bars = {g.get("data-buffer"): g for g in _classes(root, "buffer")}
     assert {b: (int(g.get("data-first")), int(g.get("data-last"))) for b, g in bars.items()} \
         == lv.uses
-    assert not _classes(root, "inplace") and not any(g.get("data-slot") for g in bars.values())
+    inplace = dict(memory.report(lowered.compiled.program, memory.plan(
+        lowered.compiled.program, pool=False))["inplace"])
+    assert {g.get("data-buffer"): g.get("data-origin") for g in _classes(root, "inplace")} \
+        == inplace
+    assert not any(g.get("data-slot") for g in bars.values())
     (peak,) = _classes(root, "peak")
     assert int(peak.get("data-peak-bytes")) == lowered.stats["peak_bytes"] == lv.peak
 

@@ -15,7 +15,8 @@ import torch
 import plait
 from plait.errors import GraphError
 from plait.graph import CONTROL, DATA, Graph, GraphBuilder, Node, TensorType, Value
-from plait.passes import cse, dce, fold_constants, simplify
+from plait.compiler import simplified, snapshot
+from plait.passes import cse, dce, fold_constants
 from plait.tracer import get_primitive
 
 F32_4 = TensorType((4,), torch.float32)
@@ -85,6 +86,11 @@ def test_graph_inputs_outputs_are_tuples(traced):
     assert isinstance(traced.outputs, tuple)
     assert [str(t) for t in traced.input_types] == ["f32[4,8]", "f32[8]"]
     assert [str(t) for t in traced.output_types] == ["f32[4,8]"]
+
+
+def simplify(graph):
+    """The whole simplification: the driver's graph stages."""
+    return simplified(graph, snapshot())
 
 
 @pytest.mark.parametrize("pass_", [dce, cse, fold_constants, simplify])

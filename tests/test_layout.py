@@ -106,9 +106,11 @@ def test_a_grouped_convolution_keeps_the_graph_channels_first():
 
 def test_an_unknown_choice_is_refused():
     graph = plait.jit(_conv_bn_relu_conv).lower(*_args()).graph
+    with pytest.raises(PlaitError, match="all, cuda, none"):
+        channels_last(graph, "yes")
     with plait.config.patch(channels_last="yes"), \
-            pytest.raises(PlaitError, match="all, cuda, none"):
-        channels_last(graph)
+            pytest.raises(PlaitError, match=r"config.channels_last='yes'.*all, cuda, none"):
+        plait.jit(_conv_bn_relu_conv)(*_args())
 
 
 def test_a_max_pool_between_convolutions_stays_channels_last(monkeypatch):

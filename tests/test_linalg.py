@@ -68,7 +68,7 @@ def test_lu_family(shape):
 
 def test_lu_permutation_reorders_rows_into_l_times_u():
     a = _matrix(3, 6, 6)
-    perm = plait.tracer.primitives.get_primitive("lu_pivots_to_permutation").impl(
+    perm = plait.tracer.registry.get_primitive("lu_pivots_to_permutation").impl(
         torch.linalg.lu_factor(a).pivots, size=6)
     _, l, u = torch.linalg.lu(a)
     assert_close(torch.gather(a, -2, perm.unsqueeze(-1).expand(a.shape)), l @ u)

@@ -69,7 +69,8 @@ from ..config import config
 from ..errors import DistributedError
 from ..graph import TensorType
 from .aten import alias, handles, type_of
-from .primitives import _attach_shifted, _linear_jvp, define, jvp_rule, vjp_rule
+from .primitives import _attach_shifted, _linear_jvp
+from .registry import define, jvp_rule, vjp_rule
 from .trace import HANDLERS, bind
 
 _c10d = torch.ops._c10d_functional

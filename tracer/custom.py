@@ -29,7 +29,7 @@ from torch.autograd.function import Function
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, UnsupportedOpError
-from .primitives import define
+from .registry import define
 from .trace import (HANDLER_FINDERS, TRACING_CONTEXTS, TracerTensor, bind, current_trace,
                     on_tracers, tracing_active, unwrap_functional)
 

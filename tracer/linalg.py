@@ -39,7 +39,8 @@ from torch.utils import _pytree as pytree
 from ..errors import CheckError, LinAlgError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .aten import broadcast_shapes, full, handles, type_of
-from .primitives import _check, define, jvp_rule, vjp_rule
+from .primitives import _check
+from .registry import define, jvp_rule, vjp_rule
 from .trace import bind, current_trace
 
 aten = torch.ops.aten

@@ -33,7 +33,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
 from .aten import handles, type_of
-from .primitives import _check, define, pad_dim, spread_strided, vjp_rule
+from .primitives import _check, pad_dim, spread_strided
+from .registry import define, vjp_rule
 from ..config import config
 from .trace import FUNCTION_HANDLERS, HANDLERS, TracerTensor, bind, current_trace, on_tracers
 
@@ -595,7 +596,7 @@ def _flipped_transpose(w, groups: int):
 # being conv's adjoints in each operand, so its JVP is conv_backward(t_ct, lhs, rhs) +
 # conv_backward(ct, t_lhs, t_rhs), and its VJP for cotangents (g_l, g_r) is conv(g_l, rhs) +
 # conv(lhs, g_r) for ct, and conv_backward(ct, g_l, g_r) for (lhs, rhs). vmap batches the
-# written-out form (passes/batching.py). Where nothing reads d_lhs (the gradient of a first
+# written-out form (tracer/batching.py). Where nothing reads d_lhs (the gradient of a first
 # layer's images), simplification sets ``lhs_grad=False`` and the node computes d_rhs alone
 # (``passes.simplify.unread_input_grads``): ResNet-50's stem spent 1 ms a step on it.
 def _library_backward(padding, lhs_dilation) -> bool:

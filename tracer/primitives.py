@@ -18,93 +18,17 @@ Elementwise families are tables: one row per primitive, one shared rule per fami
 """
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any, Callable
+from typing import Callable
 
-import attrs
 import torch
 
-from ..errors import CheckError, GraphError, ShapeError, UnsupportedOpError
-from ..graph.graph import TYPE_RULES, Graph
+from ..errors import CheckError, ShapeError, UnsupportedOpError
 from ..graph.types import TensorType
+from .registry import PRIMITIVES, OperandSlot, batch_rule, define, jvp_rule, vjp_rule
+from .trace import bind, current_trace
 
 prims = torch.ops.prims
-
-
-@attrs.define(eq=False)
-class Primitive:
-    name: str
-    infer: Callable[..., tuple[TensorType, ...]] | None
-    impl: Callable[..., Any]
-    multiple_results: bool = False
-    # Effectful primitives are never removed, merged, folded or reordered.
-    effectful: bool = False
-    # Does a node of these params draw from torch's random generator (so is effectful)?
-    draws: Callable[..., bool] | None = None
-    vjp: Callable | None = None    # reverse-mode rule (NOTE [autodiff], passes/autodiff.py)
-    jvp: Callable | None = None    # forward-mode rule (derived from vjp where missing)
-    batch: Callable | None = None  # vmap rule (NOTE [batching], passes/batching.py)
-
-    def __repr__(self) -> str:
-        return f"<primitive {self.name}>"
-
-
-PRIMITIVES: dict[str, Primitive] = {}
-
-
-def get_primitive(name: str) -> Primitive:
-    try:
-        return PRIMITIVES[name]
-    except KeyError:
-        raise GraphError(f"unknown primitive {name!r}") from None
-
-
-@attrs.frozen
-class Impl:
-    """``prim``'s eager implementation by name, always returning a tuple: what a compiled
-    program calls for an extern (a name, not a closure, so programs pickle: NOTE [program
-    cache]). Each operand first becomes the view of it that its steps in ``views`` make
-    (``((tensor method, argument), ...)``, one tuple per operand, or none at all)."""
-
-    prim: str
-    views: tuple = ()
-
-    def __call__(self, *tensors, **params):
-        prim = PRIMITIVES[self.prim]
-        tensors = [functools.reduce(lambda t, step: getattr(t, step[0])(step[1]), steps, t)
-                   for t, steps in zip(tensors, self.views)] or tensors
-        out = prim.impl(*tensors, **params)
-        return tuple(out) if prim.multiple_results else (out,)
-
-
-def define(name: str, infer, impl, **kwargs) -> Primitive:
-    assert name not in PRIMITIVES, name
-    PRIMITIVES[name] = prim = Primitive(name, infer, impl, **kwargs)
-    TYPE_RULES[name] = infer
-    return prim
-
-
-def vjp_rule(*names: str):
-    """Attach the decorated function as the VJP rule of the named primitives (see
-    ``NOTE [autodiff]`` in passes/autodiff.py for the signature)."""
-    def attach(rule):
-        for name in names:
-            PRIMITIVES[name].vjp = rule
-        return rule
-
-    return attach
-
-
-def jvp_rule(*names: str):
-    """Attach the decorated function as the JVP rule of the named primitives:
-    ``rule(operands, tangents, outs, **params) -> one tangent per output`` (None: zero)."""
-    def attach(rule):
-        for name in names:
-            PRIMITIVES[name].jvp = rule
-        return rule
-
-    return attach
 
 
 def _types(*shape_dtype_device) -> tuple[TensorType, ...]:
@@ -150,16 +74,6 @@ def _fill_template(template, tensors):
 
     args, kwargs = template
     return [fill(a) for a in args], {k: fill(v) for k, v in kwargs}
-
-
-@attrs.frozen
-class OperandSlot:
-    """Marks where the i-th tensor operand goes in an opaque op's argument template."""
-
-    index: int
-
-    def __repr__(self) -> str:
-        return f"${self.index}"
 
 
 def _check_impl(failed, *, message):
@@ -345,7 +259,7 @@ def _nonzero(x):
 
 def _conj(x):
     """x's complex conjugate (a real tensor, or a number, is its own)."""
-    return _bind("conj", x) if isinstance(x, torch.Tensor) and x.dtype.is_complex else x
+    return bind("conj", x) if isinstance(x, torch.Tensor) and x.dtype.is_complex else x
 
 
 def _unary_vjp(d):
@@ -452,9 +366,9 @@ define("complex", _complex_infer, torch.complex)
 define("real", _part_infer("real"), lambda x: torch.real(x).clone())
 define("imag", _part_infer("imag"), lambda x: torch.imag(x).clone())
 define("conj", _elementwise_infer("conj", None), torch.conj_physical)
-vjp_rule("complex")(lambda cts, re, im, *, outs: (_bind("real", cts[0]), _bind("imag", cts[0])))
+vjp_rule("complex")(lambda cts, re, im, *, outs: (bind("real", cts[0]), bind("imag", cts[0])))
 vjp_rule("real")(lambda cts, x, *, outs: (cts[0],))  # the engine makes it ct + 0i
-vjp_rule("imag")(lambda cts, x, *, outs: (_bind("complex", torch.zeros_like(cts[0]), cts[0]),))
+vjp_rule("imag")(lambda cts, x, *, outs: (bind("complex", torch.zeros_like(cts[0]), cts[0]),))
 vjp_rule("conj")(lambda cts, x, *, outs: (_conj(cts[0]),))
 
 
@@ -621,7 +535,7 @@ def _slice_vjp(cts, x, *, outs, start, limit, step):
             ct = spread_strided(ct, d, st, start[d], x.shape[d])
     low = tuple(0 if st > 1 else s for s, st in zip(start, step))
     high = tuple(n - lo - m for n, lo, m in zip(x.shape, low, ct.shape))
-    return (_bind("pad", ct, low=low, high=high, value=0),)
+    return (bind("pad", ct, low=low, high=high, value=0),)
 
 
 def spread_strided(y, dim: int, step: int, offset: int, n: int):
@@ -641,7 +555,7 @@ def pad_dim(y, dim: int, low: int, high: int, value=0):
     if not (low or high):
         return y
     ends = [(low, high) if i == dim else (0, 0) for i in range(len(y.shape))]
-    return _bind("pad", y, low=tuple(lo for lo, _ in ends), high=tuple(hi for _, hi in ends),
+    return bind("pad", y, low=tuple(lo for lo, _ in ends), high=tuple(hi for _, hi in ends),
                  value=value)
 
 
@@ -892,7 +806,7 @@ def _dot_cotangent(ct, other, out_free, other_free, other_batch, batch, free, co
     """The cotangent of one dot_general operand (its ``batch``, ``free`` and ``contracted``
     dims) from the output cotangent ``ct`` and the ``other`` operand."""
     nb = len(batch)
-    result = _bind("dot_general", ct, other, contracting=(out_free, tuple(other_free)),
+    result = bind("dot_general", ct, other, contracting=(out_free, tuple(other_free)),
                    batch=(tuple(range(nb)), tuple(other_batch)))
     # the result's dims: batch, this operand's free dims, then the other's contracted dims
     # in their order, each of which pairs with one of ours
@@ -901,7 +815,7 @@ def _dot_cotangent(ct, other, out_free, other_free, other_batch, batch, free, co
     permutation = tuple(sorted(range(len(dims)), key=dims.__getitem__))
     if permutation == tuple(range(len(dims))):
         return result
-    return _bind("transpose", result, permutation=permutation)
+    return bind("transpose", result, permutation=permutation)
 
 
 def _gather_infer(x, index, *, dim):
@@ -923,7 +837,7 @@ def _gather_vjp(cts, x, index, *, outs, dim):
     (``_gathered_back``)."""
     if index.shape[dim] == 1 and all(index.shape[d] == x.shape[d]
                                      for d in range(x.ndim) if d != dim):
-        positions = _bind("iota", length=x.shape[dim], start=0, step=1, dtype=index.dtype,
+        positions = bind("iota", length=x.shape[dim], start=0, step=1, dtype=index.dtype,
                           device=str(x.device))
         picked = positions.reshape([-1 if d == dim else 1 for d in range(x.ndim)]) == index
         return torch.where(picked, cts[0], torch.zeros((), dtype=x.dtype, device=x.device)), None
@@ -950,8 +864,6 @@ def _selected_positions(index, x, dim: int) -> torch.Tensor | None:
     """The positions along ``dim`` that a gather picks, where ``index`` is a table built at
     trace time (index_select by a constant, as pooling's window tables are) broadcast along
     the other dims, each as long as x's; else None."""
-    from .trace import current_trace  # the tracer builds on this module
-
     trace = current_trace()
     if getattr(index, "_trace", None) is not trace:  # not this trace's own value
         return None
@@ -1129,7 +1041,7 @@ for _kind in ("r2c", "c2r", "c2c"):
 
 # A DFT's adjoint is the DFT the other way, scaled alike (the normalization is a real factor).
 vjp_rule("fft_c2c")(lambda cts, x, *, outs, dim, normalization, forward: (
-    _bind("fft_c2c", cts[0], dim=dim, normalization=normalization, forward=not forward),))
+    bind("fft_c2c", cts[0], dim=dim, normalization=normalization, forward=not forward),))
 
 
 @vjp_rule("fft_r2c")
@@ -1139,15 +1051,15 @@ def _fft_r2c_vjp(cts, x, *, outs, dim, normalization, onesided):
     ct, last = cts[0], dim[-1]
     if onesided:
         high = tuple(x.shape[d] - n if d == last else 0 for d, n in enumerate(ct.shape))
-        ct = _bind("pad", ct, low=(0,) * x.ndim, high=high, value=0.0)
-    return (_bind("fft_c2c", ct, dim=dim, normalization=normalization, forward=False),)
+        ct = bind("pad", ct, low=(0,) * x.ndim, high=high, value=0.0)
+    return (bind("fft_c2c", ct, dim=dim, normalization=normalization, forward=False),)
 
 
 @vjp_rule("fft_c2r")
 def _fft_c2r_vjp(cts, x, *, outs, dim, normalization, last_dim_size):
     """The forward transform of the cotangent, onesided. A bin the Hermitian extension mirrors
     (all but the first, and the middle one of an even length) feeds two outputs: doubled."""
-    ct, last = _bind("fft_r2c", cts[0], dim=dim, normalization=normalization,
+    ct, last = bind("fft_r2c", cts[0], dim=dim, normalization=normalization,
                      onesided=True), dim[-1]
     mirrored = last_dim_size - x.shape[last]
     if mirrored <= 0:
@@ -1165,52 +1077,20 @@ COMPLEX_RULES = frozenset((
     "dot_general gather scatter custom_vjp").split())
 
 
-def is_effectful(node) -> bool:
-    """Must this node run exactly as traced (never removed, merged, folded or moved)?
-
-    True for effectful primitives, for random draws (each call draws anew), for opaque ops
-    with no result (checks such as aten._linalg_check_errors), and for a node whose body (a
-    graph among its params: control flow) has such a node.
-    """
-    if get_primitive(node.prim).effectful or draws_random(node):
-        return True
-    if any(is_effectful(g.node(n)) for g in bodies(node) for n in g.order):
-        return True
-    return node.prim == "opaque" and not node.out_types
-
-
-def bodies(node) -> list[Graph]:
-    """The graphs among a node's params: a control-flow node's bodies."""
-    return [g for _, g in node.params if isinstance(g, Graph)]
-
-
-def draws_random(node) -> bool:
-    """Does this node draw from torch's random generator: an opaque call to a random op, or
-    a primitive whose ``draws`` says so for its params (attention with dropout)?"""
-    if node.prim == "opaque":
-        return bool(node.out_types) and \
-            torch.Tag.nondeterministic_seeded in node.kwargs["op"].tags
-    draws = get_primitive(node.prim).draws
-    return draws is not None and draws(**node.kwargs)
-
-
 # ---------------------------------------------------------------------------------------
-# Batching rules (NOTE [batching] in passes/batching.py): batch dims are leading, so most
+# Batching rules (NOTE [batching] in tracer/batching.py): batch dims are leading, so most
 # rules line the unbatched operands up and shift the dimension params by one.
 # ---------------------------------------------------------------------------------------
-def _bind(name, *operands, **params):
-    from .trace import bind  # the tracer builds on this module
+def loop(prim: str, operands, batched, axis_size: int, params: dict):
+    """The fallback rule: one call per example, results stacked."""
+    per_example = [_results(bind(prim, *[x[k] if b else x for x, b in zip(operands, batched)],
+                              **params)) for k in range(axis_size)]
+    outs = [torch.stack([ex[i] for ex in per_example]) for i in range(len(per_example[0]))]
+    return outs, [True] * len(outs)
 
-    return bind(name, *operands, **params)
 
-
-def batch_rule(*names: str):
-    def attach(rule):
-        for name in names:
-            PRIMITIVES[name].batch = rule
-        return rule
-
-    return attach
+def _results(result) -> list:
+    return list(result) if isinstance(result, tuple) else [result]
 
 
 def _spread(operands, batched, axis_size):
@@ -1223,9 +1103,8 @@ def _shifted(shift_params: Callable[[dict], dict]):
     """A rule for ops whose operands all get the batch dim, with shifted dim params."""
     def rule(operands, batched, axis_size, **params):
         if shift_params(params) != params and not operands[0].ndim - batched[0]:
-            from ..passes.batching import loop  # a 0-dim example has no dim to shift
             return loop(rule.name, operands, batched, axis_size, params)
-        out = _bind(rule.name, *_spread(operands, batched, axis_size), **shift_params(params))
+        out = bind(rule.name, *_spread(operands, batched, axis_size), **shift_params(params))
         outs = list(out) if isinstance(out, tuple) else [out]
         return outs, [True] * len(outs)
 
@@ -1257,18 +1136,18 @@ _attach_shifted(list(SCANS) + ["sort", "topk", "gather", "scatter", "concatenate
 
 @batch_rule("broadcast_in_dim")
 def _broadcast_batch(operands, batched, axis_size, *, shape, broadcast_dimensions):
-    return [_bind("broadcast_in_dim", operands[0], shape=(axis_size, *shape),
+    return [bind("broadcast_in_dim", operands[0], shape=(axis_size, *shape),
                   broadcast_dimensions=(0, *(d + 1 for d in broadcast_dimensions)))], [True]
 
 
 batch_rule("reshape")(lambda ops, b, n, *, shape: (
-    [_bind("reshape", ops[0], shape=(n, *shape))], [True]))
+    [bind("reshape", ops[0], shape=(n, *shape))], [True]))
 batch_rule("transpose")(lambda ops, b, n, *, permutation: (
-    [_bind("transpose", ops[0], permutation=(0, *(p + 1 for p in permutation)))], [True]))
+    [bind("transpose", ops[0], permutation=(0, *(p + 1 for p in permutation)))], [True]))
 batch_rule("slice")(lambda ops, b, n, *, start, limit, step: (
-    [_bind("slice", ops[0], start=(0, *start), limit=(n, *limit), step=(1, *step))], [True]))
+    [bind("slice", ops[0], start=(0, *start), limit=(n, *limit), step=(1, *step))], [True]))
 batch_rule("pad")(lambda ops, b, n, *, low, high, value: (
-    [_bind("pad", ops[0], low=(0, *low), high=(0, *high), value=value)], [True]))
+    [bind("pad", ops[0], low=(0, *low), high=(0, *high), value=value)], [True]))
 
 
 @batch_rule("dot_general")
@@ -1277,7 +1156,7 @@ def _dot_general_batch(operands, batched, axis_size, *, contracting, batch):
     lhs, rhs = _spread(operands, batched, axis_size)
     (lc, rc), (lb, rb) = contracting, batch
     up = lambda dims: tuple(d + 1 for d in dims)  # noqa: E731
-    return [_bind("dot_general", lhs, rhs, contracting=(up(lc), up(rc)),
+    return [bind("dot_general", lhs, rhs, contracting=(up(lc), up(rc)),
                   batch=((0, *up(lb)), (0, *up(rb))))], [True]
 
 
@@ -1300,7 +1179,7 @@ def _linear_jvp(name: str, linear_in: tuple[int, ...] | None = None, **fixed):
         args = list(operands)
         for i, t in zip(idx, _zeros_for([tangents[i] for i in idx], [operands[i] for i in idx])):
             args[i] = t
-        out = _bind(name, *args, **{**params, **fixed})
+        out = bind(name, *args, **{**params, **fixed})
         return tuple(out) if isinstance(out, tuple) else (out,)
 
     return rule
@@ -1331,8 +1210,8 @@ def _scatter_jvp(operands, tangents, outs, *, dim, reduce, include_self):
 @jvp_rule("dot_general")
 def _dot_general_jvp(operands, tangents, outs, **params):
     (lhs, rhs), (tl, tr) = operands, tangents
-    terms = ([_bind("dot_general", tl, rhs, **params)] if tl is not None else []) + (
-        [_bind("dot_general", lhs, tr, **params)] if tr is not None else [])
+    terms = ([bind("dot_general", tl, rhs, **params)] if tl is not None else []) + (
+        [bind("dot_general", lhs, tr, **params)] if tr is not None else [])
     return (sum(terms[1:], terms[0]),)
 
 

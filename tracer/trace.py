@@ -38,7 +38,7 @@ from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, Trac
                       UnsupportedDtypeError, UnsupportedOpError)
 from ..graph import Constant, Graph, GraphBuilder, Node, Provenance, TensorType, Value, rewrite
 from ..graph.types import contiguous_strides
-from .primitives import OperandSlot, draws_random, get_primitive, is_effectful
+from .registry import OperandSlot, draws_random, get_primitive, is_effectful
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ _PLAIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The package root is the repository root, so skip plait's own modules, not the whole tree
 # (examples/ and tests/ are user code).
 _PLAIT_DIRS = tuple(os.path.join(_PLAIT_ROOT, d) + os.sep for d in (
-    "tracer", "graph", "passes", "backends"))
+    "tracer", "graph", "passes", "backends", "compiler"))
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SKIP_DIRS = _PLAIT_DIRS + (_TORCH_DIR, os.path.dirname(contextlib.__file__) + os.sep)
 _SKIP_FILES = {os.path.join(_PLAIT_ROOT, f) for f in ("api.py", "__init__.py", "config.py",
