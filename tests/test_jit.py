@@ -885,8 +885,50 @@ def test_a_branch_plait_cannot_guard_is_refused(case):
         fn = plait.jit(lambda x: x / x.abs().max().item())
     else:  # under a transform no call tensors exist
         fn = plait.grad(lambda x: (x.sin() if x.sum() > 0 else x.cos()).sum())
-    with pytest.raises(plait.errors.ConcretizationError):
+    with pytest.raises(plait.errors.ConcretizationError,
+                       match="random draw" if case == "random" else "concrete value"):
         fn(x)
+
+
+class _LayerDrop(torch.nn.Module):
+    """transformers' LayerDrop as versions before 5.20 write it: a draw every training step,
+    then a branch on it, followed by dropout (which reads the generator after the draw)."""
+
+    def __init__(self, layerdrop: float):
+        super().__init__()
+        self.layers, self.layerdrop = torch.nn.ModuleList(
+            torch.nn.Linear(6, 6) for _ in range(3)), layerdrop
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training:
+                if torch.rand([]) < self.layerdrop:  # skip the layer
+                    continue
+            x = self.dropout(layer(x).relu())
+        return x.sum()
+
+
+def test_a_branch_on_a_draw_that_its_range_decides_traces_and_draws_as_eager():
+    """NOTE [values decided by ranges]: with layerdrop 0 no draw is below it; the draws stay,
+    so the dropout masks after them are eager's under the same seed."""
+    model, x = _LayerDrop(0.0), torch.randn(4, 6)
+    jitted = plait.jit(model)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        want = torch.autograd.grad(model(x), model.layers[0].weight)
+        torch.manual_seed(seed)
+        got = torch.autograd.grad(jitted(x), model.layers[0].weight)
+        assert_close(got, want)
+    assert jitted.trace_count == 1
+    # decided under a transform too (no call tensors), and from either side of the comparison
+    grad = plait.grad(lambda x: x.sin().sum() if 0.0 <= torch.rand(()) else x.sum())
+    assert_close(grad(x), x.cos())
+
+
+def test_a_branch_on_a_draw_its_range_does_not_decide_is_refused():
+    with pytest.raises(plait.errors.ConcretizationError, match="LayerDrop"):
+        plait.jit(_LayerDrop(0.1))(torch.randn(4, 6))
 
 
 # -- the retrace warning ---------------------------------------------------------------------

@@ -67,6 +67,23 @@ _SKIP_FILES = {os.path.join(_PLAIT_ROOT, f) for f in ("api.py", "__init__.py", "
                                                      "transforms.py", "control.py", "rules.py")}
 
 
+def _draws_uniform(node) -> bool:
+    """Is ``node`` a draw from [0, 1) of a floating dtype (``torch.rand``, ``rand_like``)?"""
+    return node.prim == "opaque" and node.kwargs["op"].overloadpacket.__name__ in (
+        "rand", "rand_like") and node.out_types[0].dtype.is_floating_point
+
+
+# comparison of a draw u in [0, 1) with a number c -> its value where c decides it, else None
+# (NOTE [values decided by ranges])
+_DECIDED = {
+    "lt": lambda c: False if c <= 0 else True if c > 1 else None,
+    "le": lambda c: False if c < 0 else True if c > 1 else None,
+    "gt": lambda c: True if c < 0 else False if c > 1 else None,
+    "ge": lambda c: True if c <= 0 else False if c > 1 else None,
+}
+_MIRRORED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}  # c < u is u > c
+
+
 class TracerTensor(torch.Tensor):
     """A tensor that records the ops applied to it instead of computing them.
 
@@ -328,6 +345,40 @@ class Trace:
         self.guards.append((guard, bool(value)))
         return value
 
+    # NOTE [values decided by ranges]
+    # A branch on a comparison of a uniform draw in [0, 1) (``torch.rand``) with a number
+    # outside that range has one outcome, whatever is drawn: transformers' LayerDrop draws
+    # ``torch.rand([])`` each training step and skips a layer where it is below
+    # ``layerdrop``, 0.0 by default (never). The draw stays in the graph (it is random, so
+    # effectful: the generator advances as in eager) and the trace takes the branch, with
+    # no guard: the value is known under any transform too. Only bounds that hold however
+    # the draw was rounded to its dtype are used: a number below 0 or at 0, above 1.
+    def decided_value(self, x: Any) -> torch.Tensor | None:
+        """The value of the one-element bool tracer ``x`` where it compares a uniform draw
+        with a number outside [0, 1] that decides it (NOTE [values decided by ranges])."""
+        x = unwrap_functional(x)
+        if not isinstance(x, TracerTensor) or x._trace is not self:
+            return None
+        node, operands = self.defining(x)
+        if node.prim not in _DECIDED:
+            return None
+        prim, (draw, bound) = node.prim, (self.builder.node(v.node) for v in operands)
+        if draw.prim == "full":
+            prim, draw, bound = _MIRRORED[prim], bound, draw
+        if not (_draws_uniform(draw) and bound.prim == "full"):
+            return None
+        decided = _DECIDED[prim](float(bound.kwargs["value"]))
+        return None if decided is None else torch.tensor(decided)
+
+    def _drawn(self, x: Any) -> bool:
+        """Does this trace's tracer ``x`` depend on a random draw?"""
+        x = unwrap_functional(x)
+        if not isinstance(x, TracerTensor) or x._trace is not self:
+            return False
+        graph = self.builder.build([x._value])
+        return any(draws_random(graph.node(n)) for n in
+                   nx.ancestors(graph.nx, x._value.node) | {x._value.node})
+
     def _bake(self, tensor: torch.Tensor) -> Value:
         """A constant node; a broadcast view (stride 0 along a dim: a mask or a scalar that
         a decomposition expanded, as torch's ``where`` does) is baked as the tensor it
@@ -456,7 +507,17 @@ class Trace:
         if func in _DATA_DEPENDENT:
             live = self.live_value(args[0])
             if live is None and self.type_of(args[0]).dtype == torch.bool:
+                live = self.decided_value(args[0])
+            if live is None and self.type_of(args[0]).dtype == torch.bool:
                 live = self.guarded_value(args[0])
+            if live is None and self._drawn(args[0]):
+                raise ConcretizationError(
+                    "a Python branch on a random draw (torch.rand and the like) under "
+                    "plait.jit: each call draws anew, so no value exists while tracing. "
+                    "Compute both sides and pick with torch.where(draw < p, a, b), or, for "
+                    "transformers' LayerDrop, set the config's encoder_layerdrop and "
+                    "decoder_layerdrop to 0 (a comparison the range of the draw decides "
+                    "traces: NOTE [values decided by ranges]).")
             if live is None:
                 raise _concretization(_DATA_DEPENDENT[func])
             with _disable_current_modes():
