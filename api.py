@@ -34,6 +34,7 @@ from .compiler import pipeline
 from .compiler.stages import Stages, collector_paused
 from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
+from .tracer.function import compact
 from .tracer.state import STATE_LOCK, tensor_key
 from .tracer.trace import no_dynamo_import, tracing_active
 
@@ -650,6 +651,9 @@ class Jitted:
                 torch._C._functorch.peek_interpreter_stack() is not None:
             return self._interpreted(args, kwargs)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
+        # an argument repeating its elements passes what it repeats (NOTE [broadcast arguments])
+        tensors = [compact(t) if t.layout == torch.strided and 0 in t.stride() else t
+                   for t in tensors]
         compiled, state, read = self._find(key, tensors)
         if compiled is None:
             with self._compiling_key(key):

@@ -847,6 +847,42 @@ def test_as_strided_on_an_intermediate_eager_lays_out_otherwise_is_refused():
     assert_close(plait.jit(g)(x), g(x))
 
 
+# -- arguments that repeat their elements (NOTE [broadcast arguments]) -----------------------
+def test_a_broadcast_argument_is_read_where_it_is_never_repeated_in_memory():
+    x = torch.randn(1, 3000).expand(3000, 3000)
+    f = lambda x: x.amax(0) + x.sum(1)  # noqa: E731
+    jitted = plait.jit(f, backend="cpp")
+    assert_close(jitted(x), f(x))
+    lowered = jitted.lower(x)
+    assert [t.shape for t in lowered.graph.input_types] == [(1, 3000)]
+    assert lowered.stats["bytes_read"] == 3000 * 4  # the row it repeats, not 36 MB
+
+
+@pytest.mark.parametrize("backend", ["cpp", "eager", "loops"])
+def test_broadcast_arguments_along_any_dim_train_and_guard_as_eager(backend):
+    w = torch.randn(2, 1, 3, requires_grad=True)
+    mask = torch.ones(1, 4, 1).expand(2, 4, 3)
+
+    def f(w, mask):
+        y = (w * mask).cumsum(1) * torch.arange(3.0)
+        return y.sum() if (mask > 0).any() else -y.sum()
+
+    jitted = plait.jit(f, backend=backend)
+    for m in (mask, -mask, mask):
+        want = torch.autograd.grad(f(w.expand(2, 4, 3), m), w)
+        got = torch.autograd.grad(jitted(w.expand(2, 4, 3), m), w)
+        assert_close(got, want)
+    assert jitted.trace_count == 2  # one per branch: the broadcast dims are one signature
+
+
+def test_writing_into_a_broadcast_argument_is_refused_as_eager_refuses_it():
+    x = torch.randn(1, 3).expand(2, 3)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        torch.randn(1, 3).expand(2, 3).add_(1)
+    with pytest.raises(TraceError, match="repeats its elements"):
+        plait.jit(lambda x: x.add_(1))(x)
+
+
 # -- branches on values (NOTE [value guards]) ------------------------------------------------
 def test_a_branch_on_a_bool_of_the_arguments_compiles_each_branch_once():
     def f(x, mask):

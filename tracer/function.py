@@ -133,6 +133,37 @@ def _input_layout(x: torch.Tensor) -> tuple[bool, tuple | None]:
     return (True, None) if is_dense(x) else (False, layout_key(x))
 
 
+# NOTE [broadcast arguments]
+# An argument that repeats its elements along a dim (stride 0: ``x.expand(n, m)``, a mask
+# broadcast over heads) is passed to a jit's program as the tensor it repeats, one element
+# along each such dim (``compact``: a view, no copy), and the graph broadcasts it back,
+# which lowering reads as an index remap: the program never materializes the repetition
+# (``x.expand(12000, 12000).amax()`` reads 12000 elements, not 144 million). The strides
+# are part of the compilation's key, so the call and the trace agree on the dims. Writing
+# into such an argument is refused, as eager refuses it.
+def broadcast_dims(x: torch.Tensor) -> tuple[int, ...]:
+    """The dims along which ``x`` repeats its elements (stride 0, more than one element)."""
+    return tuple(d for d, (n, s) in enumerate(zip(x.shape, x.stride())) if not s and n > 1) \
+        if x.layout == torch.strided else ()
+
+
+def compact(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with one element along each dim it repeats along (NOTE [broadcast arguments])."""
+    for d in broadcast_dims(x):
+        x = x.narrow(d, 0, 1)
+    return x
+
+
+def _broadcast_input(trace: Trace, x: torch.Tensor) -> TracerTensor:
+    """The tracer of argument ``x`` that repeats its elements: the graph's input is what it
+    repeats, broadcast back (NOTE [broadcast arguments])."""
+    one = compact(x)
+    tracer = trace.bind("broadcast_in_dim", trace.new_input(TensorType.of(one), *_input_layout(
+        one)), shape=tuple(x.shape), broadcast_dimensions=tuple(range(x.ndim)))
+    tracer._dense, tracer._layout = False, layout_key(x)
+    return tracer
+
+
 def _is_size(x) -> bool:
     return isinstance(x, torch.Size)  # a static leaf: torch's pytree would rebuild a tuple
 
@@ -142,7 +173,8 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     """Trace ``fn(*args, **kwargs)`` where ``(args, kwargs) = unflatten(leaves, in_tree)``.
 
     Tensor leaves become graph inputs (in order); ``Static`` leaves are passed unwrapped.
-    With ``live``, the state the function captures (its modules' parameters and buffers,
+    With ``live`` (a jit's trace), an argument that repeats its elements is an input of the
+    elements it repeats (NOTE [broadcast arguments]), and the state the function captures (its modules' parameters and buffers,
     then the other captured tensors it reads) becomes further inputs (NOTE [live state]),
     and with ``evaluate`` too (``evaluate(graph, tensors) -> outputs``), a branch on a bool
     computed from the call's tensors takes the branch they take (NOTE [value guards]).
@@ -159,6 +191,8 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         read = module_state(module)
         structures.append(read.structure)
         state_tensors.append(read.tensors)
+    broadcast = [i for i, p in enumerate(tensor_pos) if live and not isinstance(
+        leaves[p], TracerTensor) and broadcast_dims(leaves[p])]
     with tracing(trace):
         inputs = []
         for x in [leaves[i] for i in tensor_pos] + [t for ts in state_tensors for t in ts]:
@@ -168,10 +202,13 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             refuse_dtensor(x, where)
             # a state tensor's layout is keyed as dense or not (state.tensor_keys)
             layout = _input_layout(x) if len(inputs) < len(tensor_pos) else (is_dense(x), None)
-            inputs.append(trace.new_input(TensorType.of(x), *layout))
+            if len(inputs) in broadcast:
+                inputs.append(_broadcast_input(trace, x))
+            else:
+                inputs.append(trace.new_input(TensorType.of(x), *layout))
         originals = [t._value for t in inputs]
         if live and evaluate is not None:
-            trace.arguments = [leaves[i] for i in tensor_pos] + [
+            trace.arguments = [compact(leaves[i]) for i in tensor_pos] + [
                 t for ts in state_tensors for t in ts]
             trace.evaluate = evaluate
         trace.live = {key: follow(roots[r], path)
@@ -227,6 +264,11 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             else:
                 out_leaves.append(Static(leaf))
         mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]
+        if set(mutated) & set(broadcast):
+            raise TraceError(
+                "the function writes into an argument that repeats its elements (stride 0, "
+                "made by expand), as eager refuses too: more than one element of it is one "
+                "memory location. Pass it cloned (x.clone()) or contiguous.")
         outputs += [inputs[i]._value for i in mutated]
         for k, value in trace.captured_writes():  # captured inputs follow the arguments'
             mutated.append(len(inputs) + k)
