@@ -167,6 +167,34 @@ def test_apply_passed_to_a_transform_as_the_function():
                  torch.func.grad(lambda a: Cube.apply(a).sum())(x))
 
 
+@pytest.mark.parametrize("saved", ["input", "output", "a view"])
+def test_saving_an_input_returned_as_it_is_is_refused_as_eager_refuses_it(saved):
+    class ReturnsInput(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward({"input": inputs[0], "output": output,
+                                   "a view": inputs[0].view_as(inputs[0])}[saved])
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def f(x):
+        return ReturnsInput.apply(x.clone()).sum()
+
+    x = torch.tensor([2.0, 3.0], requires_grad=True)
+    if saved == "a view":  # what torch's message advises: it runs, in eager and in plait
+        assert_close(plait.grad(f)(x), torch.func.grad(f)(x))
+        return
+    for run in (lambda: f(x), lambda: plait.grad(f)(x), lambda: plait.jit(f)(x)):
+        with pytest.raises(RuntimeError, match="returned as-is as output is being saved"):
+            run()
+
+
 @plait.custom_vjp
 def clipped(x, bound):
     """The identity, whose cotangent is clipped to [-bound, bound]."""

@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import Function
 from torch.utils import _pytree as pytree
 
-from ..errors import TraceError, UnsupportedOpError
+from ..errors import OpError, TraceError, UnsupportedOpError
 from .registry import define
 from .trace import (HANDLER_FINDERS, TRACING_CONTEXTS, TracerTensor, bind, current_trace,
                     on_tracers, tracing_active, unwrap_functional)
@@ -42,6 +42,7 @@ class _Context:
     def __init__(self, needs_input_grad: tuple):
         self.needs_input_grad = needs_input_grad
         self.saved_tensors: tuple = ()
+        self.saved_for_forward: tuple = ()
         self.materialize_grads = True
         self.non_differentiable: tuple = ()
         self.dirty: tuple = ()  # inputs the forward wrote into (ctx.mark_dirty)
@@ -50,7 +51,7 @@ class _Context:
         self.saved_tensors = tensors
 
     def save_for_forward(self, *tensors):  # for a jvp staticmethod, which plait does not use
-        pass
+        self.saved_for_forward = tensors
 
     def mark_non_differentiable(self, *tensors):
         self.non_differentiable = tensors
@@ -126,6 +127,8 @@ def traced_apply(cls, *args, **kwargs):
         else:
             out = cls.forward(ctx, *args)
     outs = out if isinstance(out, tuple) else (out,)
+    if _has_setup_context(cls):
+        _check_saved_inputs(cls, ctx, [args[i] for i in inputs], outs)
     saved_names = [k for k, v in vars(ctx).items()
                    if isinstance(v, torch.Tensor) and k not in ("saved_tensors", "dirty")]
     rule = CustomRule(cls, ctx, inputs, saved_names,
@@ -145,6 +148,18 @@ def traced_apply(cls, *args, **kwargs):
         k += isinstance(o, torch.Tensor)
         results.append(o)
     return tuple(results) if isinstance(out, tuple) else results[0]
+
+
+def _check_saved_inputs(cls, ctx: _Context, inputs: list, outs: tuple) -> None:
+    """torch.autograd's rule for a function with ``setup_context``: an input returned as it is
+    (not written: no ``mark_dirty``) may not be saved, as itself or as the output."""
+    returned = {id(o) for o in outs if any(o is x for x in inputs)} - {id(t) for t in ctx.dirty}
+    if returned & {id(t) for t in (*ctx.saved_tensors, *ctx.saved_for_forward)}:
+        raise OpError(
+            f"{cls.__qualname__}: An input that has been returned as-is as output is being "
+            "saved for backward. This is not supported if you override setup_context (eager "
+            "PyTorch refuses it too). Return and save a view of the input (x.view_as(x)), or "
+            "return a clone of the input and save that instead.")
 
 
 def traceable_apply(fn):
