@@ -668,6 +668,15 @@ class Jitted:
         self._latest = key, read[0], compiled
         return compiled(tensors + read[1])
 
+    def last_call(self) -> tuple | None:
+        """The traced function the last call ran and the tensors it read besides its
+        arguments' (the captured state, as it is now), or None (no call yet, or state that
+        cannot be read back)."""
+        key, _, compiled = self._latest
+        state = self._states.get(key) if compiled is not None else None
+        read = state.read() if state is not None else None
+        return None if read is None else (compiled.lowered.traced, read[1])
+
     def _find(self, key, tensors):
         """``_lookup``, then the compilation whose value guards hold (NOTE [value guards])."""
         compiled, state, read = self._lookup(key)

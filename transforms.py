@@ -29,6 +29,7 @@ from .errors import TraceError, TransformError
 from .passes import autodiff
 from .tracer.interpret import inline
 from .tracer import trace_function
+from .tracer.function import broadcast_dims
 from .tracer.trace import TracerTensor, bind, current_trace, on_tracers, tracing_active
 
 
@@ -403,14 +404,24 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool):
     tracked = torch.is_grad_enabled() and any(x.requires_grad for x in flat)
     leaves = [x.view_as(x) if tracked and x.requires_grad else x.detach().requires_grad_()
               for x in flat]
+    jitted = _kept_for(func, ("jit",), lambda: jit(func))
     with torch.enable_grad():
-        out = _kept_for(func, ("jit",), lambda: jit(func))(*pytree.tree_unflatten(leaves, tree))
+        out = jitted(*pytree.tree_unflatten(leaves, tree))
     main, aux = _split_aux(out, has_aux, _VJP)
     _only_tensors(main, _VJP)
     outputs = pytree.tree_leaves(main)
+    # the call, for vjp_fn inside a trace: its traced function, the tensors it read, and
+    # their versions now
+    last = getattr(jitted, "jitted", jitted).last_call()
+    call = None if last is None or any(map(broadcast_dims, leaves)) else (
+        last, [t._version for t in leaves + last[1]])
 
     def vjp_fn(cotangents, *, retain_graph: bool = True, create_graph: bool = False):
-        """The cotangents of the primals (``retain_graph`` is always so: call it again)."""
+        """The cotangents of the primals (``retain_graph`` is always so: call it again).
+        Called inside a trace (``vmap(vjp_fn)``, ``vjp(vjp_fn, ...)``), the graph of the
+        call is differentiated there, at the tensors that call read."""
+        if tracing_active():
+            return _vjp_of_call(call, leaves, main, cotangents, tree)
         if create_graph:
             raise TraceError("vjp_fn(create_graph=True) is not supported; take higher "
                              "derivatives by composing plait's transforms, e.g. "
@@ -426,6 +437,32 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool):
     detach = functools.partial(pytree.tree_map_only, torch.Tensor, torch.Tensor.detach) \
         if not tracked else lambda tree: tree
     return (detach(main), vjp_fn, detach(aux)) if has_aux else (detach(main), vjp_fn)
+
+
+def _vjp_of_call(call, primals: list, main, cotangents, tree):
+    """``vjp_fn`` of a ``vjp`` made on real tensors, called inside a trace: the graph of that
+    call (``Jitted.last_call``: its traced function and the state it read), differentiated
+    at its tensors, which must not have been written since (they would be read at their new
+    values, where torch.func's vjp_fn answers for the old ones)."""
+    if call is None:
+        raise TraceError("vjp_fn of a plait.vjp made outside a traced function was called "
+                         "inside one, and that call's state cannot be read back (or a primal "
+                         "repeats its elements, made by expand); call plait.vjp inside the "
+                         "traced function instead.")
+    (traced, state), versions = call[0], call[1]
+    tensors = primals + state
+    if [t._version for t in tensors] != versions:
+        raise TraceError("vjp_fn of a plait.vjp made outside a traced function was called "
+                         "inside one after a tensor its function read was written in place; "
+                         "call plait.vjp again, or inside the traced function.")
+    graph = traced.graph
+    slots = [traced.out_leaves[k] for k in range(len(pytree.tree_leaves(main)))]
+    cts = _cotangent_leaves(main, cotangents, [graph.output_types[k].shape for k in slots])
+    seeds = dict(zip(slots, cts))
+    seeds = [seeds.get(k, autodiff.zeros(t)) for k, t in enumerate(graph.output_types)]
+    grads = inline(vjp_graph(graph, range(len(primals))), tensors + seeds)[len(graph.outputs):]
+    current_trace().pin(tensors)  # a compilation holds while they are not written
+    return pytree.tree_unflatten(grads, tree)
 
 
 def _forward(func: Callable, primals: tuple):

@@ -444,8 +444,27 @@ def test_vjp_fn_answers_for_the_values_at_vjp_time():
     assert_close(out, want_out)
     for _ in range(2):
         assert_close(fn(ct), want_fn(ct))
-    with pytest.raises(TraceError, match="inside the traced function"):
-        plait.vjp(fn, ct)  # used to recurse until the stack overflowed
+    # under a transform too: the graph of the vjp's call, at the tensors it read then
+    cts = torch.randn(4, 3)
+    assert_close(plait.vmap(fn)(cts), torch.func.vmap(want_fn)(cts))
+    (got, got_fn), (want, want_fn2) = plait.vjp(fn, ct), torch.func.vjp(want_fn, ct)
+    assert_close(got, want)
+    assert_close(got_fn((ct,)), want_fn2((ct,)))
+    assert_close(plait.grad(lambda c: fn(c)[0].pow(2).sum())(ct),
+                 torch.func.grad(lambda c: want_fn(c)[0].pow(2).sum())(ct))
+
+
+def test_vjp_fn_under_a_transform_is_refused_once_its_tensors_are_written():
+    """torch.func's vjp_fn raises once a tensor saved for it is written in place (autograd's
+    version check); plait's, under a transform, refuses then too, rather than differentiate
+    at the new values."""
+    x, cts = torch.randn(3), torch.randn(4, 3)
+    _, fn = plait.vjp(torch.sin, x)
+    batched = plait.vmap(fn)
+    assert_close(batched(cts)[0], x.cos() * cts)
+    x.add_(1.0)
+    with pytest.raises(TraceError, match="written in place"):
+        batched(cts)
 
 
 def test_provenance_survives_the_transforms():

@@ -140,11 +140,15 @@ def _input_layout(x: torch.Tensor) -> tuple[bool, tuple | None]:
 # which lowering reads as an index remap: the program never materializes the repetition
 # (``x.expand(12000, 12000).amax()`` reads 12000 elements, not 144 million). The strides
 # are part of the compilation's key, so the call and the trace agree on the dims. Writing
-# into such an argument is refused, as eager refuses it.
+# into such an argument is refused, as eager refuses it. A leaf that requires grad is passed
+# whole: torch.autograd gives each of its elements a gradient of its own, which a program
+# reading one of them could not (``tensor_key`` tells the two apart).
 def broadcast_dims(x: torch.Tensor) -> tuple[int, ...]:
-    """The dims along which ``x`` repeats its elements (stride 0, more than one element)."""
-    return tuple(d for d, (n, s) in enumerate(zip(x.shape, x.stride())) if not s and n > 1) \
-        if x.layout == torch.strided else ()
+    """The dims along which argument ``x`` repeats its elements (stride 0, more than one
+    element), unless it is a leaf that requires grad (NOTE [broadcast arguments])."""
+    if x.layout != torch.strided or x.requires_grad and x.grad_fn is None:
+        return ()
+    return tuple(d for d, (n, s) in enumerate(zip(x.shape, x.stride())) if not s and n > 1)
 
 
 def compact(x: torch.Tensor) -> torch.Tensor:

@@ -390,8 +390,9 @@ def refuse_distributed(name: str, module: torch.nn.Module) -> None:
 def tensor_key(x: torch.Tensor) -> tuple:
     """What compiling code for a tensor depends on (NOTE [distributed wrappers] for the
     last)."""
-    return (x.shape, x.dtype, x.device, x.layout, is_dense(x) or layout_key(x),
-            type(x).__torch_dispatch__ is _PLAIN_DISPATCH)
+    return (x.shape, x.dtype, x.device, x.layout, is_dense(x) or (
+        layout_key(x), x.requires_grad and x.grad_fn is None),  # NOTE [broadcast arguments]
+        type(x).__torch_dispatch__ is _PLAIN_DISPATCH)
 
 
 def layout_key(x: torch.Tensor) -> tuple | None:

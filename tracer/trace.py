@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import networkx as nx
 import torch
@@ -292,6 +292,15 @@ class Trace:
         if hit is None or hit[0] is not tensor:
             hit = self._constants[id(tensor)] = (tensor, self._bake(tensor))
         return hit[1]
+
+    def pin(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Real ``tensors`` the function reads as they are now (their values were taken at
+        an earlier time, which the compilation answers for): a live one is guarded by
+        identity and version as a baked one is (NOTE [live state])."""
+        root = _THREAD.traces[0]
+        for t in tensors:
+            if id(t) in root.live:
+                root.pinned[id(t)] = t
 
     def live_value(self, x: Any) -> torch.Tensor | None:
         """The live tensor that tracer ``x`` stands for, if it is one lifted by the
