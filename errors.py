@@ -10,8 +10,9 @@ class ConcretizationError(PlaitError):
     """A traced value was needed as a concrete Python value (bool(), .item(), a Python branch)."""
 
 
-class UnsupportedOpError(PlaitError):
-    """An operator plait cannot trace (data-dependent output shape, no shape rule, ...)."""
+class UnsupportedOpError(PlaitError, NotImplementedError):
+    """An operator plait cannot trace (data-dependent output shape, no shape rule, ...). A
+    NotImplementedError, as torch's error for an op a backend lacks is."""
 
 
 class UnsupportedDtypeError(PlaitError):

@@ -261,3 +261,85 @@ def test_a_draw_shaped_like_an_input_carries_no_derivative():
     for draws in (got, tangent):
         assert abs(draws.mean() - want.mean()) < 0.05
         assert abs(draws.var() - want.var()) < 0.1
+
+
+# ---------------------------------------------------------------------------------------
+# Errors of the class and words torch.func raises, so code catching them keeps working
+# ---------------------------------------------------------------------------------------
+def _write_captured(T):
+    captured = torch.randn(3)
+
+    def foo(x):
+        captured.copy_(x)
+        return (x * captured).sum()
+
+    return T.grad(foo)(torch.tensor([1.0, 2.0, 3.0]))
+
+
+def _retain_grad(T):
+    def f(x):
+        y = x.sin()
+        y.retain_grad()
+        return y.sum()
+
+    return T.grad(f)(torch.randn(3))
+
+
+class _KeywordTensors(torch.autograd.Function):
+    @staticmethod
+    def forward(x, *, y):
+        return x + y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, x, *, y):
+        return x + y, 0
+
+
+def _keyword_tensors(T):
+    return T.vmap(_KeywordTensors.apply)(torch.randn(3), y=torch.randn(3))
+
+
+@pytest.mark.parametrize("case, error, words", [
+    (_write_captured, RuntimeError, "mutate a captured Tensor"),
+    (_retain_grad, Exception, "retain_grad"),
+    (_keyword_tensors, NotImplementedError, "kwarg-only Tensor args"),
+], ids=["write into a captured tensor", "retain_grad", "apply with keyword tensors"])
+def test_refusals_are_torch_funcs_errors(case, error, words):
+    for T in (tf, plait):
+        with pytest.raises(error, match=words if T is plait else None):
+            case(T)
+    with pytest.raises(PlaitError):
+        case(plait)
+
+
+def test_a_custom_function_that_does_not_materialize_grads_gets_none():
+    """ctx.set_materialize_grads(False): an output no gradient reached gives its backward
+    None, as torch.autograd does, rather than zeros."""
+    seen = []
+
+    class TwoOutputs(torch.autograd.Function):
+        @staticmethod
+        def forward(x, y):
+            return x * 1, y * 1
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.set_materialize_grads(False)
+
+        @staticmethod
+        def backward(ctx, gx, gy):
+            seen.append((gx is None, gy is None))
+            return gx, gy
+
+    def f(y, x):
+        return TwoOutputs.apply(x, y)[0] ** 2
+
+    x, y = torch.tensor(2.0), torch.tensor(3.0)
+    for T in (tf, plait):
+        seen.clear()
+        assert_close(T.grad(f, argnums=1)(y, x), torch.tensor(4.0))
+        assert seen == [(False, True)], T

@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import Function
 from torch.utils import _pytree as pytree
 
-from ..errors import OpError, TraceError, UnsupportedOpError
+from ..errors import OpError, UnsupportedOpError
 from .registry import define
 from .trace import (HANDLER_FINDERS, TRACING_CONTEXTS, TracerTensor, bind, current_trace,
                     on_tracers, tracing_active, unwrap_functional)
@@ -92,7 +92,9 @@ class CustomRule:
         vars(ctx).update(self.attributes)
         ctx.saved_tensors = tuple(saved)
         vars(ctx).update(zip(self.saved_names, named))
+        # the other outputs' cotangents: zeros, or None after ctx.set_materialize_grads(False)
         cts = [ct if k == output else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+               if self.attributes.get("materialize_grads", True) else None
                for k, t in enumerate(self.out_types)]
         with torch.enable_grad():
             grads = self.cls.backward(ctx, *cts)
@@ -112,8 +114,9 @@ def traced_apply(cls, *args, **kwargs):
             if isinstance(x, torch.Tensor)):
         return _ORIGINAL_APPLY(cls, *args, **kwargs)
     if kwargs:
-        raise TraceError(f"{cls.__qualname__}.apply with keyword arguments is not supported "
-                         "under plait; pass them positionally.")
+        raise UnsupportedOpError(f"{cls.__qualname__}.apply with keyword arguments (kwarg-only "
+                                 "Tensor args among them) is not supported under plait, nor "
+                                 "by torch.func's vmap; pass them positionally.")
     inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     ctx = _Context(tuple(isinstance(a, torch.Tensor) and a.dtype.is_floating_point
                          for a in args))

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
-                      UnsupportedDtypeError, UnsupportedOpError)
+                      TransformError, UnsupportedDtypeError, UnsupportedOpError)
 from ..graph import Constant, Graph, GraphBuilder, Node, Provenance, TensorType, Value, rewrite
 from ..graph.types import contiguous_strides
 from .registry import OperandSlot, draws_random, get_primitive, is_effectful
@@ -162,11 +162,13 @@ def _concretization(what: str) -> ConcretizationError:
         "own version.")
 
 
-def captured_write_error() -> TraceError:
-    return TraceError("the traced function writes into a tensor it did not receive as an "
-                      "argument (a closure or global tensor: plait reads those at each call "
-                      "but writes back only arguments and modules' parameters and buffers). "
-                      "Pass the tensor as an argument instead.")
+def captured_write_error() -> TransformError:
+    """As torch.func's (a RuntimeError, with its words)."""
+    return TransformError(
+        "the traced function writes into a tensor it did not receive as an argument: the "
+        "in-place operation would mutate a captured Tensor (a closure or global tensor: plait "
+        "reads those at each call but writes back only arguments and modules' parameters and "
+        "buffers). Pass the tensor as an argument instead.")
 
 
 def tracing_active() -> bool:
@@ -1022,6 +1024,18 @@ def _dual(tensor, *args, **kwargs):
 
 
 FUNCTION_HANDLERS[torch._make_dual] = _dual
+
+
+def _retain_grad(tensor):
+    if not (isinstance(tensor, TracerTensor) or torch._is_functional_tensor(tensor)):
+        return NotImplemented
+    raise UnsupportedOpError(
+        "Tensor.retain_grad() inside plait.jit or a plait transform: a traced tensor has no "
+        ".grad to fill (torch.func does not support it either). Return the intermediate and "
+        "differentiate with respect to it, or take the gradient outside the traced function.")
+
+
+FUNCTION_HANDLERS[torch.Tensor.retain_grad] = _retain_grad
 
 
 class _FunctionCapture(TorchFunctionMode):
