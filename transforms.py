@@ -415,13 +415,24 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool):
     last = getattr(jitted, "jitted", jitted).last_call()
     call = None if last is None or any(map(broadcast_dims, leaves)) else (
         last, [t._version for t in leaves + last[1]])
+    recording: list = []  # vjp_fn as a jitted function of the primals, made once
 
     def vjp_fn(cotangents, *, retain_graph: bool = True, create_graph: bool = False):
         """The cotangents of the primals (``retain_graph`` is always so: call it again).
         Called inside a trace (``vmap(vjp_fn)``, ``vjp(vjp_fn, ...)``), the graph of the
-        call is differentiated there, at the tensors that call read."""
+        call is differentiated there, at the tensors that call read. Made under no_grad on
+        primals that require grad and called with grad mode on, its results are recorded by
+        torch.autograd as a function of the primals, as torch.func's are."""
         if tracing_active():
+            _check_unwritten(call, leaves)
             return _vjp_of_call(call, leaves, main, cotangents, tree)
+        if not tracked and call is not None and torch.is_grad_enabled() and any(
+                x.requires_grad for x in flat):
+            _check_unwritten(call, flat)
+            if not recording:
+                recording.append(jit(lambda primals, cts: _vjp_of_call(
+                    call, primals, main, cts, tree)))
+            return recording[0](list(flat), cotangents)
         if create_graph:
             raise TraceError("vjp_fn(create_graph=True) is not supported; take higher "
                              "derivatives by composing plait's transforms, e.g. "
@@ -439,22 +450,28 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool):
     return (detach(main), vjp_fn, detach(aux)) if has_aux else (detach(main), vjp_fn)
 
 
-def _vjp_of_call(call, primals: list, main, cotangents, tree):
-    """``vjp_fn`` of a ``vjp`` made on real tensors, called inside a trace: the graph of that
-    call (``Jitted.last_call``: its traced function and the state it read), differentiated
-    at its tensors, which must not have been written since (they would be read at their new
-    values, where torch.func's vjp_fn answers for the old ones)."""
+def _check_unwritten(call, primals: list) -> None:
+    """The vjp's call can be differentiated again (``_vjp_of_call``): its state was read back,
+    and none of the tensors it read (``primals``, then the state) was written since (they
+    would be read at their new values, where torch.func's vjp_fn answers for the old ones)."""
     if call is None:
         raise TraceError("vjp_fn of a plait.vjp made outside a traced function was called "
-                         "inside one, and that call's state cannot be read back (or a primal "
-                         "repeats its elements, made by expand); call plait.vjp inside the "
-                         "traced function instead.")
-    (traced, state), versions = call[0], call[1]
-    tensors = primals + state
-    if [t._version for t in tensors] != versions:
-        raise TraceError("vjp_fn of a plait.vjp made outside a traced function was called "
-                         "inside one after a tensor its function read was written in place; "
+                         "inside one (or made under no_grad and recorded), and that call's "
+                         "state cannot be read back (or a primal repeats its elements, made by "
+                         "expand); call plait.vjp inside the traced function instead.")
+    (_, state), versions = call
+    if [t._version for t in primals + state] != versions:
+        raise TraceError("vjp_fn of a plait.vjp was called inside a traced function (or "
+                         "recorded) after a tensor its function read was written in place; "
                          "call plait.vjp again, or inside the traced function.")
+
+
+def _vjp_of_call(call, primals: list, main, cotangents, tree):
+    """``vjp_fn`` of a ``vjp`` made on real tensors, inside a trace: the graph of that call
+    (``Jitted.last_call``: its traced function and the state it read), differentiated at
+    ``primals`` and the state (checked by ``_check_unwritten``)."""
+    (traced, state), _ = call
+    tensors = primals + state
     graph = traced.graph
     slots = [traced.out_leaves[k] for k in range(len(pytree.tree_leaves(main)))]
     cts = _cotangent_leaves(main, cotangents, [graph.output_types[k].shape for k in slots])
@@ -590,6 +607,33 @@ def vmap(func: Callable, in_dims=0, out_dims=0, randomness: str = "error",
     return run
 
 
+def _write_mapped(t: _Traced, results: list, flags: list, args: list, dims: list,
+                  size: int) -> None:
+    """The arguments the mapped function wrote into, written with their new values, each
+    example's along its mapped dim, as torch.func's vmap writes them."""
+    mutated = t.traced.mutated_inputs
+    values = zip(mutated, results[len(results) - len(mutated):], flags[len(flags) - len(mutated):])
+    writes = []
+    for i, value, batched in values:
+        if i >= len(t.tensor_pos):
+            raise TraceError("a function under plait.vmap writes into a module buffer "
+                             "(BatchNorm's running statistics, in training mode); call "
+                             "model.eval(), or give the BatchNorm track_running_stats=False "
+                             "(torch.func.replace_all_batch_norm_modules_ does so).")
+        arg, d = args[t.tensor_pos[i]], (dims + [None] * len(args))[t.tensor_pos[i]]
+        if d is None:
+            if batched:
+                raise TransformError(
+                    "vmap: a function writes into an argument that is not mapped (in_dims "
+                    "None) a value that varies over the batch, which torch.func refuses too: "
+                    "map the argument too, or write into a copy of it.")
+            writes.append((arg, value))
+        else:
+            value = value if batched else value.unsqueeze(0).expand(size, *value.shape)
+            writes.append((arg, value.movedim(0, d)))
+    t.write_back(writes)
+
+
 def _vmapped(func, dims, out_dims, randomness, args, kwargs):
     from .tracer import batching
 
@@ -612,13 +656,18 @@ def _vmapped(func, dims, out_dims, randomness, args, kwargs):
         (size,) = sizes
         moved = [x.movedim(d, 0) if d is not None else x for x, d in zip(leaves, dims)]
         example = [x[0] if d is not None else x for x, d in zip(moved, dims)]
-        t = _Traced(func, pytree.tree_unflatten(example, tree), kwargs)
+        t = _Traced(func, pytree.tree_unflatten(example, tree), kwargs, writable=True)
         kw_leaves = pytree.tree_leaves(kwargs)  # keyword arguments are not mapped (torch.func)
         mapped = [d is not None for d in dims] + [False] * len(kw_leaves)
         flags = [mapped[i] for i in t.tensor_pos] + [False] * len(t.traced.captured)
         graph, out_flags = batching.vmap(t.graph, flags, size, randomness)
         results = inline(graph, [(moved + kw_leaves)[i] for i in t.tensor_pos]
                          + list(t.traced.captured))
+        # the views of the arguments go before they are written (a write through a live
+        # view would leave it stale)
+        del moved, example
+        t.inputs = []
+        _write_mapped(t, results, out_flags, leaves + kw_leaves, dims, size)
         _only_tensors(t.structure(), "vmap")
         out = t.outputs(list(range(len(results))))
         placed = []

@@ -8,6 +8,9 @@ applies each primitive's ``vjp`` rule::
 
     rule(cotangents_of_outputs, *operands, outs=outputs, **params) -> one cotangent per operand
 
+A rule that also takes ``needed`` gets, per operand, whether its cotangent is wanted (it
+depends on what is differentiated), and may give None for the others: a custom function's
+``ctx.needs_input_grad``.
 Rules are written with torch calls on tracers (traced like user code) or ``bind``; they see
 the forward values they need, and only those stay alive, so the saved residuals are exactly
 what the rules read. A ``None`` cotangent means zero. Integer and boolean values carry no
@@ -29,7 +32,8 @@ transpose is J again.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+import inspect
+from typing import Callable, Sequence
 
 import torch
 
@@ -87,6 +91,11 @@ def _reads_only_shape(node) -> bool:
     return node.prim == "opaque" and str(node.kwargs["op"]).split(".")[1] in _SHAPE_ONLY_FACTORIES
 
 
+@functools.cache
+def _takes_needed(rule: Callable) -> bool:
+    return "needed" in inspect.signature(rule).parameters
+
+
 def depends_on(graph: Graph, inputs: Sequence[int]) -> set[int]:
     """The nodes whose values depend on the graph inputs ``inputs`` (those nodes included)."""
     active = {graph.inputs[i] for i in inputs}
@@ -126,9 +135,12 @@ def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
         _check_complex(node, operand_types)
         node_cts = [c if c is not None or not differentiable(t) else zeros(t)
                     for c, t in zip(node_cts, node.out_types)]
+        # a rule that takes ``needed`` learns which operands need a cotangent (NOTE [autodiff])
+        needed = {"needed": tuple(v.node in active and differentiable(t) for v, t in zip(
+            operands, operand_types))} if _takes_needed(rule) else {}
         with trace.provenance_of(node.provenance):  # the derivative of the user's line
             in_cts = rule(node_cts, *[env[v] for v in operands],
-                          outs=tuple(env[v] for v in outs), **node.kwargs)
+                          outs=tuple(env[v] for v in outs), **node.kwargs, **needed)
             for v, t, c in zip(operands, operand_types, in_cts):
                 if c is not None and differentiable(t):
                     c = _fit(c, t, trace)

@@ -195,6 +195,33 @@ def test_saving_an_input_returned_as_it_is_is_refused_as_eager_refuses_it(saved)
             run()
 
 
+def test_needs_input_grad_names_the_inputs_being_differentiated():
+    seen = {}
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(x, y):
+            return x * y
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(*inputs)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, y = ctx.saved_tensors
+            seen[T] = ctx.needs_input_grad
+            return (g * y if ctx.needs_input_grad[0] else None,
+                    g * x if ctx.needs_input_grad[1] else None)
+
+    x, y = torch.tensor(2.0), torch.tensor(3.0)
+    for argnums in (0, 1, (0, 1)):
+        for T in (torch.func, plait):
+            got = T.grad(Product.apply, argnums=argnums)(x, y)
+            assert_close(got, torch.func.grad(lambda a, b: a * b, argnums=argnums)(x, y))
+        assert seen[plait] == seen[torch.func]
+
+
 @plait.custom_vjp
 def clipped(x, bound):
     """The identity, whose cotangent is clipped to [-bound, bound]."""

@@ -922,10 +922,6 @@ def test_vmap__refuses_inplace_into_unbatched_tensor():
 # page: func.ux_limitations "Mutation: in-place PyTorch Operations" -- "There is no problem if
 # the Tensor being written to is batched": vmap(f, in_dims=(0, 0))(x, y) then
 # allclose(x, x + y)
-@xfail(strict=True, reason="plait transforms refuse a function that mutates a tensor argument "
-       "(TraceError from transforms._Traced, writable=False in vmap); torch.func.vmap writes "
-       "x += y "
-       "into the batched argument")
 def test_vmap__inplace_into_batched_argument_mutates_it():
     def f(x, y):
         x.add_(y)

@@ -562,3 +562,29 @@ def test_linearize_of_pytree_primals():
     want_out, want_fn = torch.func.linearize(f, primals)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(jvp_fn(tangents), want_fn(tangents))
+
+
+def test_vjp_made_under_no_grad_records_its_vjp_fn_as_torch_func_does():
+    """torch.func's vjp made under no_grad on a primal that requires grad: the output is not
+    recorded, but vjp_fn called with grad mode on gives a result recorded as a function of
+    the primal (its derivative is the second derivative)."""
+    for T in (torch.func, plait):
+        x = torch.tensor(3.14, requires_grad=True)
+        with torch.no_grad():
+            out, vjp_fn = T.vjp(lambda x: x ** 3, x)
+        (y,) = vjp_fn(torch.tensor(1.0))
+        assert not out.requires_grad and y.requires_grad, T
+        assert_close(y, 3 * x.detach() ** 2)
+        assert_close(torch.autograd.grad(y, x)[0], 6 * x.detach())
+
+
+def test_vmap_writes_a_mapped_argument_the_function_writes_into():
+    def f(x):
+        x.view(4, 2).add_(torch.ones(2))
+        return x * 2
+
+    for in_dims in (0, 1):
+        x = torch.randn(3, 4, 2) if in_dims == 0 else torch.randn(4, 3, 2)
+        x_t = x.clone()
+        assert_close(plait.vmap(f, in_dims=in_dims)(x), torch.func.vmap(f, in_dims=in_dims)(x_t))
+        assert_close(x, x_t)

@@ -81,16 +81,20 @@ class CustomRule:
     def __repr__(self) -> str:
         return f"{self.cls.__qualname__}.backward"
 
-    def backward(self, ct, output: int, operands: tuple) -> list:
-        """The user's backward on the replayed operands, for the cotangent of one output."""
+    def backward(self, ct, output: int, operands: tuple, needed: tuple | None = None) -> list:
+        """The user's backward on the replayed operands, for the cotangent of one output;
+        ``needed``: which operands need a cotangent (``ctx.needs_input_grad``)."""
         n_in = len(self.input_slots)
         saved = list(operands[n_in:n_in + self.n_saved])
         for i in self.nones:
             saved.insert(i, None)
         named = operands[n_in + self.n_saved:len(operands) - 1]
-        ctx = _Context(self.attributes["needs_input_grad"])
+        needs = list(self.attributes["needs_input_grad"])
+        for k, p in enumerate(self.input_slots if needed is not None else ()):
+            needs[p] = needs[p] and needed[k]
+        ctx = _Context(())
         vars(ctx).update(self.attributes)
-        ctx.saved_tensors = tuple(saved)
+        ctx.needs_input_grad, ctx.saved_tensors = tuple(needs), tuple(saved)
         vars(ctx).update(zip(self.saved_names, named))
         # the other outputs' cotangents: zeros, or None after ctx.set_materialize_grads(False)
         cts = [ct if k == output else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
@@ -261,7 +265,13 @@ def _batched_custom(operands, batched, axis_size, rule, output):
     return bind("custom_vjp", *operands, rule=rule.batched(), output=output), [True]
 
 
+def _custom_vjp(cts, *operands, outs, rule, output, needed):
+    """A user's backward (``CustomRule``) learns which inputs need a gradient; plait's own
+    rules built on the node (softmax's, ...) compute them all."""
+    if isinstance(rule, CustomRule):
+        return rule.backward(cts[0], output, operands, needed)
+    return rule.backward(cts[0], output, operands)
+
+
 define("custom_vjp", lambda *types, rule, output: (types[-1],),
-       lambda *operands, rule, output: operands[-1],
-       vjp=lambda cts, *operands, outs, rule, output: rule.backward(cts[0], output, operands),
-       batch=_batched_custom)
+       lambda *operands, rule, output: operands[-1], vjp=_custom_vjp, batch=_batched_custom)
