@@ -217,22 +217,25 @@ def compiled(graph: Graph, backend: Backend, settings, stages: Stages,
 def generated(backend: str, program, plan=None, stages: Stages | None = None) -> Callable:
     """A loop program (``scheduled``'s, or one made by hand) compiled by ``backend``'s code
     generator; ``plan``: its memory plan (by default one without a pool)."""
+    stages = stages or Stages()
     return get_backend(backend).factory(
-        program, plan or memory.plan(program, pool=False), stages or Stages(),
-        lambda body: compiled_body(body, backend))
+        program, plan or memory.plan(program, pool=False), stages,
+        lambda body: compiled_body(body, backend, stages))
 
 
 _BODIES: dict = {}  # (body digest, backend, settings) -> its compiled program
 
 
-def compiled_body(graph: Graph, backend: str) -> Any:
+def compiled_body(graph: Graph, backend: str, into: Stages | None = None) -> Any:
     """A control-flow body (or branch) as a program of its own on ``backend``: simplified and
     compiled once per body, backend and settings (NOTE [control-flow primitives], NOTE [native
-    loops])."""
+    loops]). Its stages are recorded in ``into`` too (the program that calls it), each named
+    ``body <digest>.<stage>``, when it is compiled."""
     chosen = get_backend(backend)
     key = (graph.digest, chosen.cache_key(), settings_key())
     if key not in _BODIES:
-        settings = snapshot(chosen)
-        _BODIES[key] = compiled(simplified(graph, settings), chosen, settings,
-                                Stages("control-flow body"))
+        settings, stages = snapshot(chosen), Stages("control-flow body")
+        _BODIES[key] = compiled(simplified(graph, settings, stages), chosen, settings, stages)
+        for name, seconds in (stages.seconds.items() if into is not None else ()):
+            into.record(f"body {graph.digest[:8]}.{name}", stages.irs.get(name), seconds)
     return _BODIES[key]

@@ -491,3 +491,19 @@ def test_differentiating_a_cond_whose_branch_draws_is_refused():
     assert torch.isfinite(plait.jit(f)(x))
     with pytest.raises(plait.errors.UnsupportedOpError, match="draws random numbers"):
         plait.grad(f)(x)
+
+
+def test_the_stages_of_a_native_body_are_recorded_in_its_callers():
+    """NOTE [pipeline]: the cpp wrapper compiles a cond's branches as programs of their own;
+    each branch's stages (simplification to the native build) are among its caller's."""
+    def f(x):  # branches no other test compiles (bodies are compiled once per process)
+        return plait.cond(x.sum() > 0, lambda x: x.sin() * 2.75, lambda x: x.cos() - 0.375,
+                          (x,))
+
+    lowered = plait.jit(f, backend="cpp").lower(torch.randn(7))
+    assert_close(lowered.compiled([torch.ones(7)])[0], torch.ones(7).sin() * 2.75)
+    bodies = {name.split(".")[0] for name in lowered.timings if name.startswith("body ")}
+    assert len(bodies) == 2
+    for body in bodies:
+        assert {f"{body}.lower", f"{body}.plan", f"{body}.native"} <= set(lowered.timings)
+        assert "kernel" in lowered.stages[f"{body}.fuse"].as_text()

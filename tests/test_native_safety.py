@@ -14,6 +14,7 @@ Run as a script it is that process: ``python tests/test_native_safety.py --cases
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import random
@@ -491,7 +492,10 @@ def test_programs_match_eager_and_never_crash():
 
 @pytest.mark.slow
 def test_many_generated_programs_match_eager_and_never_crash():
-    run_isolated(["--runtime", "--generated", "2", "250"], timeout=3000)
+    """1500 generated programs, in two processes at once (one per core)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda seed: run_isolated(["--runtime", "--generated", str(seed), "750"],
+                                                timeout=3000), (2, 752)))
 
 
 # ---------------------------------------------------------------------------------------
