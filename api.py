@@ -512,7 +512,7 @@ def _check_not_aliased(tensors, written: dict[int, str]) -> None:
         return
     counts = collections.Counter(storages)
     for i, why in written.items():
-        if counts[storages[i]] > 1:
+        if counts[storages[i]] > 1 and storages[i]:  # 0: no memory (empty tensors)
             raise TraceError(
                 f"tensor argument {i} {why} and shares memory with another argument; "
                 "plait.jit treats arguments as independent values. Pass distinct tensors "

@@ -49,10 +49,10 @@ from .stages import Stages, collector_paused
 @attrs.frozen
 class Stage:
     """One step of the pipeline: the pass ``fn`` (``"module.function"`` of passes/, imported
-    when first run: a program loaded from the disk cache runs without the compiler proper)
-    called as ``fn(ir, **arguments)``, where ``reads`` maps each keyword
-    argument to the setting it takes (a tuple: the same name) and ``target`` names the
-    backend's ``Target`` fields it takes. ``when``: the setting that switches the stage on;
+    when first run: a program loaded from the disk cache runs without the compiler proper),
+    called as ``fn(ir, **arguments)``. ``reads`` maps each keyword argument to the setting it
+    takes (a tuple: settings passed under their own names), ``target`` names the backend's
+    ``Target`` fields passed under theirs. ``when``: the setting that switches the stage on;
     ``target_when``: the ``Target`` field that must be true as well."""
 
     name: str
@@ -75,8 +75,9 @@ class Stage:
     def __call__(self, ir, settings, target: Target | None = None, **given):
         """``given``: the arguments of this call alone (what to differentiate)."""
         reads = self.reads if isinstance(self.reads, dict) else {r: r for r in self.reads}
-        return _pass(self.fn)(ir, **{arg: getattr(settings, name) for arg, name in reads.items()},
-                       **{name: getattr(target, name) for name in self.target}, **given)
+        arguments = {arg: getattr(settings, name) for arg, name in reads.items()}
+        arguments |= {name: getattr(target, name) for name in self.target}
+        return _pass(self.fn)(ir, **arguments, **given)
 
 
 def _pass(name: str) -> Callable:
