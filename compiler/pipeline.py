@@ -134,12 +134,12 @@ def snapshot(backend: Backend | None = None):
 
 
 def settings_key(settings=None) -> tuple:
-    """What the caches key a compilation by, of the settings: their values in ``settings`` (a
-    ``snapshot``; by default config's now, read on every call of a jitted function). A
-    backend's own join through its ``cache_key``."""
+    """What the caches key a compilation by, of the settings: those of a ``snapshot`` (its
+    backend's among them), or by default config's now (read on every call of a jitted
+    function; a backend's own join through its ``cache_key``)."""
     if settings is None:
         return _values(config)
-    return tuple(getattr(settings, name) for name in SETTINGS)
+    return tuple(sorted(vars(settings).items()))
 
 
 def _run(stages: Stages, stage: Stage, ir, settings, target=None):
