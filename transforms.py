@@ -475,8 +475,10 @@ def _vjp_of_call(call, primals: list, main, cotangents, tree):
     graph = traced.graph
     slots = [traced.out_leaves[k] for k in range(len(pytree.tree_leaves(main)))]
     cts = _cotangent_leaves(main, cotangents, [graph.output_types[k].shape for k in slots])
-    seeds = dict(zip(slots, cts))
-    seeds = [seeds.get(k, autodiff.zeros(t)) for k, t in enumerate(graph.output_types)]
+    summed: dict = {}  # an output returned several times gets the sum of its cotangents
+    for k, ct in zip(slots, cts):
+        summed[k] = ct if k not in summed else summed[k] + ct
+    seeds = [summed.get(k, autodiff.zeros(t)) for k, t in enumerate(graph.output_types)]
     grads = inline(vjp_graph(graph, range(len(primals))), tensors + seeds)[len(graph.outputs):]
     current_trace().pin(tensors)  # a compilation holds while they are not written
     return pytree.tree_unflatten(grads, tree)

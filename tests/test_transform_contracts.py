@@ -58,6 +58,14 @@ def test_vjp_sums_the_cotangents_of_an_output_returned_several_times(name):
     # inside a traced function too
     _same(lambda T, x: plait.jit(lambda x: case(T, x))(x) if T is plait else case(T, x), x)
 
+    # vjp_fn of a vjp on real tensors, called under a transform
+    def batched(T, x):
+        out, vjp_fn = T.vjp(f, x)
+        return T.vmap(vjp_fn)(torch.utils._pytree.tree_map(
+            lambda o: torch.arange(2.0)[:, None] + o, out))
+
+    _same(batched, x)
+
 
 def test_jitted_function_returning_its_input_twice_is_recorded_by_autograd():
     x = torch.randn(3, requires_grad=True)
