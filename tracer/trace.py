@@ -1012,30 +1012,28 @@ FUNCTION_HANDLERS.update({getattr(torch.Tensor, m): _data_escape(m)
                           for m in ("numpy", "tolist", "data_ptr", "__array__")})
 
 
-def _dual(tensor, *args, **kwargs):
-    """Forward-mode AD's dual tensors: tracers carry no tangent, so it would be lost (and
-    torch.autograd.functional.jacobian in forward mode would return zeros): refused."""
-    if not (isinstance(tensor, TracerTensor) or torch._is_functional_tensor(tensor)):
-        return NotImplemented
-    raise UnsupportedOpError(
+def _refused(message: str) -> Callable:
+    """A handler refusing a torch function called on a traced tensor (elsewhere it runs)."""
+    def handler(tensor, *args, **kwargs):
+        if not (isinstance(tensor, TracerTensor) or torch._is_functional_tensor(tensor)):
+            return NotImplemented
+        raise UnsupportedOpError(message)
+
+    return handler
+
+
+FUNCTION_HANDLERS.update({
+    # forward-mode AD's dual tensors: tracers carry no tangent, so it would be lost (and
+    # torch.autograd.functional.jacobian in forward mode would return zeros)
+    torch._make_dual: _refused(
         "torch.autograd.forward_ad (dual tensors, and torch.autograd.functional's jacobian "
         "or jvp in forward mode) inside plait.jit or a plait transform is not supported; "
-        "use plait.jvp or plait.jacfwd.")
-
-
-FUNCTION_HANDLERS[torch._make_dual] = _dual
-
-
-def _retain_grad(tensor):
-    if not (isinstance(tensor, TracerTensor) or torch._is_functional_tensor(tensor)):
-        return NotImplemented
-    raise UnsupportedOpError(
+        "use plait.jvp or plait.jacfwd."),
+    torch.Tensor.retain_grad: _refused(
         "Tensor.retain_grad() inside plait.jit or a plait transform: a traced tensor has no "
         ".grad to fill (torch.func does not support it either). Return the intermediate and "
-        "differentiate with respect to it, or take the gradient outside the traced function.")
-
-
-FUNCTION_HANDLERS[torch.Tensor.retain_grad] = _retain_grad
+        "differentiate with respect to it, or take the gradient outside the traced function."),
+})
 
 
 class _FunctionCapture(TorchFunctionMode):
