@@ -459,6 +459,32 @@ def test_cuda_kernels_statistics_and_backward(causal, dtype, rows, keys, value_d
     assert picked in tested
 
 
+@pytest.mark.cuda  # torch's cuDNN attention
+@pytest.mark.parametrize("plait_first", [False, True])
+def test_cudnn_backward_agrees_with_eagers_calls_of_the_same_shapes(plait_first):
+    """torch caches cuDNN's backward plan per thread by q's, k's and v's strides but not
+    the output's: eager's training and plait's, in one process (whose backwards run in
+    torch.autograd's one thread for the device), each give the math reference's gradients,
+    whichever runs first."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        pytest.skip("this torch has no cuDNN attention")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, ct = (torch.randn(2, 4, 32, 16, generator=g, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    wide = [x.double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(F.scaled_dot_product_attention(*wide), wide, ct.double())
+
+    def attend(q, k, v):
+        with torch.nn.attention.sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    jitted = plait.jit(attend)
+    for run in (jitted, attend) if plait_first else (attend, jitted):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        for got, expected in zip(torch.autograd.grad(run(*leaves), leaves, ct), want):
+            assert_close(got.double(), expected, atol=3e-2, rtol=3e-2)
+
+
 def test_attention_derivatives_of_every_order():
     q, k, v = _qkv(2, 8, 4, dtype=torch.float64)
     causal = lambda q: (CAUSAL["sdpa"](q, k, v) ** 2).sum()  # noqa: E731

@@ -351,9 +351,15 @@ def _attention(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, kernel=N
 
 
 def _as_left_by_cuda_kernels(x):
-    """[B, H, M, E] stored as torch's CUDA forwards (flash, memory-efficient, cuDNN) leave
-    their output: [B, M, H, E] in memory. Their backward reads the output and its cotangent
-    so, whatever the strides it is given: a compiled program stores both [B, H, M, E]."""
+    """[B, H, M, E] stored as torch's CUDA forwards (flash, memory-efficient, cuDNN for q so
+    stored) leave their output: [B, M, H, E] in memory. Their backward reads the output and
+    its cotangent so, whatever the strides it is given: a compiled program stores both
+    [B, H, M, E]. cuDNN's is given q, k and v so stored too: torch caches the plan cuDNN
+    builds, per thread, by q's, k's and v's strides alone, and runs a later call of the same
+    key with the output and cotangent strides of the first. That is eager's call for
+    operands laid out as a projection leaves them (output and cotangent [B, M, H, E]); q, k
+    and v contiguous, an eager call's output is laid out otherwise, and whichever ran second
+    got wrong gradients (whisper's attention, trained by plait after an eager step)."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -403,7 +409,7 @@ def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropo
             [True, True, True, False], causal, scale=scale)[:3]
     elif kernel == "cudnn" and _cudnn_backward_holds(q4, k4, v4, causal):
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            _as_left_by_cuda_kernels(ct4), q4, k4, v4, _as_left_by_cuda_kernels(out4),
+            *map(_as_left_by_cuda_kernels, (ct4, q4, k4, v4, out4)),
             rows.unsqueeze(-1), *seed, None, None, None, q4.shape[-2], k4.shape[-2], dropout,
             causal, scale=scale)[:3]
     else:
