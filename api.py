@@ -34,7 +34,7 @@ from .compiler import pipeline
 from .compiler.stages import Stages, collector_paused
 from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
-from .tracer.function import compact
+from .tracer.function import passed
 from .tracer.state import STATE_LOCK, tensor_key
 from .tracer.trace import no_dynamo_import, tracing_active
 
@@ -651,9 +651,9 @@ class Jitted:
                 torch._C._functorch.peek_interpreter_stack() is not None:
             return self._interpreted(args, kwargs)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
-        # an argument repeating its elements passes what it repeats (NOTE [broadcast arguments])
-        tensors = [compact(t) if t.layout == torch.strided and 0 in t.stride() else t
-                   for t in tensors]
+        # an argument not contiguous passes the view of its memory it reads (NOTE [strided
+        # arguments])
+        tensors = list(map(passed, tensors))
         compiled, state, read = self._find(key, tensors)
         if compiled is None:
             with self._compiling_key(key):
@@ -761,6 +761,7 @@ class Jitted:
         kernels."""
         with _disable_current_modes(), temporarily_clear_interpreter_stack():
             leaves, tree, tensors, _, _ = self._key(args, kwargs)
+            tensors = list(map(passed, tensors))  # NOTE [strided arguments]
             compiled = _Compiled(self._lower(leaves, tree, "eager"))
             state = compiled.lowered.traced.state.read()[1]
         return compiled(tensors + state, interpreted=True)

@@ -860,7 +860,7 @@ def test_as_strided_on_an_intermediate_eager_lays_out_otherwise_is_refused():
     assert_close(plait.jit(g)(x), g(x))
 
 
-# -- arguments that repeat their elements (NOTE [broadcast arguments]) -----------------------
+# -- arguments that repeat their elements (NOTE [strided arguments]) -----------------------
 def test_a_broadcast_argument_is_read_where_it_is_never_repeated_in_memory():
     x = torch.randn(1, 3000).expand(3000, 3000)
     f = lambda x: x.amax(0) + x.sum(1)  # noqa: E731
@@ -894,6 +894,60 @@ def test_writing_into_a_broadcast_argument_is_refused_as_eager_refuses_it():
         torch.randn(1, 3).expand(2, 3).add_(1)
     with pytest.raises(TraceError, match="repeats its elements"):
         plait.jit(lambda x: x.add_(1))(x)
+
+
+def test_a_permuted_argument_is_read_in_place_in_the_order_of_its_addresses():
+    x = torch.randn(300, 200).T
+    image = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    w = torch.randn(4, 3, 3, 3)
+    f = lambda x, image: (x.cumsum(0), torch.nn.functional.conv2d(image, w))  # noqa: E731
+    jitted = plait.jit(f, backend="cpp")
+    assert_close(jitted(x, image), f(x, image))
+    assert_close(jitted(x.contiguous(), image), f(x, image))  # another signature
+    assert jitted.trace_count == 2
+    lowered = jitted.lower(x, image)
+    # what the program reads is the arguments' memory as it lies: no copy per call
+    assert [t.shape for t in lowered.graph.input_types][:2] == [(300, 200), (2, 8, 8, 3)]
+
+
+@pytest.mark.parametrize("backend", ["cpp", "eager"])
+def test_writing_into_a_permuted_argument_writes_it_as_eager(backend):
+    def f(x, y):
+        x[0] += 1
+        y.mul_(2)
+        return x.sum(1)
+
+    def arguments():
+        torch.manual_seed(0)
+        return torch.randn(4, 3).T, torch.randn(2, 3, 4).permute(2, 0, 1)
+
+    want_args, got_args = arguments(), arguments()
+    want, got = f(*want_args), plait.jit(f, backend=backend)(*got_args)
+    assert_close(got, want)
+    assert_close(got_args, want_args)
+    assert got_args[0].stride() == want_args[0].stride()
+
+
+def test_gradients_of_permuted_and_sliced_arguments_are_eagers():
+    leaf = torch.randn(4, 3).T.detach().requires_grad_()  # a leaf that is not contiguous
+    base = torch.randn(5, 6, requires_grad=True)
+    f = lambda a, b: (a.T @ b[::2, 1:4]).tanh().sum()  # noqa: E731
+    want = torch.autograd.grad(f(leaf, base), (leaf, base))
+    got = torch.autograd.grad(plait.jit(f, backend="cpp")(leaf, base), (leaf, base))
+    assert_close(got, want)
+    assert got[0].shape == leaf.shape
+
+
+def test_strided_arguments_under_torch_func_transforms_are_passed_as_they_are():
+    f = lambda x: (x * 2).cumsum(0)  # noqa: E731
+    jitted = plait.jit(f)
+    transposed = torch.randn(5, 3, 4).transpose(1, 2)  # each example [4, 3], transposed
+    repeated = torch.randn(2, 1, 3).expand(2, 4, 3)
+    for x in (transposed, repeated):
+        assert_close(torch.func.vmap(jitted)(x), torch.func.vmap(f)(x))
+    leaf = torch.randn(4, 3).T
+    assert_close(torch.func.grad(lambda t: jitted(t).sum())(leaf),
+                 torch.func.grad(lambda t: f(t).sum())(leaf))
 
 
 # -- branches on values (NOTE [value guards]) ------------------------------------------------

@@ -133,39 +133,90 @@ def _input_layout(x: torch.Tensor) -> tuple[bool, tuple | None]:
     return (True, None) if is_dense(x) else (False, layout_key(x))
 
 
-# NOTE [broadcast arguments]
-# An argument that repeats its elements along a dim (stride 0: ``x.expand(n, m)``, a mask
-# broadcast over heads) is passed to a jit's program as the tensor it repeats, one element
-# along each such dim (``compact``: a view, no copy), and the graph broadcasts it back,
-# which lowering reads as an index remap: the program never materializes the repetition
-# (``x.expand(12000, 12000).amax()`` reads 12000 elements, not 144 million). The strides
-# are part of the compilation's key, so the call and the trace agree on the dims. Writing
-# into such an argument is refused, as eager refuses it. A leaf that requires grad is passed
-# whole: torch.autograd gives each of its elements a gradient of its own, which a program
-# reading one of them could not (``tensor_key`` tells the two apart).
+# NOTE [strided arguments]
+# A jit's program reads its inputs as dense blocks of memory in the order of their dims. An
+# argument laid out otherwise is still read where it lies, not copied at each call, where
+# its elements fill a block of memory in some order: it is passed as a view of its memory,
+# and the graph turns that view back into the argument (lowering reads the way back as an
+# index remap, so no kernel copies it). ``compact`` makes the view: one element along each
+# dim the argument repeats along (stride 0: ``x.expand(n, m)``, a mask broadcast over
+# heads), then the dims in the order of their addresses (a transpose, a channels-last
+# image); the graph permutes it back and broadcasts it. ``x.expand(12000, 12000).amax()``
+# reads 12000 elements, not 144 million. The strides are part of the compilation's key, so
+# the call and the trace agree on the view. An argument with gaps between its elements (a
+# slice ``x[:, ::2]``) is still made contiguous by the program. What the function writes
+# into a permuted argument is written back permuted into the block, so into the argument;
+# writing into a repeating one is refused, as eager refuses it. A torch.func transform's
+# wrapped tensor is passed as it is (``passed``). A leaf that repeats its elements and
+# requires grad is passed whole: torch.autograd gives each of its elements a gradient of
+# its own, which a program reading one of them could not (``tensor_key`` tells the two
+# apart).
 def broadcast_dims(x: torch.Tensor) -> tuple[int, ...]:
     """The dims along which argument ``x`` repeats its elements (stride 0, more than one
-    element), unless it is a leaf that requires grad (NOTE [broadcast arguments])."""
+    element), unless it is a leaf that requires grad (NOTE [strided arguments])."""
     if x.layout != torch.strided or x.requires_grad and x.grad_fn is None:
         return ()
     return tuple(d for d, (n, s) in enumerate(zip(x.shape, x.stride())) if not s and n > 1)
 
 
+def address_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of ``x``'s dims that makes it contiguous (outermost in memory first),
+    or None where it is contiguous already or no permutation makes it so (gaps, overlaps)."""
+    if x.layout != torch.strided or x.is_contiguous() or not x.numel():
+        return None
+    order = tuple(sorted(range(x.ndim), key=lambda d: (-x.stride(d), d)))
+    return order if x.permute(order).is_contiguous() else None
+
+
 def compact(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with one element along each dim it repeats along (NOTE [broadcast arguments])."""
+    """What a jit's program reads of argument ``x``: a view of its memory, dense where its
+    elements fill a block of memory (NOTE [strided arguments])."""
+    x = _narrowed(x)
+    order = address_order(x)
+    return x if order is None else x.permute(order)
+
+
+def _strided_input(trace: Trace, x: torch.Tensor) -> TracerTensor:
+    """The tracer of argument ``x``, whose graph input is ``compact(x)``, permuted back into
+    ``x``'s dims and broadcast (NOTE [strided arguments])."""
+    one = compact(x)
+    tracer = trace.new_input(TensorType.of(one), *_input_layout(one))
+    order = address_order(_narrowed(x))
+    if order is not None:
+        tracer = trace.bind("transpose", tracer, permutation=_inverse(order))
+    if broadcast_dims(x):
+        tracer = trace.bind("broadcast_in_dim", tracer, shape=tuple(x.shape),
+                            broadcast_dimensions=tuple(range(x.ndim)))
+    tracer._dense, tracer._layout = False, layout_key(x)
+    return tracer
+
+
+def _written_as_passed(trace: Trace, tracer: TracerTensor, x: torch.Tensor):
+    """The value written into argument ``x`` (``tracer``'s now), as its graph input holds it:
+    in the order of its addresses (NOTE [strided arguments])."""
+    order = address_order(x)
+    return trace.value_of(tracer if order is None else
+                          trace.bind("transpose", tracer, permutation=order))
+
+
+def _inverse(order: Sequence[int]) -> tuple[int, ...]:
+    return tuple(order.index(d) for d in range(len(order)))
+
+
+def _narrowed(x: torch.Tensor) -> torch.Tensor:
     for d in broadcast_dims(x):
         x = x.narrow(d, 0, 1)
     return x
 
 
-def _broadcast_input(trace: Trace, x: torch.Tensor) -> TracerTensor:
-    """The tracer of argument ``x`` that repeats its elements: the graph's input is what it
-    repeats, broadcast back (NOTE [broadcast arguments])."""
-    one = compact(x)
-    tracer = trace.bind("broadcast_in_dim", trace.new_input(TensorType.of(one), *_input_layout(
-        one)), shape=tuple(x.shape), broadcast_dimensions=tuple(range(x.ndim)))
-    tracer._dense, tracer._layout = False, layout_key(x)
-    return tracer
+def passed(x: torch.Tensor) -> torch.Tensor:
+    """What a jit's program is given for argument ``x``: ``compact(x)`` where that is
+    another view of its memory (NOTE [strided arguments]); a tensor a torch.func transform
+    wraps (its memory is not its own layout's) as it is."""
+    if x.layout != torch.strided or x.is_contiguous() or \
+            torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return x
+    return compact(x)
 
 
 def _is_size(x) -> bool:
@@ -177,8 +228,8 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     """Trace ``fn(*args, **kwargs)`` where ``(args, kwargs) = unflatten(leaves, in_tree)``.
 
     Tensor leaves become graph inputs (in order); ``Static`` leaves are passed unwrapped.
-    With ``live`` (a jit's trace), an argument that repeats its elements is an input of the
-    elements it repeats (NOTE [broadcast arguments]), and the state the function captures (its modules' parameters and buffers,
+    With ``live`` (a jit's trace), an argument that is not contiguous is an input of the
+    view of its memory it reads (NOTE [strided arguments]), and the state the function captures (its modules' parameters and buffers,
     then the other captured tensors it reads) becomes further inputs (NOTE [live state]),
     and with ``evaluate`` too (``evaluate(graph, tensors) -> outputs``), a branch on a bool
     computed from the call's tensors takes the branch they take (NOTE [value guards]).
@@ -195,8 +246,8 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         read = module_state(module)
         structures.append(read.structure)
         state_tensors.append(read.tensors)
-    broadcast = [i for i, p in enumerate(tensor_pos) if live and not isinstance(
-        leaves[p], TracerTensor) and broadcast_dims(leaves[p])]
+    viewed = [i for i, p in enumerate(tensor_pos) if live and not isinstance(
+        leaves[p], TracerTensor) and passed(leaves[p]) is not leaves[p]]
     with tracing(trace):
         inputs = []
         for x in [leaves[i] for i in tensor_pos] + [t for ts in state_tensors for t in ts]:
@@ -206,13 +257,13 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             refuse_dtensor(x, where)
             # a state tensor's layout is keyed as dense or not (state.tensor_keys)
             layout = _input_layout(x) if len(inputs) < len(tensor_pos) else (is_dense(x), None)
-            if len(inputs) in broadcast:
-                inputs.append(_broadcast_input(trace, x))
+            if len(inputs) in viewed:
+                inputs.append(_strided_input(trace, x))
             else:
                 inputs.append(trace.new_input(TensorType.of(x), *layout))
         originals = [t._value for t in inputs]
         if live and evaluate is not None:
-            trace.arguments = [compact(leaves[i]) for i in tensor_pos] + [
+            trace.arguments = [passed(leaves[i]) for i in tensor_pos] + [
                 t for ts in state_tensors for t in ts]
             trace.evaluate = evaluate
         trace.live = {key: follow(roots[r], path)
@@ -268,12 +319,13 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             else:
                 out_leaves.append(Static(leaf))
         mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]
-        if set(mutated) & set(broadcast):
+        if any(i in viewed and broadcast_dims(leaves[tensor_pos[i]]) for i in mutated):
             raise TraceError(
                 "the function writes into an argument that repeats its elements (stride 0, "
                 "made by expand), as eager refuses too: more than one element of it is one "
                 "memory location. Pass it cloned (x.clone()) or contiguous.")
-        outputs += [inputs[i]._value for i in mutated]
+        outputs += [_written_as_passed(trace, inputs[i], leaves[tensor_pos[i]]) if i in viewed
+                    else inputs[i]._value for i in mutated]
         for k, value in trace.captured_writes():  # captured inputs follow the arguments'
             mutated.append(len(inputs) + k)
             outputs.append(value)

@@ -391,7 +391,7 @@ def tensor_key(x: torch.Tensor) -> tuple:
     """What compiling code for a tensor depends on (NOTE [distributed wrappers] for the
     last)."""
     return (x.shape, x.dtype, x.device, x.layout, is_dense(x) or (
-        layout_key(x), x.requires_grad and x.grad_fn is None),  # NOTE [broadcast arguments]
+        layout_key(x), x.requires_grad and x.grad_fn is None),  # NOTE [strided arguments]
         type(x).__torch_dispatch__ is _PLAIN_DISPATCH)
 
 
