@@ -29,7 +29,7 @@ from .errors import TraceError, TransformError
 from .passes import autodiff
 from .tracer.interpret import inline
 from .tracer import trace_function
-from .tracer.function import broadcast_dims
+from .tracer.function import broadcast_dims, passed_order
 from .tracer.trace import TracerTensor, bind, current_trace, on_tracers, tracing_active
 
 
@@ -414,7 +414,7 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool):
     # their versions now
     last = getattr(jitted, "jitted", jitted).last_call()
     call = None if last is None or any(map(broadcast_dims, leaves)) else (
-        last, [t._version for t in leaves + last[1]])
+        last, [t._version for t in leaves + last[1]], [passed_order(x) for x in leaves])
     recording: list = []  # vjp_fn as a jitted function of the primals, made once
 
     def vjp_fn(cotangents, *, retain_graph: bool = True, create_graph: bool = False):
@@ -459,7 +459,7 @@ def _check_unwritten(call, primals: list) -> None:
                          "inside one (or made under no_grad and recorded), and that call's "
                          "state cannot be read back (or a primal repeats its elements, made by "
                          "expand); call plait.vjp inside the traced function instead.")
-    (_, state), versions = call
+    (_, state), versions, _ = call
     if [t._version for t in primals + state] != versions:
         raise TraceError("vjp_fn of a plait.vjp was called inside a traced function (or "
                          "recorded) after a tensor its function read was written in place; "
@@ -470,8 +470,9 @@ def _vjp_of_call(call, primals: list, main, cotangents, tree):
     """``vjp_fn`` of a ``vjp`` made on real tensors, inside a trace: the graph of that call
     (``Jitted.last_call``: its traced function and the state it read), differentiated at
     ``primals`` and the state (checked by ``_check_unwritten``)."""
-    (traced, state), _ = call
-    tensors = primals + state
+    (traced, state), _, orders = call
+    # what the call's program was given (NOTE [strided arguments])
+    tensors = [p if o is None else p.permute(o) for p, o in zip(primals, orders)] + state
     graph = traced.graph
     slots = [traced.out_leaves[k] for k in range(len(pytree.tree_leaves(main)))]
     cts = _cotangent_leaves(main, cotangents, [graph.output_types[k].shape for k in slots])
@@ -480,6 +481,8 @@ def _vjp_of_call(call, primals: list, main, cotangents, tree):
         summed[k] = ct if k not in summed else summed[k] + ct
     seeds = [summed.get(k, autodiff.zeros(t)) for k, t in enumerate(graph.output_types)]
     grads = inline(vjp_graph(graph, range(len(primals))), tensors + seeds)[len(graph.outputs):]
+    grads = [g if o is None else g.permute([o.index(d) for d in range(len(o))])
+             for g, o in zip(grads, orders)]
     current_trace().pin(tensors)  # a compilation holds while they are not written
     return pytree.tree_unflatten(grads, tree)
 

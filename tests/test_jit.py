@@ -950,6 +950,18 @@ def test_strided_arguments_under_torch_func_transforms_are_passed_as_they_are():
                  torch.func.grad(lambda t: f(t).sum())(leaf))
 
 
+def test_vjp_fn_of_a_permuted_primal_under_vmap_and_recorded_is_torch_funcs():
+    f = lambda x: (x.sin() * torch.arange(3.0)).cumsum(1)  # noqa: E731
+    x = torch.randn(3, 4).T
+    _, want_fn = torch.func.vjp(f, x)
+    _, vjp_fn = plait.vjp(f, x)
+    cts = torch.randn(5, 4, 3)
+    assert_close(plait.vmap(vjp_fn)(cts), torch.func.vmap(want_fn)(cts))
+    with torch.no_grad():  # recorded when called with grad on
+        _, vjp_fn = plait.vjp(f, x.requires_grad_())
+    assert_close(vjp_fn(cts[0]), want_fn(cts[0]))
+
+
 # -- branches on values (NOTE [value guards]) ------------------------------------------------
 def test_a_branch_on_a_bool_of_the_arguments_compiles_each_branch_once():
     def f(x, mask):

@@ -219,6 +219,12 @@ def passed(x: torch.Tensor) -> torch.Tensor:
     return compact(x)
 
 
+def passed_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of argument ``x``'s dims that ``passed`` gives its jit's program
+    (NOTE [strided arguments]), or None."""
+    return address_order(_narrowed(x)) if passed(x) is not x else None
+
+
 def _is_size(x) -> bool:
     return isinstance(x, torch.Size)  # a static leaf: torch's pytree would rebuild a tuple
 
