@@ -29,7 +29,7 @@ from .errors import TraceError, TransformError
 from .passes import autodiff
 from .tracer.interpret import inline
 from .tracer import trace_function
-from .tracer.function import broadcast_dims, passed_order
+from .tracer.function import broadcast_dims, inverse_permutation, passed_order
 from .tracer.trace import TracerTensor, bind, current_trace, on_tracers, tracing_active
 
 
@@ -481,7 +481,7 @@ def _vjp_of_call(call, primals: list, main, cotangents, tree):
         summed[k] = ct if k not in summed else summed[k] + ct
     seeds = [summed.get(k, autodiff.zeros(t)) for k, t in enumerate(graph.output_types)]
     grads = inline(vjp_graph(graph, range(len(primals))), tensors + seeds)[len(graph.outputs):]
-    grads = [g if o is None else g.permute([o.index(d) for d in range(len(o))])
+    grads = [g if o is None else g.permute(inverse_permutation(o))
              for g, o in zip(grads, orders)]
     current_trace().pin(tensors)  # a compilation holds while they are not written
     return pytree.tree_unflatten(grads, tree)

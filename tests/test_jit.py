@@ -860,6 +860,20 @@ def test_as_strided_on_an_intermediate_eager_lays_out_otherwise_is_refused():
     assert_close(plait.jit(g)(x), g(x))
 
 
+def test_as_strided_on_a_convolution_of_a_channels_last_image_is_refused():
+    """Eager's convolution of a channels-last image is channels-last (its kernel picks the
+    layout on its device, which a meta kernel cannot tell): raw strides that assume
+    plait's contiguous report would address other elements, so they are refused."""
+    image = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    w = torch.randn(4, 3, 3, 3)
+    f = lambda image: F.conv2d(image, w).as_strided([2, 4, 36], [144, 36, 1])  # noqa: E731
+    assert not F.conv2d(image, w).is_contiguous()
+    with pytest.raises(PlaitError, match="otherwise than plait reports it"):
+        plait.jit(f)(image)
+    g = lambda image: F.conv2d(image, w).relu().as_strided([2, 4, 36], [144, 1, 4])  # noqa
+    assert_close(plait.jit(g)(image.contiguous()), g(image.contiguous()))
+
+
 # -- arguments that repeat their elements (NOTE [strided arguments]) -----------------------
 def test_a_broadcast_argument_is_read_where_it_is_never_repeated_in_memory():
     x = torch.randn(1, 3000).expand(3000, 3000)

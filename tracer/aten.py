@@ -902,7 +902,8 @@ def _unfold(x, dimension, size, step):
 # through a reported layout that is eager's (or, issued by PyTorch's own code, through the
 # reported one its arguments came from). Eager's layout of an intermediate result is derived
 # when as_strided needs it, from the user's op that made it (``Origin``, tracer/trace.py) and
-# the meta kernel, which computes eager's strides as torch.compile's fake tensors do
+# the meta kernel (a convolution's on fake tensors of its device, whose kernel picks the
+# layout), which computes eager's strides as torch.compile's fake tensors do
 # (a reshape that plait's contiguous report turned into a view is eager's copy where the
 # meta view fails): Longformer's chunking reads the strides of a reshaped projection. Only
 # a value whose eager layout is the one it reports is read; any other is refused, since the

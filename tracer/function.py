@@ -146,11 +146,11 @@ def _input_layout(x: torch.Tensor) -> tuple[bool, tuple | None]:
 # the call and the trace agree on the view. An argument with gaps between its elements (a
 # slice ``x[:, ::2]``) is still made contiguous by the program. What the function writes
 # into a permuted argument is written back permuted into the block, so into the argument;
-# writing into a repeating one is refused, as eager refuses it. A torch.func transform's
-# wrapped tensor is passed as it is (``passed``). A leaf that repeats its elements and
-# requires grad is passed whole: torch.autograd gives each of its elements a gradient of
-# its own, which a program reading one of them could not (``tensor_key`` tells the two
-# apart).
+# writing into a repeating one is refused, as eager refuses it. A leaf that repeats its
+# elements and requires grad is passed whole: torch.autograd gives each of its elements a
+# gradient of its own, which a program reading one of them could not (``tensor_key``
+# tells the two apart). A torch.func transform's wrapped tensor is passed as it is
+# (``passed``).
 def broadcast_dims(x: torch.Tensor) -> tuple[int, ...]:
     """The dims along which argument ``x`` repeats its elements (stride 0, more than one
     element), unless it is a leaf that requires grad (NOTE [strided arguments])."""
@@ -162,10 +162,23 @@ def broadcast_dims(x: torch.Tensor) -> tuple[int, ...]:
 def address_order(x: torch.Tensor) -> tuple[int, ...] | None:
     """The permutation of ``x``'s dims that makes it contiguous (outermost in memory first),
     or None where it is contiguous already or no permutation makes it so (gaps, overlaps)."""
-    if x.layout != torch.strided or x.is_contiguous() or not x.numel():
+    return dense_order(x.shape, x.stride()) if x.layout == torch.strided else None
+
+
+def dense_order(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
+    """``address_order`` of a tensor of ``shape`` laid out with ``strides``."""
+    def dense(dims):  # are these dims' strides, in this order, a contiguous block's?
+        expected = 1
+        for d in reversed([d for d in dims if shape[d] != 1]):
+            if strides[d] != expected:
+                return False
+            expected *= shape[d]
+        return True
+
+    if 0 in shape or dense(range(len(shape))):
         return None
-    order = tuple(sorted(range(x.ndim), key=lambda d: (-x.stride(d), d)))
-    return order if x.permute(order).is_contiguous() else None
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-strides[d], d)))
+    return order if dense(order) else None
 
 
 def compact(x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +196,7 @@ def _strided_input(trace: Trace, x: torch.Tensor) -> TracerTensor:
     tracer = trace.new_input(TensorType.of(one), *_input_layout(one))
     order = address_order(_narrowed(x))
     if order is not None:
-        tracer = trace.bind("transpose", tracer, permutation=_inverse(order))
+        tracer = trace.bind("transpose", tracer, permutation=inverse_permutation(order))
     if broadcast_dims(x):
         tracer = trace.bind("broadcast_in_dim", tracer, shape=tuple(x.shape),
                             broadcast_dimensions=tuple(range(x.ndim)))
@@ -199,7 +212,7 @@ def _written_as_passed(trace: Trace, tracer: TracerTensor, x: torch.Tensor):
                           trace.bind("transpose", tracer, permutation=order))
 
 
-def _inverse(order: Sequence[int]) -> tuple[int, ...]:
+def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
     return tuple(order.index(d) for d in range(len(order)))
 
 
@@ -235,7 +248,8 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
 
     Tensor leaves become graph inputs (in order); ``Static`` leaves are passed unwrapped.
     With ``live`` (a jit's trace), an argument that is not contiguous is an input of the
-    view of its memory it reads (NOTE [strided arguments]), and the state the function captures (its modules' parameters and buffers,
+    view of its memory it reads (NOTE [strided arguments]), and the state the function
+    captures (its modules' parameters and buffers,
     then the other captured tensors it reads) becomes further inputs (NOTE [live state]),
     and with ``evaluate`` too (``evaluate(graph, tensors) -> outputs``), a branch on a bool
     computed from the call's tensors takes the branch they take (NOTE [value guards]).

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import networkx as nx
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -895,11 +896,16 @@ class Origin:
         if any(layout is None for layout in layouts):
             return None
         try:
-            metas = {id(o): _meta_with(o.type, layout) for o, layout in zip(operands, layouts)}
-            args, kwargs = pytree.tree_map_only(_Operand, lambda o: metas[id(o)],
-                                                (self.args, self.kwargs))
             with _disable_current_modes(), torch.no_grad():
-                out = self.func(*args, **kwargs)
+                # a convolution's layout depends on the device's kernel, which meta tensors
+                # do not name: it runs on fake tensors of the operands' devices
+                fake = FakeTensorMode() if self.func in _CHOSEN_BY_DEVICE else None
+                metas = {id(o): _meta_with(o.type, layout, fake)
+                         for o, layout in zip(operands, layouts)}
+                args, kwargs = pytree.tree_map_only(_Operand, lambda o: metas[id(o)],
+                                                    (self.args, self.kwargs))
+                with fake or contextlib.nullcontext():
+                    out = self.func(*args, **kwargs)
         except Exception:  # noqa: BLE001 - no meta kernel: the layout stays unknown
             if self.func not in _RESHAPES:
                 return None
@@ -914,6 +920,7 @@ class Origin:
 
 _UNDERIVED = object()
 _RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_CHOSEN_BY_DEVICE = (torch.ops.aten.convolution.default,)
 
 
 class _Operand:
@@ -936,12 +943,14 @@ class _Operand:
         return self.known if self.origin is None else self.origin._derived
 
 
-def _meta_with(type: TensorType, layout: tuple) -> torch.Tensor:
-    """A meta tensor of ``type`` laid out as ``layout`` (strides, storage offset)."""
+def _meta_with(type: TensorType, layout: tuple, fake: FakeTensorMode | None = None):
+    """A meta tensor of ``type`` laid out as ``layout`` (strides, storage offset), or with
+    ``fake``, a fake tensor of that mode on ``type``'s device."""
     strides, offset = layout
     size = 1 + (offset or 0) + sum((n - 1) * abs(st) for n, st in zip(type.shape, strides))
-    return torch.empty(size, dtype=type.dtype, device="meta").as_strided(
+    meta = torch.empty(size, dtype=type.dtype, device="meta").as_strided(
         type.shape, strides, offset or 0)
+    return meta if fake is None else FakeTensor(fake, meta, torch.device(type.device))
 
 
 def is_dense(tensor: torch.Tensor) -> bool:
