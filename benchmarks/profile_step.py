@@ -3,6 +3,7 @@ model, in one process, each step timed the same way.
 
     python benchmarks/profile_step.py --model gpt --blocks 12 --dtype bfloat16   # on a GPU
     python benchmarks/profile_step.py --model resnet
+    python benchmarks/profile_step.py --suite GPT2LMHeadModel --dtype bfloat16
     .venv/bin/python benchmarks/profile_step.py --model gpt --device cpu --blocks 2
 
 Per compiler: the step (median of CUDA-event timings over batches of steps), the host time
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import os
 import statistics
 import sys
@@ -103,6 +105,28 @@ def zoo_steps(args, device, dtype):
             lambda: autograd_programs(jitted["plait"]))
 
 
+def suite_steps(args, device, dtype):
+    """A model of the suite (``benchmarks/suite_models.py``), trained as ``suite.py`` trains
+    it, at its full size on a GPU and its tiny one on the CPU."""
+    from suite import Step, without_dropout
+    from suite_models import SUITE
+
+    spec, tiny = SUITE[args.suite], device != "cuda"
+    torch.manual_seed(0)
+    base = spec.build(tiny).to(device)
+    without_dropout(base)
+    inputs = spec.inputs(base, spec.tiny_batch if tiny else spec.batch, tiny, device,
+                         torch.Generator().manual_seed(0))
+    steps, jitted = {}, {}
+    for label in ("eager", "torch.compile", "plait"):
+        step = Step(copy.deepcopy(base), label, "train", args.dtype, inputs, device)
+        steps[label] = step
+        if label == "plait":
+            jitted["plait"] = step.run
+    return (f"{args.suite} training step, {dtype}, {device}", steps,
+            lambda: autograd_programs(jitted["plait"]))
+
+
 def autograd_programs(module) -> list:
     """The forward and backward programs ``plait.jit(module)`` runs under torch.autograd
     (NOTE [jit under torch.autograd])."""
@@ -110,16 +134,16 @@ def autograd_programs(module) -> list:
             for d in compiled._programs.values() for p in (d._forward, d._backward)]
 
 
-def kernel_descriptions(lowered: list) -> dict[str, tuple[str, str]]:
+def kernel_descriptions(lowered: list) -> dict[str, tuple[str, object]]:
     """plait's generated kernels' names -> (the ops the first step running it computes, its
-    source)."""
+    Triton writer)."""
     out = {}
     for low in lowered:
         compiled = low.compiled
         for i, w in getattr(compiled, "writers", {}).items():
             if w.name not in out:
                 lines = compiled.program.describe(compiled.program.kernels[i])
-                out[w.name] = "; ".join(dict.fromkeys(lines))[:150], w.source()
+                out[w.name] = "; ".join(dict.fromkeys(lines))[:150], w
     return out
 
 
@@ -127,6 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt", choices=("gpt", "gpt-module", "llama", "vit",
                                                            "resnet", "convnext"))
+    parser.add_argument("--suite", metavar="NAME", help="a model of benchmarks/suite.py's "
+                        "suite instead (trained as the suite trains it)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--blocks", type=int, default=1)
@@ -143,8 +169,8 @@ def main() -> None:
 
     fresh_caches(args.device)
     device, dtype = args.device, getattr(torch, args.dtype)
-    make = {"gpt": gpt_function_steps, "gpt-module": gpt_module_steps}.get(args.model,
-                                                                          zoo_steps)
+    make = suite_steps if args.suite else {
+        "gpt": gpt_function_steps, "gpt-module": gpt_module_steps}.get(args.model, zoo_steps)
     title, steps, lowered = make(args, device, dtype)
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -230,10 +256,10 @@ def main() -> None:
             text = k if len(k) < 90 else k[:87] + "..."
             if k in described:
                 text += f" ({described[k][0]})"
-                if args.sources:
+                if args.sources and device == "cuda":
                     os.makedirs(args.sources, exist_ok=True)
                     with open(os.path.join(args.sources, k + ".py"), "w") as f:
-                        f.write(described[k][1])
+                        f.write(described[k][1].source())
             print(f"| {ms:.3f} | {n} | {text} |")
 
 

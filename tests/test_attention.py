@@ -319,6 +319,47 @@ def test_a_mask_that_is_not_causal_is_left_alone():
     assert_close(plait.jit(fn, backend="cpp")(q, k, v), fn(q, k, v))
 
 
+def _index_mask(keep, fill):
+    """scaled_dot_product_attention given the additive mask a library builds from index
+    comparisons (as transformers' masks are while a compiler traces them), [B, 1, M, N]."""
+    def fn(q, k, v):
+        rows = torch.arange(q.shape[-2])[:, None]
+        keys = torch.arange(k.shape[-2])[None, :]
+        allowed = keep(rows, keys).expand(q.shape[0], 1, -1, -1)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, fill)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return fn
+
+
+KNOWN_MASKS = {  # name -> (keep, fill, the attention node's causal flag, whether a bias stays)
+    "causal": (lambda i, j: j <= i, float("-inf"), True, False),
+    "causal_lowest": (lambda i, j: j <= i, torch.finfo(torch.float32).min, True, False),
+    "all_kept": (lambda i, j: j >= 0, float("-inf"), False, False),
+    "sliding_window": (lambda i, j: (j <= i) & (j > i - 3), float("-inf"), False, True),
+    "anticausal": (lambda i, j: j >= i, float("-inf"), False, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_MASKS))
+def test_a_mask_known_when_compiling_becomes_the_kernels_flag(name):
+    """NOTE [masks known when compiling]: a causal mask built from indices is the fused
+    kernels' causal flag (flash and cuDNN take no bias), an all-zero one no bias; any other
+    mask stays the bias. Values and gradients as eager's."""
+    keep, fill, causal, biased = KNOWN_MASKS[name]
+    fn = _index_mask(keep, fill)
+    q, k, v = _qkv(2, 3, 16, 8)
+    loss = lambda q, k, v: fn(q, k, v).square().sum()  # noqa: E731
+    for f in (fn, plait.grad(loss, argnums=(0, 1, 2))):
+        graph = plait.jit(f, backend="cpp").lower(q, k, v).graph
+        nodes = [n for n in graph.order if graph.node(n).prim == "attention"]
+        assert [(graph.node(n).kwargs["causal"], len(graph.operands(n)) == 4)
+                for n in nodes] == [(causal, biased)]
+    assert_close(plait.jit(fn, backend="cpp")(q, k, v), fn(q, k, v), atol=1e-5, rtol=1e-5)
+    theirs = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert_close(plait.jit(plait.grad(loss, argnums=(0, 1, 2)), backend="cpp")(q, k, v),
+                 theirs, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fn", [attention, CAUSAL["masked_fill"], CAUSAL["sdpa"]],
                          ids=["written_out", "causal", "sdpa"])
 def test_gradients_of_attention_run_the_fused_backward(fn):
