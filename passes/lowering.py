@@ -288,17 +288,33 @@ class _Lowering:
 
     def gather(self, n, node, x: Value, index: Value) -> Lazy:
         """torch.gather as an indirect load (NOTE [loop IR]): ``x``'s buffer (a reshape of a
-        buffer reads it as it is; a lazy ``x`` is stored first) at the output's point with
-        its ``dim`` coordinate replaced by the index operand's value there."""
-        source = self._buffer_view(x, "gather")[0] or self.realize(x)
+        buffer reads it as it is, and a lazy ``x`` that loads one buffer element, a slice of
+        it, reads it where that load does; another lazy ``x`` is stored first) at the
+        output's point with its ``dim`` coordinate replaced by the index operand's value
+        there."""
         shape, dim, t = self.graph.type_of(x).shape, node.kwargs["dim"], node.out_types[0]
         position, (i,) = self.values[index], loop_vars("i", 1)
+        source = self._buffer_view(x, "gather")[0]
+        remap = self._remap(self.values[x]) if source is None else None
+        if source is None and remap is None:
+            source = self.realize(x)
 
         def at(idx):
             point = (*idx[:dim], i, *idx[dim + 1:])
-            return Load(source, flat(point, shape), t.dtype, ((position.at(idx), shape[dim]),))
+            read = remap(point) if remap else Load(source, flat(point, shape), t.dtype)
+            return attrs.evolve(read, indirect=((position.at(idx), shape[dim]),))
 
         return Lazy(t, at, origins=_origins(n, [position]))
+
+    def _remap(self, lazy: Lazy):
+        """For a lazy value that reads one buffer element per point and computes nothing
+        (a slice or another view of a buffer), its load at a point; else None."""
+        if self.held(lazy):
+            return None
+        probe = lazy.at(loop_vars("x", lazy.type.ndim))
+        if not isinstance(probe, Load) or probe.indirect:
+            return None
+        return lazy.at
 
     def extern(self, n, node, operands, outs):
         names, views = [], []
