@@ -23,6 +23,19 @@ def _to_bool(raw: str) -> bool:
     return raw.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+DEVICE_CHOICES = {"all": ("cuda", "cpu"), "cuda": ("cuda",), "none": ()}
+
+
+def device_kinds(setting: str, value: str) -> tuple[str, ...]:
+    """The device types a setting that names devices (``channels_last``, ``pad_products``)
+    picks with ``value``."""
+    if value not in DEVICE_CHOICES:
+        from .errors import PlaitError
+        raise PlaitError(f"config.{setting}={value!r}: expected one of "
+                         f"{', '.join(DEVICE_CHOICES)}")
+    return DEVICE_CHOICES[value]
+
+
 LOG_CHANNELS = ("graph", "fusion", "cache", "kernels", "compile")
 _log_handler = logging.StreamHandler()
 _log_handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
@@ -64,6 +77,10 @@ class Config:
     # Which devices' convolutions run on channels-last values: all, cuda or none (NOTE
     # [channels-last convolutions], passes/layout.py).
     channels_last: str = attrs.field(factory=lambda: _env("channels_last", "all", str))
+    # On which devices (all, cuda or none) large 16-bit products have their dims that are not
+    # a multiple of 8 padded with zeros, as the library's fast kernels need (NOTE [padded
+    # products], passes/padding.py).
+    pad_products: str = attrs.field(factory=lambda: _env("pad_products", "cuda", str))
     # Constant folding evaluates nodes whose result has at most this many elements.
     fold_max_numel: int = attrs.field(factory=lambda: _env("fold_max_numel", 4096, int))
     # ATen ops with no decomposition run as opaque nodes that call torch; False raises instead.

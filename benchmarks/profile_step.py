@@ -242,7 +242,7 @@ def main() -> None:
         tops[name] = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]
         print(f"  {name}: done", flush=True)
     labels = [c for c, _ in CATEGORIES] + ["other"]
-    print(f"\n| | first s | step ms | host ms | device ms | launches | "
+    print("\n| | first s | step ms | host ms | device ms | launches | "
           + " | ".join(f"{c} ms" for c in labels) + " |")
     print("|---|" + "--:|" * (5 + len(labels)))
     for name, first, step_ms, host, busy, count, split in summary:

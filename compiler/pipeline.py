@@ -6,7 +6,8 @@ before made and of the settings it names (``reads``), and each is recorded (``St
 result, which prints with ``.as_text()``, and its seconds):
 
   traced          the graph as traced (api.py records it)
-  GRAPH_STAGES    simplification, Graph -> Graph (passes/simplify.py, attention.py, layout.py)
+  GRAPH_STAGES    simplification, Graph -> Graph (passes/simplify.py, attention.py, layout.py,
+                  padding.py)
   TRAINING        under torch.autograd: the joint forward-and-backward graph, simplified, split
                   into the forward and backward programs (passes/autodiff.py; NOTE [forward
                   and backward programs]), each compiled on by the stages below
@@ -92,6 +93,7 @@ GRAPH_STAGES = (
     Stage("fuse_attention", "attention.fuse_attention", when="fuse_attention"),
     Stage("channels_last", "layout.channels_last", reads={"devices": "channels_last"}),
     Stage("algebra", "simplify.algebra"),
+    Stage("pad_products", "padding.pad_products", reads={"devices": "pad_products"}),
     Stage("cse", "simplify.cse"),
     Stage("dce", "simplify.dce"),
     Stage("unread_ys", "simplify.unread_ys"),

@@ -45,12 +45,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..errors import PlaitError
+from ..config import device_kinds
 from ..graph import Graph, GraphBuilder, Value, input_marks
 from ..tracer.primitives import ELEMENTWISE, REDUCTIONS
-
-CHOICES = ("all", "cuda", "none")
-
 
 _BOUNDED = {"slice": ("start", "limit", "step"), "pad": ("low", "high")}  # per-dim bounds
 
@@ -75,11 +72,8 @@ def _eligible(node) -> bool:
 
 def channels_last(graph: Graph, devices: str = "all") -> Graph:
     """NOTE [channels-last convolutions]; ``devices``: those whose convolutions turn (one of
-    ``CHOICES``, ``config.channels_last``)."""
-    if devices not in CHOICES:
-        raise PlaitError(f"config.channels_last={devices!r}: expected one of "
-                         f"{', '.join(CHOICES)}")
-    kinds = {"cuda": ("cuda",), "all": ("cuda", "cpu"), "none": ()}[devices]
+    ``config.DEVICE_CHOICES``, ``config.channels_last``)."""
+    kinds = device_kinds("channels_last", devices)
     convs = [n for n in graph.order if graph.node(n).prim == "conv"
              and torch.device(graph.node(n).out_types[0].device).type in kinds]
     if not convs or not all(_eligible(graph.node(n)) and not graph.node(n).kwargs.get(
