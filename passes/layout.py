@@ -11,9 +11,11 @@ This pass makes the channels-last layout logical: each ``conv`` becomes a ``conv
 ``channels_last=True``, whose input and result are [N, *spatial, C], between two transposes;
 where every convolution of the graph is ungrouped and takes params the library takes
 (symmetric padding, no input dilation: NOTE [convolution backward]). cuDNN's channels-last
-grouped convolutions are slow (ConvNeXt's depthwise 7x7 weight gradient: 33 ms a step
-against 11 channels-first, on an H100), and a graph of both kinds would transpose between
-them.
+grouped convolutions are slow in float32 (ConvNeXt's depthwise 7x7 weight gradient: 33 ms a
+step against 11 channels-first, on an H100), and a graph of both kinds would transpose
+between them; in 16-bit floats on CUDA (``GROUPED_HALF_DEVICES``) they are the fast ones
+(ConvNeXt's depthwise convolutions: ATen's channels-first kernels 22.7 ms a step, cuDNN's
+channels-last 4.5 under torch.compile), so there grouped convolutions turn too.
 The transposes then sink through the graph rather than stay: each value is carried as
 *its new value, transposed by a permutation*, and
 
@@ -63,9 +65,16 @@ def _is_identity(perm) -> bool:
     return tuple(perm) == tuple(range(len(perm)))
 
 
+# the device types whose 16-bit grouped convolutions run channels-last (NOTE [channels-last
+# convolutions])
+GROUPED_HALF_DEVICES = frozenset({"cuda"})
+
+
 def _eligible(node) -> bool:
-    p = node.kwargs
-    return (node.out_types[0].ndim >= 3 and p["feature_group_count"] == 1
+    p, t = node.kwargs, node.out_types[0]
+    grouped_ok = t.dtype in (torch.float16, torch.bfloat16) and \
+        torch.device(t.device).type in GROUPED_HALF_DEVICES
+    return (t.ndim >= 3 and (p["feature_group_count"] == 1 or grouped_ok)
             and all(lo == hi >= 0 for lo, hi in p["padding"])
             and all(d == 1 for d in p["lhs_dilation"]))
 

@@ -104,6 +104,32 @@ def test_a_grouped_convolution_keeps_the_graph_channels_first():
     assert not any(graph.node(n).kwargs.get("channels_last") for n in graph.order)
 
 
+def test_a_16_bit_grouped_convolution_runs_channels_last_where_its_kernels_are_fast(
+        monkeypatch):
+    """NOTE [channels-last convolutions]: in bf16 on CUDA (here the CPU stands in for it)
+    a depthwise convolution turns with the others; values and gradients as eager's."""
+    monkeypatch.setattr(plait.passes.layout, "GROUPED_HALF_DEVICES", frozenset({"cpu"}))
+    x, w1 = (t.bfloat16() for t in _args()[:2])
+    depthwise = torch.randn(6, 1, 3, 3, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    def fn(x, w1, depthwise):
+        y = F.conv2d(x, w1, padding=1)
+        return F.conv2d(F.gelu(y), depthwise, padding=1, groups=6).square().mean()
+    with plait.config.patch(channels_last="all"):
+        graph = plait.jit(fn).lower(x, w1, depthwise).graph
+        got = plait.jit(plait.grad_and_value(fn, argnums=(0, 1, 2)), backend="cpp")(
+            x, w1, depthwise)
+    convs = [graph.node(n) for n in graph.order if graph.node(n).prim == "conv"]
+    assert len(convs) == 2 and all(c.kwargs["channels_last"] for c in convs)
+    want = torch.func.grad_and_value(fn, argnums=(0, 1, 2))(x, w1, depthwise)
+    assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
+    for mine, eager in zip(got[0], want[0]):
+        assert_close(mine, eager, atol=2e-2, rtol=2e-2)
+    with plait.config.patch(channels_last="all"):  # float32: channels-first
+        graph = plait.jit(fn).lower(x.float(), w1.float(), depthwise.float()).graph
+    assert not any(graph.node(n).kwargs.get("channels_last") for n in graph.order)
+
+
 def test_an_unknown_choice_is_refused():
     graph = plait.jit(_conv_bn_relu_conv).lower(*_args()).graph
     with pytest.raises(PlaitError, match="all, cuda, none"):
