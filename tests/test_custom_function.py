@@ -379,3 +379,49 @@ def test_a_custom_op_whose_derivative_gives_no_gradient_is_refused():
     assert_close(plait.jit(loss)(x), loss(x))
     with pytest.raises(plait.errors.PlaitError, match="gave no gradient"):
         plait.grad(loss)(x)
+
+
+# ---------------------------------------------------------------------------------------
+# NOTE [grouped products]: torch._grouped_mm, an opaque call differentiated by grouped products
+# ---------------------------------------------------------------------------------------
+def _per_group(a, b, offs):
+    """The grouped product written out, group by group (its rows end at ``offs``)."""
+    ends = offs.tolist()
+    return torch.cat([a[s:e] @ b[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.parametrize("backend", ["eager", "cpp"])
+def test_grouped_products_of_experts_differentiate_as_the_groups_written_out(backend):
+    """A mixture of experts' [S, K] x [G, K, N] product (transformers' on CUDA), an empty
+    group among them: values, both gradients and a jitted module's loss.backward() against
+    the product written out per group."""
+    offs = torch.tensor([5, 5, 16], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 8, generator=g).bfloat16()
+    b = torch.randn(3, 8, 8, generator=g).bfloat16()
+
+    def loss(grouped):
+        return lambda a, b: grouped(a, b, offs=offs).tanh().sum()
+    mine = loss(torch._grouped_mm)
+    theirs = loss(_per_group)
+    assert_close(plait.jit(mine, backend=backend)(a, b), theirs(a, b), atol=0.1, rtol=1e-2)
+    got = plait.jit(plait.grad(mine, argnums=(0, 1)), backend=backend)(a, b)
+    want = torch.func.grad(theirs, argnums=(0, 1))(a, b)
+    for x, y in zip(got, want):
+        assert_close(x, y, atol=5e-2, rtol=2e-2)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(b.clone())
+
+        def forward(self, a):
+            return torch._grouped_mm(a, self.weight, offs=offs)
+    experts = Experts()
+    x = a.clone().requires_grad_()
+    plait.jit(experts, backend=backend)(x).square().sum().backward()
+    x_ref, w_ref = a.clone().requires_grad_(), b.clone().requires_grad_()
+    _per_group(x_ref, w_ref, offs).square().sum().backward()
+    assert_close(x.grad, x_ref.grad, atol=5e-2, rtol=2e-2)
+    assert_close(experts.weight.grad, w_ref.grad, atol=5e-2, rtol=2e-2)

@@ -30,8 +30,10 @@ from torch.utils import _pytree as pytree
 
 from ..errors import OpError, UnsupportedOpError
 from .registry import define
-from .trace import (HANDLER_FINDERS, TRACING_CONTEXTS, TracerTensor, bind, current_trace,
-                    on_tracers, tracing_active, unwrap_functional)
+from .trace import (HANDLER_FINDERS, HANDLERS, TRACING_CONTEXTS, TracerTensor, bind,
+                    current_trace, on_tracers, tracing_active, unwrap_functional)
+
+aten = torch.ops.aten
 
 _ORIGINAL_APPLY = Function.apply.__func__
 
@@ -238,11 +240,8 @@ def custom_op_handler(op):
                 "outside plait, or call the op where its gradients are not needed.")
         return grads
 
-    function = type(f"{op._name}.autograd", (Function,), {
-        "forward": staticmethod(lambda *args: current_trace().opaque(op, args, {})),
-        "setup_context": staticmethod(lambda ctx, inputs, output: setup(
-            ctx=ctx, inputs=inputs, output=output)),
-        "backward": staticmethod(backward)})
+    function = _opaque_function(op, lambda ctx, inputs, output: setup(
+        ctx=ctx, inputs=inputs, output=output), backward)
 
     def handler(*args, **kwargs):
         args, kwargs = torch._library.utils.fill_defaults(op._schema, args, kwargs)
@@ -254,6 +253,44 @@ def custom_op_handler(op):
 
 
 HANDLER_FINDERS.append(custom_op_handler)
+
+
+def _opaque_function(op, setup_context, backward) -> type:
+    """A ``Function`` whose forward is an opaque call of ``op`` and whose derivative is
+    ``backward``, traced as a custom function's (NOTE [custom functions])."""
+    return type(f"{op._name}.autograd", (Function,), {
+        "forward": staticmethod(lambda *args: current_trace().opaque(op, args, {})),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward)})
+
+
+# NOTE [grouped products]
+# ``torch._grouped_mm(a, b, offs)`` (transformers' mixture-of-experts layers on CUDA: each
+# expert's tokens times that expert's weights) runs as an opaque call whose derivative is two
+# grouped products, as torch's own is: for [S, K] x [G, K, N] with the groups of rows ending
+# at ``offs``, a's gradient is ct [S, N] x bᵀ [G, N, K] over the same groups, and b's is
+# aᵀ [K, S] x ct [S, N] with the groups splitting the contracted dim: [G, K, N]. Only that
+# form (no bias, a's dtype out) is differentiated; others stay plain opaque calls.
+def _grouped_mm_backward(ctx, ct):
+    a, b, offs = ctx.saved_tensors
+    return (torch._grouped_mm(ct, b.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0]
+            else None,
+            torch._grouped_mm(a.t(), ct, offs=offs) if ctx.needs_input_grad[1] else None, None)
+
+
+if hasattr(aten, "_grouped_mm"):
+    _GROUPED_MM = _opaque_function(
+        aten._grouped_mm.default,
+        lambda ctx, inputs, output: ctx.save_for_backward(*inputs), _grouped_mm_backward)
+
+    def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+        """NOTE [grouped products]."""
+        if offs is None or bias is not None or out_dtype not in (None, a.dtype) \
+                or (a.ndim, b.ndim) != (2, 3):
+            return NotImplemented
+        return traced_apply(_GROUPED_MM, a, b, offs)
+
+    HANDLERS[aten._grouped_mm.default] = _grouped_mm
 
 
 def _batched_custom(operands, batched, axis_size, rule, output):
