@@ -60,17 +60,26 @@ def pad_products(graph: Graph, devices: str = "cuda") -> Graph:
     ``config.DEVICE_CHOICES``, ``config.pad_products``)."""
     kinds = device_kinds("pad_products", devices)
 
+    def large(n) -> bool:
+        """Is node ``n`` a 16-bit product on one of ``kinds`` big enough to pad?"""
+        node = graph.node(n)
+        if node.prim != "dot_general":
+            return False
+        t, lhs = node.out_types[0], graph.type_of(graph.operands(n)[0])
+        contracted = math.prod(lhs.shape[d] for d in node.kwargs["contracting"][0])
+        return t.dtype in _PADDED_DTYPES and torch.device(t.device).type in kinds \
+            and 2 * t.numel * contracted >= PAD_MIN_FLOPS
+
+    if not any(large(n) for n in graph.order):
+        return graph
+
     def visit(b, n, operands, preds):
         node = graph.node(n)
-        if node.prim != "dot_general" or preds:
+        if preds or not large(n):
             return None
         t = node.out_types[0]
         lhs, rhs = (b.type_of(x) for x in operands)
         (lc, rc), (lb, rb) = node.kwargs["contracting"], node.kwargs["batch"]
-        contracted = math.prod(lhs.shape[d] for d in lc)
-        if t.dtype not in _PADDED_DTYPES or torch.device(t.device).type not in kinds \
-                or 2 * t.numel * contracted < PAD_MIN_FLOPS:
-            return None
         lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
         rfree = [d for d in range(rhs.ndim) if d not in rc + rb]
         contracting = [i for i, d in enumerate(lc) if d in _unaligned(lhs.shape, lc)]
