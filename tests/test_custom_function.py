@@ -391,15 +391,18 @@ def _per_group(a, b, offs):
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
-@pytest.mark.parametrize("backend", ["eager", "cpp"])
+@pytest.mark.parametrize("backend", ["eager", "cpp", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_grouped_products_of_experts_differentiate_as_the_groups_written_out(backend):
     """A mixture of experts' [S, K] x [G, K, N] product (transformers' on CUDA), an empty
-    group among them: values, both gradients and a jitted module's loss.backward() against
-    the product written out per group."""
-    offs = torch.tensor([5, 5, 16], dtype=torch.int32)
+    group among them and groups of a number of rows CUDA's kernel takes only through a view
+    (NOTE [grouped products]): values, both gradients and a jitted module's loss.backward()
+    against the product written out per group."""
+    device = "cuda" if backend == "cuda" else "cpu"
+    backend = None if backend == "cuda" else backend
+    offs = torch.tensor([5, 5, 16], dtype=torch.int32, device=device)
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(16, 8, generator=g).bfloat16()
-    b = torch.randn(3, 8, 8, generator=g).bfloat16()
+    a = torch.randn(16, 8, generator=g).bfloat16().to(device)
+    b = torch.randn(3, 8, 8, generator=g).bfloat16().to(device)
 
     def loss(grouped):
         return lambda a, b: grouped(a, b, offs=offs).tanh().sum()

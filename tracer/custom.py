@@ -270,12 +270,29 @@ def _opaque_function(op, setup_context, backward) -> type:
 # grouped products, as torch's own is: for [S, K] x [G, K, N] with the groups of rows ending
 # at ``offs``, a's gradient is ct [S, N] x bᵀ [G, N, K] over the same groups, and b's is
 # aᵀ [K, S] x ct [S, N] with the groups splitting the contracted dim: [G, K, N]. Only that
-# form (no bias, a's dtype out) is differentiated; others stay plain opaque calls.
+# form (no bias, a's dtype out) is differentiated; others stay plain opaque calls. b's
+# gradient is one opaque call of ``grouped_mm_of_transposed``, which hands CUDA's kernel aᵀ
+# as a view of a, as torch's derivative does: a graph value is stored row-major, and aᵀ so
+# stored would have the groups split its contiguous dim, which CUDA's kernel takes only
+# where every group's bytes are a multiple of 16 (else a device-side assert that ends the
+# process's use of the GPU: gpt-oss's experts get any number of tokens).
+@torch.library.custom_op("plait::grouped_mm_of_transposed", mutates_args=())
+def grouped_mm_of_transposed(a: torch.Tensor, ct: torch.Tensor,
+                             offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a.t(), ct, offs=offs)``: NOTE [grouped products]."""
+    return torch._grouped_mm(a.t(), ct, offs=offs)
+
+
+@grouped_mm_of_transposed.register_fake
+def _(a, ct, offs):
+    return a.new_empty((offs.shape[0], a.shape[1], ct.shape[1]))
+
+
 def _grouped_mm_backward(ctx, ct):
     a, b, offs = ctx.saved_tensors
     return (torch._grouped_mm(ct, b.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0]
             else None,
-            torch._grouped_mm(a.t(), ct, offs=offs) if ctx.needs_input_grad[1] else None, None)
+            grouped_mm_of_transposed(a, ct, offs) if ctx.needs_input_grad[1] else None, None)
 
 
 if hasattr(aten, "_grouped_mm"):
