@@ -27,8 +27,8 @@ DEVICE_CHOICES = {"all": ("cuda", "cpu"), "cuda": ("cuda",), "none": ()}
 
 
 def device_kinds(setting: str, value: str) -> tuple[str, ...]:
-    """The device types a setting that names devices (``channels_last``, ``pad_products``)
-    picks with ``value``."""
+    """The device types a setting that names devices (``channels_last``, ``pad_products``,
+    ``attention_layout``) picks with ``value``."""
     if value not in DEVICE_CHOICES:
         from .errors import PlaitError
         raise PlaitError(f"config.{setting}={value!r}: expected one of "
@@ -81,6 +81,10 @@ class Config:
     # a multiple of 8 padded with zeros, as the library's fast kernels need (NOTE [padded
     # products], passes/padding.py).
     pad_products: str = attrs.field(factory=lambda: _env("pad_products", "cuda", str))
+    # On which devices (all, cuda or none) fused attention reads and writes its 4-D operands
+    # stored [batch, rows, heads, head dim], as CUDA's kernels do (NOTE [attention in the
+    # kernels' layout], passes/attention.py).
+    attention_layout: str = attrs.field(factory=lambda: _env("attention_layout", "cuda", str))
     # Constant folding evaluates nodes whose result has at most this many elements.
     fold_max_numel: int = attrs.field(factory=lambda: _env("fold_max_numel", 4096, int))
     # ATen ops with no decomposition run as opaque nodes that call torch; False raises instead.

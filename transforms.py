@@ -34,9 +34,10 @@ from .tracer.trace import TracerTensor, bind, current_trace, on_tracers, tracing
 
 
 def vjp_graph(graph, wrt: Sequence[int]):
-    """``autodiff.vjp`` under the settings tracing reads now (attention fusion, channels-last
-    convolutions), which the passes take as arguments."""
-    return autodiff.vjp(graph, wrt, config.fuse_attention, config.channels_last)
+    """``autodiff.vjp`` under the settings tracing reads now (attention fusion and layout,
+    channels-last convolutions), which the passes take as arguments."""
+    return autodiff.vjp(graph, wrt, config.fuse_attention, config.channels_last,
+                        config.attention_layout)
 
 
 # ---------------------------------------------------------------------------------------

@@ -444,10 +444,11 @@ NATIVE = {
         ints + [int(p.get("lhs_grad", True))], ()),
     "scatter": lambda p, _: ([p["dim"], int(p["reduce"] == "sum")], ())
     if p["reduce"] is None or (p["reduce"] == "sum" and p["include_self"]) else None,
-    # (attention with dropout: CUDA's flash kernel alone, NOTE [attention dropout])
-    "attention": lambda p, operands: None if p.get("dropout") else (
+    # (attention with dropout: CUDA's flash kernel alone, NOTE [attention dropout]; stored
+    # as CUDA's kernels store it: a Python step, NOTE [attention in the kernels' layout])
+    "attention": lambda p, operands: None if p.get("dropout") or p.get("bshd") else (
         [int(p.get("causal", False)), operands - 3], [float(p["scale"])]),
-    "attention_backward": lambda p, operands: None if p.get("dropout") else (
+    "attention_backward": lambda p, operands: None if p.get("dropout") or p.get("bshd") else (
         [int(p.get("causal", False)), operands - 6], [float(p["scale"])]),
 }
 

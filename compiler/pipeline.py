@@ -91,6 +91,7 @@ GRAPH_STAGES = (
     Stage("dce", "simplify.dce"),
     Stage("fold_constants", "simplify.fold_constants", reads={"max_numel": "fold_max_numel"}),
     Stage("fuse_attention", "attention.fuse_attention", when="fuse_attention"),
+    Stage("attention_layout", "attention.attention_layout", reads={"devices": "attention_layout"}),
     Stage("channels_last", "layout.channels_last", reads={"devices": "channels_last"}),
     Stage("algebra", "simplify.algebra"),
     Stage("pad_products", "padding.pad_products", reads={"devices": "pad_products"}),
@@ -103,6 +104,7 @@ GRAPH_STAGES = (
 # the forward-and-backward graph: differentiated, then simplified by GRAPH_STAGES, then split
 # into the forward and backward graphs (``autodiff.split``)
 JOINT = Stage("joint", "autodiff.joint", reads={"fuse": "fuse_attention",
+                                                 "attention_devices": "attention_layout",
                                                  "layout": "channels_last"})
 SPLIT = Stage("split", "autodiff.split")
 

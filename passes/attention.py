@@ -45,6 +45,7 @@ import itertools
 import attrs
 import torch
 
+from ..config import device_kinds
 from ..graph import Graph, GraphBuilder, TensorType, Value, rewrite
 from ..tracer.aten import SoftmaxRule
 from ..tracer.nn import stays_written
@@ -374,3 +375,57 @@ def fuse_attention(graph: Graph) -> Graph:
         return b.add_node("reshape", (result,), {"shape": t.shape}, (t,), provenance)
 
     return rewrite(graph, visit)
+
+
+# NOTE [attention in the kernels' layout]
+# Every graph value is stored row-major in its logical shape, so attention's [B, H, M, E]
+# operands are stored heads first. CUDA's fused kernels (flash, cuDNN, memory-efficient) store
+# their output [B, M, H, E], rows first, as a projection leaves q, k and v, and their
+# backward reads the output and its cotangent so laid out (cuDNN's, q, k and v too:
+# ``_as_left_by_cuda_kernels``, tracer/nn.py): heads first, each call copied eight tensors
+# a layer forward and backward (ViT-B/16's training step: 96 copies, 2.8 ms of 22.6 on an
+# H200). This pass gives every 4-D ``attention`` and ``attention_backward`` on the devices
+# ``config.attention_layout`` names the param ``bshd``: their q, k, v, output, cotangent and
+# gradients are stored [batch, rows, heads, head dim] (the statistics stay [B, H, M]), between
+# transposes of dims 1 and 2. ``algebra`` then composes those transposes with the model's
+# own (``q.view(B, M, H, E).transpose(1, 2)``, ``out.transpose(1, 2).reshape(B, M, H * E)``),
+# and they cancel; what stays is computed by the kernel that writes the operand (RoPE's,
+# the split of a fused qkv projection). The rules swap dims 1 and 2 back as views, so
+# the library is handed exactly what an eager call from a projection hands it. Run before
+# differentiation (``autodiff.joint``), so a training step's backward is in this layout too.
+_HEADS_SWAP = (0, 2, 1, 3)
+# primitive -> how many of its leading operands, and of its leading results, are so stored
+_LAID_OUT = {"attention": (3, 1), "attention_backward": (5, 3)}
+
+
+def attention_layout(graph: Graph, devices: str = "cuda") -> Graph:
+    """NOTE [attention in the kernels' layout]; ``devices``: one of
+    ``config.DEVICE_CHOICES`` (``config.attention_layout``)."""
+    kinds = device_kinds("attention_layout", devices)
+
+    def swapped(b, v: Value, provenance) -> Value:
+        t = b.type_of(v)
+        return b.add_node("transpose", (v,), {"permutation": _HEADS_SWAP},
+                          (_swapped_type(t),), provenance)[0]
+
+    def visit(b, n, operands, preds):
+        node = graph.node(n)
+        if node.prim not in _LAID_OUT or node.kwargs.get("bshd"):
+            return None
+        laid_operands, laid_results = _LAID_OUT[node.prim]
+        first = graph.type_of(graph.operands(n)[0])  # (q, or the cotangent: q's batch dims)
+        if first.ndim != 4 or torch.device(first.device).type not in kinds:
+            return None
+        p = node.provenance
+        args = [swapped(b, x, p) if i < laid_operands else x for i, x in enumerate(operands)]
+        types = [_swapped_type(t) if i < laid_results else t
+                 for i, t in enumerate(node.out_types)]
+        outs = b.add_node(node.prim, args, {**node.kwargs, "bshd": True}, types, p,
+                          after=preds)
+        return [swapped(b, v, p) if i < laid_results else v for i, v in enumerate(outs)]
+
+    return rewrite(graph, visit)
+
+
+def _swapped_type(t: TensorType) -> TensorType:
+    return attrs.evolve(t, shape=tuple(t.shape[i] for i in _HEADS_SWAP))

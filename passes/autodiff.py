@@ -42,9 +42,9 @@ from ..graph import Graph, GraphBuilder, TensorType, Value, extract
 from ..tracer.primitives import COMPLEX_RULES, ELEMENTWISE
 from ..tracer.registry import get_primitive, is_effectful
 from ..tracer.interpret import graph_of, inline, replay
-from ..tracer.nn import attention_scores, refuse_dropout_derivative
+from ..tracer.nn import attention_scores, heads_first, refuse_dropout_derivative
 from ..tracer.trace import Trace, bind, current_trace, tracing
-from .attention import fuse_attention
+from .attention import attention_layout, fuse_attention
 from .layout import channels_last
 
 
@@ -148,10 +148,11 @@ def backward(graph: Graph, env: dict[Value, object], seeds: dict[Value, object],
     return cts
 
 
-def vjp(graph: Graph, wrt: Sequence[int], fuse: bool = True, layout: str = "all") -> Graph:
-    """(inputs, output cotangents) -> (outputs, cotangents of inputs ``wrt``); ``fuse`` and
-    ``layout``: as ``joint`` takes them."""
-    return joint(graph, wrt, range(len(graph.outputs)), fuse, layout)
+def vjp(graph: Graph, wrt: Sequence[int], fuse: bool = True, layout: str = "all",
+        attention_devices: str = "cuda") -> Graph:
+    """(inputs, output cotangents) -> (outputs, cotangents of inputs ``wrt``); ``fuse``,
+    ``layout`` and ``attention_devices``: as ``joint`` takes them."""
+    return joint(graph, wrt, range(len(graph.outputs)), fuse, layout, attention_devices)
 
 
 def jvp(graph: Graph, wrt: Sequence[int]) -> Graph:
@@ -295,14 +296,17 @@ def reaching(graph: Graph) -> list[int]:
 
 
 def joint(graph: Graph, wrt: Sequence[int], seeded: Sequence[int], fuse: bool = True,
-          layout: str = "all") -> Graph:
+          layout: str = "all", attention_devices: str = "cuda") -> Graph:
     """(inputs, one seed per output in ``seeded``) -> (outputs, cotangents of inputs ``wrt``);
     seeds of outputs that are not floating point are ignored (NOTE [autodiff]). Attention
     written out is fused first (``fuse``, ``config.fuse_attention``), to differentiate by its
-    fused rule (NOTE [attention fusion]), and convolutions made channels-last (on the devices
-    ``layout`` names, ``config.channels_last``), so their backward is too (NOTE
-    [channels-last convolutions])."""
-    graph = channels_last(fuse_attention(graph) if fuse else graph, layout)
+    fused rule (NOTE [attention fusion]), stored as its kernels store it on the devices
+    ``attention_devices`` names (``config.attention_layout``: NOTE [attention in the
+    kernels' layout]), and convolutions made channels-last (on the devices ``layout``
+    names, ``config.channels_last``), so their backward is too (NOTE [channels-last
+    convolutions])."""
+    graph = channels_last(attention_layout(fuse_attention(graph) if fuse else graph,
+                                           attention_devices), layout)
     trace = Trace()
     with tracing(trace):
         primals = [trace.new_input(t) for t in graph.input_types]
@@ -500,31 +504,36 @@ def _graph_for(q, k, v, bias, scale, causal) -> Graph:
 
 
 def _backward_vjp(cts, ct, q, k, v, out, lse, *bias, outs, scale, causal=False, dropout=0.0,
-                  kernel=None):
+                  kernel=None, bshd=False):
     if dropout:
         refuse_dropout_derivative("a second derivative")
 
+    ct, q, k, v = heads_first(bshd, ct, q, k, v)
     graph = _graph_for(q, k, v, bias, scale, causal)
     second = vjp(graph, range(len(graph.inputs)), fuse=False)
-    seeds = [zeros(graph.output_types[0]),
-             *(c if c is not None else torch.zeros_like(x) for c, x in zip(cts, (q, k, v)))]
+    seeds = [zeros(graph.output_types[0]), *(
+        c if c is not None else torch.zeros_like(x)
+        for c, x in zip(heads_first(bshd, *cts), (q, k, v)))]
     *grads, gct = inline(second, [q, k, v, *bias, ct, *seeds])[4:]
     # none for out and lse: they are functions of q, k and v (and the bias), whose
     # cotangents above are the written-out form's, which reads no out or lse
-    return [gct, *grads[:3], None, None, *grads[3:]]
+    return [*heads_first(bshd, gct, *grads[:3]), None, None, *grads[3:]]
 
 
 def _backward_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0,
-                  kernel=None):
+                  kernel=None, bshd=False):
     if dropout:
         refuse_dropout_derivative("a second derivative")
 
     ct, q, k, v, _, _, *bias = operands  # (out and lse: as in _backward_vjp)
+    ct, q, k, v = heads_first(bshd, ct, q, k, v)
     graph = _graph_for(q, k, v, bias, scale, causal)
     # in the graph's input order
-    given = [*tangents[1:4], *tangents[6:], tangents[0]]
+    given = [*heads_first(bshd, *tangents[1:4]), *tangents[6:],
+             *heads_first(bshd, tangents[0])]
     wrt = [i for i, t in enumerate(given) if t is not None]
-    return inline(jvp(graph, wrt), [q, k, v, *bias, ct, *(given[i] for i in wrt)])[5:8]
+    return list(heads_first(bshd, *inline(jvp(graph, wrt),
+                                           [q, k, v, *bias, ct, *(given[i] for i in wrt)])[5:8]))
 
 
 get_primitive("attention_backward").vjp = _backward_vjp

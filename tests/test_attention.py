@@ -2,6 +2,7 @@
 attention kernel that stores no score matrix, on every backend, with eager's results."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -605,6 +606,111 @@ def test_attention_under_no_grad_in_a_jitted_function_still_fuses():
     torch.testing.assert_close(plait.jit(f, backend="cpp")(q, k, v), f(q, k, v))
 
 
+# -- NOTE [attention in the kernels' layout] ------------------------------------------------
+@pytest.fixture
+def cuda_layout(monkeypatch):
+    """Attention stored as CUDA's kernels store it, on the CPU too."""
+    monkeypatch.setattr(plait.config, "attention_layout", "all")
+
+
+def _projected_attention(form: str):
+    """A model's attention, as transformers and timm write it: one qkv projection, heads split
+    by view + transpose, sdpa, heads joined by transpose + reshape; its arguments."""
+    g = torch.Generator().manual_seed(4)
+    b, m, heads, e = 2, 8, 4, 8
+    kv_heads = 2 if form == "gqa" else heads
+    keys = 6 if form == "cross" else m
+    x, ctx = torch.randn(b, m, heads * e, generator=g), torch.randn(b, keys, heads * e, generator=g)
+    wq = torch.randn(heads * e, heads * e, generator=g) / 6
+    wkv = torch.randn(heads * e, 2 * kv_heads * e, generator=g) / 6
+    mask = torch.randn(1, 1, m, keys, generator=g)
+
+    def fn(x, wq, wkv, mask):
+        q = (x @ wq).view(b, m, heads, e).transpose(1, 2)
+        k, v = (t.view(b, keys, kv_heads, e).transpose(1, 2)
+                for t in ((ctx if form == "cross" else x) @ wkv).chunk(2, -1))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=form == "causal",
+                                             attn_mask=mask if form == "mask" else None,
+                                             enable_gqa=form == "gqa")
+        return out.transpose(1, 2).reshape(b, m, heads * e).sin().sum()
+    return fn, (x, wq, wkv, mask)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", ["plain", "causal", "mask", "gqa", "cross"])
+def test_attention_stored_as_cudas_kernels_store_it(form, backend, cuda_layout):
+    """NOTE [attention in the kernels' layout]: q, k, v, the output and the gradients stored
+    [batch, rows, heads, head dim]; the transposes around them cancel with the model's own,
+    so the projections' results are the operands and the output is the next product's.
+    Values and gradients (the mask's too) against torch.func."""
+    fn, args = _projected_attention(form)
+    argnums = (0, 1, 2, 3) if form == "mask" else (0, 1, 2)
+    step = plait.jit(plait.grad_and_value(fn, argnums), backend=backend)
+    graph = step.lower(*args).graph
+    nodes = [graph.node(n) for n in graph.order]
+    assert [(n.prim, n.kwargs.get("bshd")) for n in nodes if "attention" in n.prim] == \
+        [("attention", True), ("attention_backward", True)]
+    if form != "gqa":  # (gqa's repeated heads are written by the kernel that repeats them)
+        for n in graph.order:
+            if "attention" in graph.node(n).prim:
+                assert all(graph.node(v.node).prim != "transpose"
+                           for v in graph.operands(n)[:5])
+    grads, value = step(*args)
+    assert_close(value, fn(*args), atol=1e-5, rtol=1e-5)
+    assert_close(grads, torch.func.grad(fn, argnums)(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_so_stored_has_derivatives_of_every_order(cuda_layout):
+    q, k, v = (torch.randn(2, 8, 3, 4, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, 1, 8, 8, dtype=torch.float64)
+
+    def loss(sdpa):
+        return lambda q, bias: (sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                     bias) ** 2).sum()
+    mine = loss(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b))
+    written = loss(lambda q, k, v, b: (q @ k.mT * 0.5 + b).softmax(-1) @ v)
+    graph = plait.jit(mine).lower(q, bias).graph
+    assert [graph.node(n).kwargs.get("bshd") for n in graph.order
+            if graph.node(n).prim == "attention"] == [True]
+    for argnum, x in ((0, q), (1, bias)):
+        def at(f):
+            return lambda x: f(*((x, bias) if argnum == 0 else (q, x)))
+        tangent = (torch.ones_like(x),)
+        assert_close(plait.hessian(mine, argnum)(q, bias),
+                     torch.func.hessian(written, argnum)(q, bias))
+        assert_close(plait.jvp(at(mine), (x,), tangent)[1],
+                     torch.func.jvp(at(written), (x,), tangent)[1])
+    per_example = plait.vmap(plait.grad(mine), (0, None))(torch.stack([q, 2 * q]), bias)
+    assert_close(per_example, torch.stack([torch.func.grad(written)(x, bias)
+                                           for x in (q, 2 * q)]))
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, torch.nn.Linear(dim, 3 * dim), \
+            torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, m, d = x.shape
+        q, k, v = self.qkv(x).view(b, m, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, m, d))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_module_trained_with_attention_so_stored(backend, cuda_layout):
+    """loss.backward() through a jitted module (a fused qkv projection split as timm's ViT
+    splits it): the joint graph's attention and its backward are stored so too."""
+    torch.manual_seed(5)
+    model, x = SelfAttention(32, 4), torch.randn(2, 8, 32)
+    jitted = plait.jit(copy.deepcopy(model), backend=backend)
+    jitted(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for (name, p), want in zip(jitted.named_parameters(), model.parameters()):
+        assert_close(p.grad, want.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
 # -- dropout (NOTE [attention dropout]) ---------------------------------------------------
 def _dropped(q, k, v, causal, scale, keep, dropout):
     return (plait_nn.attention_scores(q, k, scale, causal).softmax(-1) * keep / (1 - dropout)) @ v
@@ -650,8 +756,10 @@ def _sdpa_dropout(q, k, v, causal=True):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["none", "all"])  # (NOTE [attention in the kernels' layout])
 def test_dropout_runs_in_the_primitive_and_its_backward_replays_the_mask(backend, causal,
-                                                                         monkeypatch):
+                                                                         layout, monkeypatch):
+    monkeypatch.setattr(plait.config, "attention_layout", layout)
     flash = PlayedFlash(monkeypatch)
     q, k, v, w = _qkv(2, 2, 16, 8) + [torch.randn(2, 2, 16, 8)]
     loss = lambda q, k, v: (_sdpa_dropout(q, k, v, causal) * w).sum()  # noqa: E731
@@ -660,6 +768,9 @@ def test_dropout_runs_in_the_primitive_and_its_backward_replays_the_mask(backend
     assert [graph.node(n).kwargs.get("dropout") for n in graph.order
             if graph.node(n).prim in ("attention", "attention_backward")] == [0.25, 0.25]
     assert "softmax" not in _prims(graph) and "exp" not in _prims(graph)
+    compiled = step.lower(q, k, v).graph
+    assert {compiled.node(n).kwargs.get("bshd", False) for n in compiled.order
+            if "attention" in compiled.node(n).prim} == {layout == "all"}
     for _ in range(2):
         grads, value = step(q, k, v)
         keep = flash.masks[-1]

@@ -171,8 +171,8 @@ def test_stages():
     lowered = plait.jit(_cse_me).lower(torch.randn(3))
     names = [s.name for s in stages(lowered)]
     assert names == ["traced", "erase_markers", "dce", "fold_constants", "fuse_attention",
-                     "channels_last", "algebra", "pad_products", "cse", "dce.2",
-                     "unread_ys", "unread_input_grads"]
+                     "attention_layout", "channels_last", "algebra", "pad_products", "cse",
+                     "dce.2", "unread_ys", "unread_input_grads"]
     by_name = {s.name: s.graph for s in stages(lowered)}
     exps = {name: sum(g.node(n).prim == "exp" for n in g.nx.nodes) for name, g in by_name.items()}
     assert exps["traced"] == 2 and exps["cse"] == 1
@@ -191,7 +191,8 @@ def test_lowered_draw(tmp_path):
         svg = lowered.draw(tmp_path / f"{stage}.svg", stage, engine="python").read_text()
         _check_svg(graph, svg)
     with pytest.raises(DebugError, match="traced, erase_markers, dce, fold_constants, "
-                                         "fuse_attention, channels_last, algebra, "
+                                         "fuse_attention, attention_layout, channels_last, "
+                                         "algebra, "
                                          "pad_products, cse, dce.2, unread_ys, unread_input_grads, simplified"):
         lowered.draw(tmp_path / "x.svg", stage="kernels")
     assert issubclass(DebugError, plait.PlaitError)

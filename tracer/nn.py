@@ -160,7 +160,31 @@ define("conv", _conv_infer, _conv_impl, batch=_conv_batch)
 # writes it anew), ``attention_backward`` takes it in the bias's place (dropout never comes
 # with a bias), vmap runs each example's call of its own, and forward-mode and second
 # derivatives, which would need the mask itself, are refused.
-def _attention_infer(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, kernel=None):
+#
+# With ``bshd`` (NOTE [attention in the kernels' layout], passes/attention.py), q, k, v and
+# the output (and ``attention_backward``'s cotangent, output and gradients) are 4-D and
+# stored [batch, rows, heads, head dim]: each rule swaps dims 1 and 2 (a view), and the
+# statistics stay [batch, heads, rows].
+def heads_first(bshd: bool, *xs):
+    """Operands in [B, H, M, E] where ``bshd`` stores them [B, M, H, E] (views, or types)."""
+    if not bshd:
+        return xs
+    return tuple(x if x is None else attrs.evolve(x, shape=_swapped(x.shape))
+                 if isinstance(x, TensorType) else x.transpose(1, 2) for x in xs)
+
+
+def _swapped(shape) -> tuple:
+    return (shape[0], shape[2], shape[1], *shape[3:])
+
+
+def _attention_infer(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, kernel=None,
+                     bshd=False):
+    if bshd:
+        _check(q.ndim == k.ndim == v.ndim == 4, "attention", "expected 4-D operands stored "
+               "[batch, rows, heads, head dim] (bshd)", q, k, v)
+        out, *rest = _attention_infer(*heads_first(True, q, k, v), bias, scale=scale,
+                                      causal=causal, dropout=dropout, kernel=kernel)
+        return (*heads_first(True, out), *rest)
     ok = (q.ndim == k.ndim == v.ndim >= 2 and q.dtype == k.dtype == v.dtype
           and q.dtype.is_floating_point and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
           and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2])
@@ -321,7 +345,12 @@ def _efficient_bias(bias, q, k):
     return bias.expand(*q.shape[:-1], k.shape[-2])
 
 
-def _attention(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, kernel=None):
+def _attention(q, k, v, bias=None, *, scale, causal=False, dropout=0.0, kernel=None,
+               bshd=False):
+    if bshd:
+        out, *rest = _attention(*heads_first(True, q, k, v), bias, scale=scale,
+                                causal=causal, dropout=dropout, kernel=kernel)
+        return (*heads_first(True, out), *rest)
     q4, k4, v4 = (_four_d(x) for x in (q, k, v))
     bias4 = _four_d_bias(bias, q, k)
     kernel = kernel or _fused_kernel(q4, k4, v4, bias4, causal, scale)
@@ -382,7 +411,7 @@ def _cuda_flash_backward(ct, q, k, v, out, rows, causal: bool, scale: float,
 
 
 def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropout=0.0,
-                        kernel=None):
+                        kernel=None, bshd=False):
     """torch's fused backward of the kernel the forward ran, reading the forward's output and
     statistics: the fused CPU kernel's, and on CUDA flash's, the memory-efficient kernel's
     and cuDNN's, given the output and its cotangent laid out as their forward leaves them
@@ -392,6 +421,10 @@ def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropo
     the forward run again. With dropout, ``rest`` is the generator state the forward drew
     with, from which the kernel replays its mask (NOTE [attention dropout]); else the bias,
     if any. The gradients of q, k and v (the bias's: ``_bias_gradient``)."""
+    if bshd:
+        return heads_first(True, *_attention_backward(
+            *heads_first(True, ct, q, k, v, out), lse, *rest, scale=scale, causal=causal,
+            dropout=dropout, kernel=kernel))
     q4, k4, v4, ct4, out4 = (_four_d(x) for x in (q, k, v, ct, out))
     rows = lse.reshape(q4.shape[:-1])
     bias4 = _four_d_bias(rest[0] if rest and not dropout else None, q, k)
@@ -422,32 +455,40 @@ def _attention_backward(ct, q, k, v, out, lse, *rest, scale, causal=False, dropo
 
 
 def _batched_attention(prim: str):
-    """Every operand batched (broadcast where it is not): a leading batch dim more. With
-    dropout, none: each example's own call (its generator state is one example's)."""
+    """Every operand batched (broadcast where it is not): a leading batch dim more, or with
+    ``bshd`` (4-D operands only) the examples joined with the batch dim. With dropout,
+    none: each example's own call (its generator state is one example's)."""
     def rule(operands, batched, axis_size, **params):
         if params.get("dropout"):
             return NotImplemented
-        out = bind(prim, *[x if b else x.expand(axis_size, *x.shape)
-                           for x, b in zip(operands, batched)], **params)
+        xs = [x if b else x.expand(axis_size, *x.shape) for x, b in zip(operands, batched)]
+        if params.get("bshd"):  # (every operand's dim 0 is the batch, or broadcasts to it)
+            n = xs[0].shape[1]
+            xs = [x.expand(axis_size, n, *x.shape[2:]).flatten(0, 1) for x in xs]
+        out = bind(prim, *xs, **params)
         outs = list(out) if isinstance(out, tuple) else [out]
+        if params.get("bshd"):
+            outs = [o.unflatten(0, (axis_size, n)) for o in outs]
         return outs, [True] * len(outs)
 
     return rule
 
 
 def _attention_jvp(operands, tangents, outs, *, scale, causal=False, dropout=0.0,
-                   kernel=None):
+                   kernel=None, bshd=False):
     if dropout:
         refuse_dropout_derivative("forward-mode differentiation (jvp, jacfwd)")
-    q, k, v, *bias = operands
-    dq, dk, dv = (t if t is not None else torch.zeros_like(x)
-                  for t, x in zip(tangents[:3], operands))
+    q, k, v = heads_first(bshd, *operands[:3])
+    bias = operands[3:]
+    dq, dk, dv = heads_first(bshd, *(t if t is not None else torch.zeros_like(x)
+                                      for t, x in zip(tangents[:3], operands)))
     p = attention_scores(q, k, scale, causal, *bias).softmax(-1)
     ds = (dq @ k.mT + q @ dk.mT) * scale
     if bias and tangents[3] is not None:
         ds = ds + tangents[3]
     dp = p * (ds - (p * ds).sum(-1, keepdim=True))
-    return [dp @ v + p @ dv, None]  # (the statistics carry no derivative: _attention_vjp)
+    # (the statistics carry no derivative: _attention_vjp)
+    return [*heads_first(bshd, dp @ v + p @ dv), None]
 
 
 define("attention", _attention_infer, _attention, jvp=_attention_jvp, multiple_results=True,
@@ -476,7 +517,8 @@ def _attention_vjp(cts, q, k, v, *bias, outs, **params):
     grads = bind("attention_backward", cts[0], q, k, v, *outs, *bias, **params)
     if not bias:
         return grads
-    return [*grads, _bias_gradient(cts[0], q, k, v, bias[0], outs[0], params["scale"])]
+    ct, q, k, v, out = heads_first(params.get("bshd", False), cts[0], q, k, v, outs[0])
+    return [*grads, _bias_gradient(ct, q, k, v, bias[0], out, params["scale"])]
 
 
 def _additive(mask, query):
