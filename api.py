@@ -34,7 +34,7 @@ from .compiler import pipeline
 from .compiler.stages import Stages, collector_paused
 from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
-from .tracer.function import passed
+from .tracer.strided import passed
 from .tracer.state import STATE_LOCK, tensor_key
 from .tracer.trace import no_dynamo_import, tracing_active
 

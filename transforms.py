@@ -29,7 +29,7 @@ from .errors import TraceError, TransformError
 from .passes import autodiff
 from .tracer.interpret import inline
 from .tracer import trace_function
-from .tracer.function import broadcast_dims, inverse_permutation, passed_order
+from .tracer.strided import broadcast_dims, inverse_permutation, passed_order
 from .tracer.trace import TracerTensor, bind, current_trace, on_tracers, tracing_active
 
 

@@ -115,13 +115,18 @@ def _clamp(e, n):
     return sympy.Max(0, sympy.Min(n - 1, e))
 
 
-def _reads_transposed(extern: str, permutation) -> bool:
-    """Does the extern read an operand transposed by ``permutation`` as it is (a view of
-    its buffer, not a copy)? BLAS reads any transpose; the attention library's fused kernels
-    need the last dim contiguous (else torch silently takes its path that stores the scores),
-    so only transposes that keep it."""
-    return extern == "dot_general" or (extern == "attention" and
-                                       permutation[-1] == len(permutation) - 1)
+# extern -> the operand that is a convolution's kernel (its weight)
+_CONV_KERNELS = {"conv": 1, "conv_backward": 2}
+
+
+def _reads_transposed(extern: str, permutation, operand: int) -> bool:
+    """Does the extern read its ``operand`` transposed by ``permutation`` as it is (a view
+    of its buffer, not a copy)? BLAS reads any transpose; the attention library's fused
+    kernels need the last dim contiguous (else torch silently takes its path that stores the
+    scores), so only transposes that keep it; a convolution library reads its kernel in any
+    layout (a channels-last model's weights, NOTE [strided arguments])."""
+    return extern == "dot_general" or _CONV_KERNELS.get(extern) == operand or (
+        extern == "attention" and permutation[-1] == len(permutation) - 1)
 
 
 # A value with several users is stored once rather than recomputed at each use when it costs
@@ -318,8 +323,8 @@ class _Lowering:
 
     def extern(self, n, node, operands, outs):
         names, views = [], []
-        for v in operands:
-            name, steps = self._buffer_view(v, node.prim)
+        for i, v in enumerate(operands):
+            name, steps = self._buffer_view(v, node.prim, i)
             names.append(name or self.realize(v))
             views.append(steps)
         results = tuple(self.new_buffer("buf", t) for t in node.out_types)
@@ -367,8 +372,8 @@ class _Lowering:
         self.values[v] = self.in_memory(name)  # its other users read it there
         return name
 
-    def _buffer_view(self, v: Value, extern: str):
-        """An extern operand that is a view of a buffer: the buffer, and the view's steps
+    def _buffer_view(self, v: Value, extern: str, operand: int = 0):
+        """The extern's ``operand`` that is a view of a buffer: the buffer, and the view's steps
         ((tensor method, argument), ...) that the extern applies when it runs, so no copy is
         stored: a reshape of the whole buffer and, where the extern reads it as it is
         (``_reads_transposed``), a transpose of that. (None, ()) otherwise. A lazy value
@@ -382,7 +387,7 @@ class _Lowering:
                                     ("reshape", "reshape", "shape")):
             node = self.graph.node(v.node)
             if node.prim == prim and (prim == "reshape" or
-                                      _reads_transposed(extern, node.kwargs[param])):
+                                      _reads_transposed(extern, node.kwargs[param], operand)):
                 steps.insert(0, (method, node.kwargs[param]))
                 views.insert(0, v)
                 (v,) = self.graph.operands(v.node)

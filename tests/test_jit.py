@@ -3,6 +3,7 @@ arguments, config, and write-back of mutated inputs."""
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import os
 import subprocess
@@ -974,6 +975,40 @@ def test_vjp_fn_of_a_permuted_primal_under_vmap_and_recorded_is_torch_funcs():
     with torch.no_grad():  # recorded when called with grad on
         _, vjp_fn = plait.vjp(f, x.requires_grad_())
     assert_close(vjp_fn(cts[0]), want_fn(cts[0]))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "eager", "triton"])
+def test_a_channels_last_models_weights_are_read_where_they_lie(backend):
+    """model.to(memory_format=torch.channels_last): its convolutions' weights are passed as
+    views of their memory and the convolution reads them so (no kernel copies them per
+    call); trained, its gradients are eager's; the same model made contiguous again is
+    another signature, not a wrong reading of the old one's memory."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 2), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3, groups=2))
+    model = model.to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+    image = torch.randn(2, 3, 10, 10).to(memory_format=torch.channels_last)
+    jitted = plait.jit(model, backend=backend)
+    for _ in range(2):  # (BatchNorm's running statistics written back each step)
+        jitted(image).square().sum().backward()
+        reference(image).square().sum().backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4, msg=name)
+    assert_close(model[1].running_var, reference[1].running_var)
+    with torch.no_grad():
+        lowered = jitted.lower(image)
+        weights = [i for i, t in enumerate(lowered.graph.input_types) if len(t.shape) == 4][1:]
+        assert [lowered.graph.input_types[i].shape for i in weights] == [(8, 2, 2, 3),
+                                                                        (4, 3, 3, 4)]
+        if backend != "eager":
+            assert not any(f"in{i}" in k.reads for k in lowered.kernels for i in weights
+                           if "extern" not in k.name)
+    model.to(memory_format=torch.contiguous_format)
+    reference.to(memory_format=torch.contiguous_format)
+    with torch.no_grad():
+        assert_close(jitted(image), reference(image))
+    assert jitted.trace_count == 3  # training, inference, and contiguous weights
 
 
 # -- branches on values (NOTE [value guards]) ------------------------------------------------

@@ -17,6 +17,8 @@ from . import collectives as _collectives  # noqa: F401
 from .custom import traceable_apply
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
+from .strided import (address_order, broadcast_dims, compact, inverse_permutation,
+                      passed, passed_order)
 from .state import (State, bindings, follow, layout_key, module_state, reach,
                     refuse_dtensor, slot_guards)
 from .trace import (Trace, TracerTensor, captured_write_error, check_dtype, is_dense,
@@ -133,68 +135,12 @@ def _input_layout(x: torch.Tensor) -> tuple[bool, tuple | None]:
     return (True, None) if is_dense(x) else (False, layout_key(x))
 
 
-# NOTE [strided arguments]
-# A jit's program reads its inputs as dense blocks of memory in the order of their dims. An
-# argument laid out otherwise is still read where it lies, not copied at each call, where
-# its elements fill a block of memory in some order: it is passed as a view of its memory,
-# and the graph turns that view back into the argument (lowering reads the way back as an
-# index remap, so no kernel copies it). ``compact`` makes the view: one element along each
-# dim the argument repeats along (stride 0: ``x.expand(n, m)``, a mask broadcast over
-# heads), then the dims in the order of their addresses (a transpose, a channels-last
-# image); the graph permutes it back and broadcasts it. ``x.expand(12000, 12000).amax()``
-# reads 12000 elements, not 144 million. The strides are part of the compilation's key, so
-# the call and the trace agree on the view. An argument with gaps between its elements (a
-# slice ``x[:, ::2]``) is still made contiguous by the program. What the function writes
-# into a permuted argument is written back permuted into the block, so into the argument;
-# writing into a repeating one is refused, as eager refuses it. A leaf that repeats its
-# elements and requires grad is passed whole: torch.autograd gives each of its elements a
-# gradient of its own, which a program reading one of them could not (``tensor_key``
-# tells the two apart). A torch.func transform's wrapped tensor is passed as it is
-# (``passed``).
-def broadcast_dims(x: torch.Tensor) -> tuple[int, ...]:
-    """The dims along which argument ``x`` repeats its elements (stride 0, more than one
-    element), unless it is a leaf that requires grad (NOTE [strided arguments])."""
-    if x.layout != torch.strided or x.requires_grad and x.grad_fn is None:
-        return ()
-    return tuple(d for d, (n, s) in enumerate(zip(x.shape, x.stride())) if not s and n > 1)
-
-
-def address_order(x: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation of ``x``'s dims that makes it contiguous (outermost in memory first),
-    or None where it is contiguous already or no permutation makes it so (gaps, overlaps)."""
-    return dense_order(x.shape, x.stride()) if x.layout == torch.strided else None
-
-
-def dense_order(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
-    """``address_order`` of a tensor of ``shape`` laid out with ``strides``."""
-    def dense(dims):  # are these dims' strides, in this order, a contiguous block's?
-        expected = 1
-        for d in reversed([d for d in dims if shape[d] != 1]):
-            if strides[d] != expected:
-                return False
-            expected *= shape[d]
-        return True
-
-    if 0 in shape or dense(range(len(shape))):
-        return None
-    order = tuple(sorted(range(len(shape)), key=lambda d: (-strides[d], d)))
-    return order if dense(order) else None
-
-
-def compact(x: torch.Tensor) -> torch.Tensor:
-    """What a jit's program reads of argument ``x``: a view of its memory, dense where its
-    elements fill a block of memory (NOTE [strided arguments])."""
-    x = _narrowed(x)
-    order = address_order(x)
-    return x if order is None else x.permute(order)
-
-
 def _strided_input(trace: Trace, x: torch.Tensor) -> TracerTensor:
     """The tracer of argument ``x``, whose graph input is ``compact(x)``, permuted back into
     ``x``'s dims and broadcast (NOTE [strided arguments])."""
     one = compact(x)
     tracer = trace.new_input(TensorType.of(one), *_input_layout(one))
-    order = address_order(_narrowed(x))
+    order = passed_order(x)
     if order is not None:
         tracer = trace.bind("transpose", tracer, permutation=inverse_permutation(order))
     if broadcast_dims(x):
@@ -210,32 +156,6 @@ def _written_as_passed(trace: Trace, tracer: TracerTensor, x: torch.Tensor):
     order = address_order(x)
     return trace.value_of(tracer if order is None else
                           trace.bind("transpose", tracer, permutation=order))
-
-
-def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
-    return tuple(order.index(d) for d in range(len(order)))
-
-
-def _narrowed(x: torch.Tensor) -> torch.Tensor:
-    for d in broadcast_dims(x):
-        x = x.narrow(d, 0, 1)
-    return x
-
-
-def passed(x: torch.Tensor) -> torch.Tensor:
-    """What a jit's program is given for argument ``x``: ``compact(x)`` where that is
-    another view of its memory (NOTE [strided arguments]); a tensor a torch.func transform
-    wraps (its memory is not its own layout's) as it is."""
-    if x.layout != torch.strided or x.is_contiguous() or \
-            torch._C._functorch.is_functorch_wrapped_tensor(x):
-        return x
-    return compact(x)
-
-
-def passed_order(x: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation of argument ``x``'s dims that ``passed`` gives its jit's program
-    (NOTE [strided arguments]), or None."""
-    return address_order(_narrowed(x)) if passed(x) is not x else None
 
 
 def _is_size(x) -> bool:
@@ -266,16 +186,18 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         read = module_state(module)
         structures.append(read.structure)
         state_tensors.append(read.tensors)
-    viewed = [i for i, p in enumerate(tensor_pos) if live and not isinstance(
-        leaves[p], TracerTensor) and passed(leaves[p]) is not leaves[p]]
+    given = [leaves[i] for i in tensor_pos] + [t for ts in state_tensors for t in ts]
+    viewed = {i for i, x in enumerate(given) if live and not isinstance(x, TracerTensor)
+              and passed(x) is not x}
     with tracing(trace):
         inputs = []
-        for x in [leaves[i] for i in tensor_pos] + [t for ts in state_tensors for t in ts]:
+        for x in given:
             where = "a function argument" if len(inputs) < len(tensor_pos) else \
                 "a module's parameter or buffer"
             check_dtype(x, where)
             refuse_dtensor(x, where)
-            # a state tensor's layout is keyed as dense or not (state.tensor_keys)
+            # a state tensor's layout is keyed as contiguous or not, and its strides where
+            # not (state.tensor_keys)
             layout = _input_layout(x) if len(inputs) < len(tensor_pos) else (is_dense(x), None)
             if len(inputs) in viewed:
                 inputs.append(_strided_input(trace, x))
@@ -283,8 +205,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
                 inputs.append(trace.new_input(TensorType.of(x), *layout))
         originals = [t._value for t in inputs]
         if live and evaluate is not None:
-            trace.arguments = [passed(leaves[i]) for i in tensor_pos] + [
-                t for ts in state_tensors for t in ts]
+            trace.arguments = list(map(passed, given))
             trace.evaluate = evaluate
         trace.live = {key: follow(roots[r], path)
                       for key, (r, path) in reachable.tensors.items()}
@@ -339,12 +260,12 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             else:
                 out_leaves.append(Static(leaf))
         mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]
-        if any(i in viewed and broadcast_dims(leaves[tensor_pos[i]]) for i in mutated):
+        if any(i in viewed and broadcast_dims(given[i]) for i in mutated):
             raise TraceError(
                 "the function writes into an argument that repeats its elements (stride 0, "
                 "made by expand), as eager refuses too: more than one element of it is one "
                 "memory location. Pass it cloned (x.clone()) or contiguous.")
-        outputs += [_written_as_passed(trace, inputs[i], leaves[tensor_pos[i]]) if i in viewed
+        outputs += [_written_as_passed(trace, inputs[i], given[i]) if i in viewed
                     else inputs[i]._value for i in mutated]
         for k, value in trace.captured_writes():  # captured inputs follow the arguments'
             mutated.append(len(inputs) + k)

@@ -57,6 +57,7 @@ import attrs
 import torch
 
 from ..errors import DistributedError, TraceError
+from .strided import passed
 from .trace import is_dense
 
 Path = tuple  # steps from a root: (True, attribute name) or (False, item key)
@@ -410,14 +411,17 @@ _DISPATCH, _PLAIN_DISPATCH = operator.attrgetter("__torch_dispatch__"), \
     torch.Tensor.__torch_dispatch__
 
 
-def tensor_keys(tensors: list[torch.Tensor]) -> tuple:
+def tensor_keys(tensors: list[torch.Tensor], contiguous: tuple[bool, ...]) -> tuple:
     """What compiling code for each of ``tensors`` depends on (``tensor_key``'s facts, with
-    density as contiguity and a zero offset), in sweeps of torch's own methods over the
-    list: the state's tensors are keyed at every call. Raises RuntimeError for a sparse one."""
-    return tuple(zip(map(_META, tensors), map(torch.Tensor.is_contiguous, tensors),
-                     map(operator.not_, map(torch.Tensor.storage_offset, tensors)),
-                     map(operator.is_, map(_DISPATCH, map(type, tensors)),
-                         itertools.repeat(_PLAIN_DISPATCH))))
+    density as contiguity, given, and a zero offset; the strides of those not contiguous:
+    NOTE [strided arguments]), in sweeps of torch's own methods over the list: the state's
+    tensors are keyed at every call. Raises RuntimeError for a sparse one."""
+    return (tuple(zip(map(_META, tensors), contiguous,
+                      map(operator.not_, map(torch.Tensor.storage_offset, tensors)),
+                      map(operator.is_, map(_DISPATCH, map(type, tensors)),
+                          itertools.repeat(_PLAIN_DISPATCH)))),
+            tuple(map(torch.Tensor.stride, itertools.compress(
+                tensors, map(operator.not_, contiguous)))))
 
 
 class _Same:
@@ -569,7 +573,8 @@ class State:
                                    repr=False)
 
     def read(self) -> tuple[tuple, list[torch.Tensor]] | None:
-        """(signature, tensors: the modules' then the lifted ones), or None where a path no
+        """(signature, tensors: the modules', those not contiguous as the views their
+        program reads (NOTE [strided arguments]), then the lifted ones), or None where a path no
         longer leads to a module or tensor, a tensor is sparse, or a baked tensor was written.
         A module tree whose dicts hold what they held at the last read is not walked again,
         and a signature equal to the last is that object (``Jitted`` then needs no hash)."""
@@ -592,6 +597,7 @@ class State:
                     tree = trees[i] = module_state(module)
                 structures.append(tree.structure)
                 tensors += tree.tensors
+            held = len(tensors)  # the modules' (NOTE [strided arguments]: passed as views)
             for r, path in self.tensors:
                 t = follow(self.roots[r], path)
                 if not isinstance(t, torch.Tensor):
@@ -602,7 +608,8 @@ class State:
             if not self.held.same():
                 return None
             values = self.values.read()  # 1, 1.0 and True trace differently: typed
-            signature = (tuple(structures), tensor_keys(tensors), tuple(values),
+            contiguous = tuple(map(torch.Tensor.is_contiguous, tensors))
+            signature = (tuple(structures), tensor_keys(tensors, contiguous), tuple(values),
                          tuple(map(type, values)))
         except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError):
             return None
@@ -612,6 +619,8 @@ class State:
         if signature == last:
             signature = last
         self._last.signature = signature
+        if not all(contiguous[:held]):
+            tensors = [passed(t) if i < held else t for i, t in enumerate(tensors)]
         return signature, tensors
 
 
