@@ -21,7 +21,7 @@ plait's against eager's (mean within four standard errors).
     .venv/bin/python benchmarks/suite.py [--device cpu|cuda] [--models A,B | --source timm]
         [--modes train,infer] [--dtypes float32,bfloat16,amp] [--columns eager,plait]
         [--slice I/N] [--csv FILE] [--fresh] [--size tiny|full] [--rounds N]
-        [--dropout-seeds N] [--report DIR]
+        [--dropout-seeds N] [--channels-last] [--report DIR]
 
 On the CPU the models are tiny (two layers, narrow widths, small images and sequences,
 batches of 2 sequences or 4 images); with ``--device cuda`` they are the harness's sizes and
@@ -29,7 +29,9 @@ batches (``--size`` picks either anywhere: tiny on CUDA checks the GPU's kernels
 suite quickly; ``--rounds 0`` leaves out the timing). Results are appended to the CSV a model at a time, and models already there are skipped, so a run can
 be resumed or split over several processes (``--slice 0/2``, ``--slice 1/2``);
 ``--report DIR`` writes the CSV's markdown table and a chart of plait's speed over
-torch.compile's per model.
+torch.compile's per model. ``--channels-last`` runs each model and its images in
+channels-last memory (``model.to(memory_format=torch.channels_last)``, as vision training
+scripts do), its rows named ``MODEL:channels_last``.
 """
 from __future__ import annotations
 
@@ -164,10 +166,15 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+CHANNELS_LAST = ":channels_last"  # the rows' model name, run in channels-last memory
+
+
 def run(name: str, mode: str, dtype: str, device: str, columns=COLUMNS, tiny: bool = True,
-        rounds: int = 3, repeat: int = 5, dropout_seeds: int = 0) -> list[Row]:
+        rounds: int = 3, repeat: int = 5, dropout_seeds: int = 0,
+        channels_last: bool = False) -> list[Row]:
     """One model's rows: every column's status, first call, step time, peak memory and
-    accuracy for ``mode`` at ``dtype`` (``rounds=0``: no timing, the accuracy alone)."""
+    accuracy for ``mode`` at ``dtype`` (``rounds=0``: no timing, the accuracy alone); with
+    ``channels_last``, the model's parameters and its 4-D inputs in that memory format."""
     import plait
 
     spec = SUITE[name]
@@ -176,6 +183,12 @@ def run(name: str, mode: str, dtype: str, device: str, columns=COLUMNS, tiny: bo
     base.train(mode == "train")
     generator = torch.Generator().manual_seed(0)
     inputs = spec.inputs(base, spec.tiny_batch if tiny else spec.batch, tiny, device, generator)
+    if channels_last:
+        base = base.to(memory_format=torch.channels_last)
+        inputs = {k: v.contiguous(memory_format=torch.channels_last)
+                  if isinstance(v, torch.Tensor) and v.ndim == 4 else v
+                  for k, v in inputs.items()}
+        name += CHANNELS_LAST
     dropout_base = copy.deepcopy(base) if dropout_seeds and mode == "train" else None
     without_dropout(base)
     torch._dynamo.reset()
@@ -430,6 +443,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dropout-seeds", type=int, default=0)
+    parser.add_argument("--channels-last", action="store_true",
+                        help="models and images in channels-last memory")
     parser.add_argument("--report", default=None, help="write the table and chart here")
     args = parser.parse_args()
 
@@ -445,26 +460,27 @@ def main() -> None:
     columns = tuple(args.columns.split(","))
     dtypes = (args.dtypes or ("float32" if args.device == "cpu" else "bfloat16")).split(",")
     done = {(r.model, r.mode, r.dtype) for r in read_rows(path)} if not args.fresh else set()
+    suffix = CHANNELS_LAST if args.channels_last else ""
     for name in names:
         for mode in args.modes.split(","):
             for dtype in dtypes:
-                if (name, mode, dtype) in done:
+                if (name + suffix, mode, dtype) in done:
                     continue
                 start = time.perf_counter()
                 try:
                     tiny = (args.size or ("tiny" if args.device == "cpu" else "full")) == "tiny"
                     rows = run(name, mode, dtype, args.device, columns, tiny, args.rounds,
-                               args.repeat, args.dropout_seeds)
+                               args.repeat, args.dropout_seeds, args.channels_last)
                 except Exception as e:  # noqa: BLE001 - building it, or its inputs
-                    rows = [Row(name, SUITE[name].source, mode, dtype, "eager", "fail",
+                    rows = [Row(name + suffix, SUITE[name].source, mode, dtype, "eager", "fail",
                                 f"{type(e).__name__}: {str(e)[:200]}")]
                 append_rows(path, rows)
                 cells = "  ".join(
                     f"{r.column} {r.status.upper()} ({r.reason[:80]})" if r.status != "pass"
                     else f"{r.column} {r.step_ms:.2f} ms" if args.rounds
                     else f"{r.column} pass" for r in rows)
-                print(f"{name} {mode} {dtype} [{time.perf_counter() - start:.0f} s]: {cells}",
-                      flush=True)
+                seconds = time.perf_counter() - start
+                print(f"{name}{suffix} {mode} {dtype} [{seconds:.0f} s]: {cells}", flush=True)
     if args.report:
         report(read_rows(path), args.report, args.device)
 

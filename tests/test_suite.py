@@ -43,3 +43,14 @@ def test_suite_model(name, mode):
             REFUSED[name, mode] in plait.reason, plait.reason
     else:
         assert plait.status == "pass", plait.reason
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+@pytest.mark.parametrize("name", ["timm_resnet50", "tv_convnext_tiny"])
+def test_suite_model_in_channels_last_memory(name, mode):
+    """A vision model as training scripts run it: parameters and images channels-last
+    (NOTE [strided arguments]: the weights are read where they lie)."""
+    eager, plait = suite.run(name, mode, "float32", "cpu", ("eager", "plait"), rounds=0,
+                             channels_last=True)
+    assert (eager.status, plait.status) == ("pass", "pass"), plait.reason
+    assert plait.model == name + suite.CHANNELS_LAST
