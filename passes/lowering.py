@@ -45,7 +45,8 @@ import torch
 from ..graph import Graph, TensorType, Value, rewrite
 from ..graph.types import contiguous_strides
 from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
-                           LoopProgram, Reduce, Store, loop_vars, walk)
+                           LoopProgram, Reduce, Store, children, loop_vars, walk,
+                           with_children)
 from ..tracer import collectives
 from ..tracer.primitives import ELEMENTWISE, SPECIAL_BINARY, SPECIAL_UNARY
 from ..tracer.registry import Impl, is_effectful
@@ -107,6 +108,15 @@ def _loops(shape, prefix: str):
 def _nodes(lazy) -> list:
     """The nodes of ``lazy``'s expression at a point."""
     return walk(lazy.at(loop_vars("x", lazy.type.ndim)))
+
+
+def _gathered(expr, i, gathered: tuple):
+    """``expr`` (at a point whose gathered coordinate is ``i``) with each load that reads
+    along ``i`` made indirect: ``i`` is the gather's position there."""
+    if isinstance(expr, Load):
+        return attrs.evolve(expr, indirect=gathered) \
+            if i in sympy.sympify(expr.index).free_symbols else expr
+    return with_children(expr, tuple(_gathered(c, i, gathered) for c in children(expr)))
 
 
 # kept: sympy's Min and Max simplify as they build (slow), and a model's blocks clamp alike
@@ -293,31 +303,38 @@ class _Lowering:
 
     def gather(self, n, node, x: Value, index: Value) -> Lazy:
         """torch.gather as an indirect load (NOTE [loop IR]): ``x``'s buffer (a reshape of a
-        buffer reads it as it is, and a lazy ``x`` that loads one buffer element, a slice of
-        it, reads it where that load does; another lazy ``x`` is stored first) at the
-        output's point with its ``dim`` coordinate replaced by the index operand's value
-        there."""
+        buffer reads it as it is, and a lazy ``x`` computed elementwise from loads, a slice
+        of a buffer or a biased product's result, reads those where they lie, ``_remap``;
+        another lazy ``x`` is stored first) at the output's point with its ``dim`` coordinate
+        replaced by the index operand's value there."""
         shape, dim, t = self.graph.type_of(x).shape, node.kwargs["dim"], node.out_types[0]
         position, (i,) = self.values[index], loop_vars("i", 1)
         source = self._buffer_view(x, "gather")[0]
-        remap = self._remap(self.values[x]) if source is None else None
+        remap = self._remap(self.values[x], dim) if source is None else None
         if source is None and remap is None:
             source = self.realize(x)
 
         def at(idx):
             point = (*idx[:dim], i, *idx[dim + 1:])
-            read = remap(point) if remap else Load(source, flat(point, shape), t.dtype)
-            return attrs.evolve(read, indirect=((position.at(idx), shape[dim]),))
+            gathered = ((position.at(idx), shape[dim]),)
+            if remap:
+                return _gathered(remap(point), i, gathered)
+            return Load(source, flat(point, shape), t.dtype, indirect=gathered)
 
         return Lazy(t, at, origins=_origins(n, [position]))
 
-    def _remap(self, lazy: Lazy):
-        """For a lazy value that reads one buffer element per point and computes nothing
-        (a slice or another view of a buffer), its load at a point; else None."""
+    def _remap(self, lazy: Lazy, dim: int):
+        """For a lazy value computed elementwise from loads (a slice or another view of a
+        buffer, a product's result plus its bias), its expression at a point, which a gather
+        along ``dim`` reads at the gathered points alone; else None (a reduction, a load that
+        is indirect already, an index value that varies along ``dim``)."""
         if self.held(lazy):
             return None
-        probe = lazy.at(loop_vars("x", lazy.type.ndim))
-        if not isinstance(probe, Load) or probe.indirect:
+        point = loop_vars("x", lazy.type.ndim)
+        nodes = walk(lazy.at(point))
+        if any(isinstance(e, Reduce) or isinstance(e, Load) and e.indirect
+               or isinstance(e, IndexValue) and point[dim] in e.expr.free_symbols
+               for e in nodes):
             return None
         return lazy.at
 
