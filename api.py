@@ -332,7 +332,8 @@ class _Compiled:
             kept = [t for i, t in enumerate(tensors) if i not in self._donated] \
                 if self._donated else tensors
             results = _written_back(self._run(tensors), tensors, self._mutated, kept)
-        leaves = [results[x] if isinstance(x, int) else x.value for x in self._out_leaves]
+        leaves = [results[x] if isinstance(x, int) else x.leaf(results)
+                  for x in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_tree)
 
 
@@ -570,6 +571,7 @@ class Jitted:
                              " are both static and donated; only tensor arguments can be "
                              "donated. Drop them from donate_argnums or static_argnums.")
         self.backend = backend
+        self.eager_layouts = True  # NOTE [eager's layouts of results] (tracer/function.py)
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._latest = (None, None, None)  # the last call's key, state signature and entry
         self._states: dict = {}  # argument signature -> the state its last trace read
@@ -638,6 +640,7 @@ class Jitted:
         # the traced modules' parameters are tracers meanwhile (NOTE [threads])
         with collector_paused(), STATE_LOCK:
             traced = trace_function(self.fn, leaves, tree, live=True,
+                                    eager_layouts=self.eager_layouts,
                                     evaluate=lambda graph, tensors: eager_program(graph)(tensors))
         stages.record("traced", traced.graph, time.perf_counter() - start)
         lowered = Lowered(traced, backend, donated, stages)
@@ -901,7 +904,9 @@ def make_graph(fn: Callable, static_argnums: Sequence[int] | int = ()):
     """``make_graph(fn)(*args)`` returns the (simplified) primitive graph of ``fn`` on args."""
 
     def build(*args, **kwargs) -> Graph:
-        return Jitted(fn, static_argnums).lower(*args, **kwargs).graph
+        jitted = Jitted(fn, static_argnums)
+        jitted.eager_layouts = False  # its outputs are fn's results, not their layouts
+        return jitted.lower(*args, **kwargs).graph
 
     return build
 

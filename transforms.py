@@ -171,7 +171,8 @@ class _Traced:
 
     def outputs(self, values: Sequence[Any]):
         """The function's result structure, filled with graph output ``values``."""
-        leaves = [values[x] if isinstance(x, int) else x.value for x in self.traced.out_leaves]
+        leaves = [values[x] if isinstance(x, int) else x.leaf(values)
+                  for x in self.traced.out_leaves]
         return pytree.tree_unflatten(leaves, self.traced.out_tree)
 
     def structure(self):
@@ -475,8 +476,11 @@ def _vjp_of_call(call, primals: list, main, cotangents, tree):
     # what the call's program was given (NOTE [strided arguments])
     tensors = [p if o is None else p.permute(o) for p, o in zip(primals, orders)] + state
     graph = traced.graph
-    slots = [traced.out_leaves[k] for k in range(len(pytree.tree_leaves(main)))]
-    cts = _cotangent_leaves(main, cotangents, [graph.output_types[k].shape for k in slots])
+    leaves = [traced.out_leaves[k] for k in range(len(pytree.tree_leaves(main)))]
+    cts = _cotangent_leaves(main, cotangents, [x.shape for x in pytree.tree_leaves(main)])
+    # a result returned permuted (NOTE [eager's layouts of results]) seeds its graph output
+    slots = [x if isinstance(x, int) else x.index for x in leaves]
+    cts = [ct if isinstance(x, int) else x.unpermuted(ct) for x, ct in zip(leaves, cts)]
     summed: dict = {}  # an output returned several times gets the sum of its cotangents
     for k, ct in zip(slots, cts):
         summed[k] = ct if k not in summed else summed[k] + ct

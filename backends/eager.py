@@ -58,6 +58,8 @@ def compile_graph(graph: Graph) -> Callable[[Sequence[torch.Tensor]], list[torch
                 env[outs[0]] = result
             for s in dead:
                 env[s] = None
-        return [env[s] for s in out_slots]
+        # torch's views keep their strides; a graph's values are dense in their dims' order
+        # (the call lays results out as eager does: NOTE [eager's layouts of results])
+        return [env[s].contiguous() for s in out_slots]
 
     return run

@@ -1011,6 +1011,79 @@ def test_a_channels_last_models_weights_are_read_where_they_lie(backend):
     assert jitted.trace_count == 3  # training, inference, and contiguous weights
 
 
+# -- eager's layouts of results (NOTE [eager's layouts of results]) --------------------------
+PERMUTED_RESULTS = {
+    "transpose of an argument": lambda a: a.t(),
+    "transpose of a product": lambda a: (a * 2).t(),
+    "permuted, then added to": lambda a: a.reshape(3, 2, 2).permute(2, 0, 1) + 1,
+    "two, one permuted": lambda a: (a.sin(), a.cos().t()),
+    # eager copies where .contiguous() meets another layout, though tracers report theirs
+    # contiguous (these come back contiguous, and transposed)
+    "a transpose made contiguous": lambda a: a.t().contiguous(),
+    "made contiguous, transposed back": lambda a: (a.t() * 2).contiguous().t(),
+    "channels-last made contiguous": lambda a: a.reshape(1, 3, 2, 2).contiguous(
+        memory_format=torch.channels_last).contiguous() + 1,
+}
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpp", "triton"])
+@pytest.mark.parametrize("name", PERMUTED_RESULTS)
+def test_a_result_eager_lays_out_permuted_comes_back_with_eagers_strides(name, backend):
+    f, a = PERMUTED_RESULTS[name], torch.randn(3, 4)
+    got, want = plait.jit(f, backend=backend)(a), f(a)
+    for g, w in zip(*map(torch.utils._pytree.tree_leaves, (got, want))):
+        assert_close(g, w)
+        assert g.stride() == w.stride()
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpp"])
+def test_a_transposed_argument_comes_back_as_a_view_of_it(backend):
+    a = torch.randn(3, 4)
+    got = plait.jit(lambda a: a.t(), backend=backend)(a)
+    assert got.data_ptr() == a.data_ptr() and got.stride() == (1, 4)
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpp"])
+@pytest.mark.parametrize("layout", ["all", "none"])
+def test_a_channels_last_convolutions_result_is_channels_last(layout, backend):
+    """As eager's: and with the convolutions channels-last in the graph, the result is the
+    convolution's output as it lies (no transpose copies it back and forth). Its gradients
+    flow back through the view."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    image = torch.randn(2, 3, 10, 10).to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+    with plait.config.patch(channels_last=layout):
+        jitted = plait.jit(model, backend=backend)
+        got, want = jitted(image), reference(image)
+        assert got.stride() == want.stride() and got.is_contiguous(
+            memory_format=torch.channels_last)
+        assert_close(got, want, atol=1e-5, rtol=1e-5)
+        (got * torch.arange(4.).view(4, 1, 1)).sum().backward()
+        (want * torch.arange(4.).view(4, 1, 1)).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+        if layout == "all":
+            with torch.no_grad():
+                graph = jitted.lower(image).graph
+            # the image and the weights are read where they lie, and the result is
+            # computed where it lies: only weights, biases and constants are transposed
+            assert graph.output_types[0].shape == (2, 6, 6, 4)
+            moved = [graph.operands(n)[0].node for n in graph.order
+                     if graph.node(n).prim == "transpose"]
+            assert {graph.node(n).prim for n in moved} <= {"input", "broadcast_in_dim", "full"}
+
+
+def test_vjp_fn_of_a_permuted_result_called_inside_a_trace():
+    """torch.func's vjp_fn, given a cotangent of the result's shape, inside vmap."""
+    f, x = (lambda x: (x * x).t()), torch.randn(3, 4)
+    cts = torch.randn(5, 4, 3)
+    got = plait.vmap(plait.vjp(f, x)[1])(cts)
+    want = torch.func.vmap(torch.func.vjp(f, x)[1])(cts)
+    assert_close(got, want)
+
+
 # -- branches on values (NOTE [value guards]) ------------------------------------------------
 def test_a_branch_on_a_bool_of_the_arguments_compiles_each_branch_once():
     def f(x, mask):

@@ -16,8 +16,11 @@ def prim_count(graph: Graph, prim: str) -> int:
 
 
 def _traced(fn, *args) -> Graph:
-    """The graph as traced, before any pass."""
-    return plait.jit(fn).lower(*args).traced_graph
+    """The graph as traced, before any pass, its outputs ``fn``'s results as they are (not in
+    eager's layouts: NOTE [eager's layouts of results])."""
+    jitted = plait.jit(fn)
+    jitted.eager_layouts = False
+    return jitted.lower(*args).traced_graph
 
 
 def _run(graph: Graph, *inputs):

@@ -25,8 +25,8 @@ from ..graph.types import contiguous_strides
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
 from . import randomness as _randomness  # noqa: F401  (refuses seeding while tracing)
-from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback,
-                    bind, current_trace)
+from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback, _meta_with,
+                    bind, current_trace, unwrap_functional)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -932,6 +932,24 @@ def eager_layout(x) -> tuple | None:
     if known is None and isinstance(x, TracerTensor) and x._origin is not None:
         return x._origin.layout()
     return known
+
+
+def _contiguous(x, memory_format=torch.contiguous_format):
+    """``Tensor.contiguous``: torch returns the tensor itself where it is laid out so
+    already, which a tracer's report always says; where eager's layout is another, eager
+    copies, and so does this, so that eager's layout of what follows is derived from the
+    copy's (NOTE [eager's layouts of results] in tracer/function.py)."""
+    tracer = unwrap_functional(x)
+    if not isinstance(tracer, TracerTensor):
+        return NotImplemented
+    layout = eager_layout(tracer)
+    if layout is None or _meta_with(type_of(tracer), layout).is_contiguous(
+            memory_format=memory_format):
+        return NotImplemented
+    return x.clone(memory_format=memory_format)
+
+
+FUNCTION_HANDLERS[torch.Tensor.contiguous] = _contiguous
 
 
 def _carry_layout(out: TracerTensor, x, view) -> TracerTensor:

@@ -12,13 +12,13 @@ from torch.utils import _pytree as pytree
 from ..errors import (ConcretizationError, OpError, PlaitError, TraceError,
                       UnsupportedOpError)
 from ..graph import Graph, TensorType
-from . import aten as _aten  # noqa: F401  (registers the handlers)
+from .aten import eager_layout  # (importing tracer/aten.py registers the handlers)
 from . import collectives as _collectives  # noqa: F401
 from .custom import traceable_apply
 from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
-from .strided import (address_order, broadcast_dims, compact, inverse_permutation,
-                      passed, passed_order)
+from .strided import (address_order, broadcast_dims, compact, dense_order,
+                      inverse_permutation, passed, passed_order)
 from .state import (State, bindings, follow, layout_key, module_state, reach,
                     refuse_dtensor, slot_guards)
 from .trace import (Trace, TracerTensor, captured_write_error, check_dtype, is_dense,
@@ -31,6 +31,27 @@ class Static:
 
     value: Any
 
+    def leaf(self, results: list[torch.Tensor]) -> Any:
+        return self.value
+
+
+@attrs.frozen
+class Permuted:
+    """A result leaf that eager lays out as a permutation of its dims (a channels-last
+    image, a transpose): the graph computes it in the order of eager's addresses, and the
+    call returns that output permuted back, a view with eager's strides (NOTE [eager's
+    layouts of results])."""
+
+    index: int  # of the graph output
+    permutation: tuple[int, ...]
+
+    def leaf(self, results: list[torch.Tensor]) -> torch.Tensor:
+        return results[self.index].permute(self.permutation)
+
+    def unpermuted(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, of the leaf's shape, in its graph output's order."""
+        return t.permute(inverse_permutation(self.permutation))
+
 
 @attrs.frozen
 class TracedFunction:
@@ -39,7 +60,8 @@ class TracedFunction:
     Graph outputs are the tensor leaves of the result, in ``out_tree`` order, followed by the
     new values of the inputs the function mutated (``mutated_inputs`` indexes tensor inputs).
     ``out_leaves`` holds each result leaf: an int (position among graph outputs) for a tensor
-    leaf, or ``Static(value)`` for a non-tensor leaf returned as is.
+    leaf, ``Permuted`` for one returned as a permuted view of its graph output, or
+    ``Static(value)`` for a non-tensor leaf returned as is (``leaf(results)`` for both).
     """
 
     graph: Graph
@@ -150,6 +172,28 @@ def _strided_input(trace: Trace, x: torch.Tensor) -> TracerTensor:
     return tracer
 
 
+# NOTE [eager's layouts of results]
+# A graph value is a dense block in the order of its dims, while eager lays a result out as
+# its ops do: a convolution of a channels-last image is channels-last, ``x.t()`` is a
+# transpose. A jit's call returns what eager returns where eager's layout is the dense
+# block of some order of the dims: the graph's output is the result transposed into that
+# order (which simplification cancels against a layout pass's transpose back, so a
+# channels-last convolution's output is written once, where it lies) and the call permutes
+# it back, a view with eager's strides. Eager's layout is derived from the ops that made the
+# result (``eager_layout``: meta kernels along the chain), which is eager's as long as the
+# ops dispatched are eager's: ``Tensor.contiguous()``, which torch skips for a tracer (it
+# reports itself contiguous), copies where eager's layout is another (tracer/aten.py). A
+# transpose of an argument comes back as a view of it, as eager's; a result with gaps or an
+# offset (a slice) comes back contiguous, a new tensor.
+def _eager_order(tracer: TracerTensor) -> tuple[int, ...] | None:
+    """The order of ``tracer``'s dims by eager's addresses where that is not theirs and its
+    elements fill a block (NOTE [eager's layouts of results]), else None."""
+    if tracer.ndim < 2 or tracer.numel() < 2:
+        return None
+    layout = eager_layout(tracer)
+    return None if layout is None else dense_order(tracer.shape, layout[0])
+
+
 def _written_as_passed(trace: Trace, tracer: TracerTensor, x: torch.Tensor):
     """The value written into argument ``x`` (``tracer``'s now), as its graph input holds it:
     in the order of its addresses (NOTE [strided arguments])."""
@@ -163,7 +207,8 @@ def _is_size(x) -> bool:
 
 
 def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec,
-                   live: bool = False, evaluate: Callable | None = None) -> TracedFunction:
+                   live: bool = False, evaluate: Callable | None = None,
+                   eager_layouts: bool = False) -> TracedFunction:
     """Trace ``fn(*args, **kwargs)`` where ``(args, kwargs) = unflatten(leaves, in_tree)``.
 
     Tensor leaves become graph inputs (in order); ``Static`` leaves are passed unwrapped.
@@ -172,7 +217,9 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     captures (its modules' parameters and buffers,
     then the other captured tensors it reads) becomes further inputs (NOTE [live state]),
     and with ``evaluate`` too (``evaluate(graph, tensors) -> outputs``), a branch on a bool
-    computed from the call's tensors takes the branch they take (NOTE [value guards]).
+    computed from the call's tensors takes the branch they take (NOTE [value guards]). With
+    ``eager_layouts``, a result eager lays out permuted is output in that order (NOTE
+    [eager's layouts of results]).
     """
     trace, fn = Trace(), _traceable(fn)
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -255,8 +302,14 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         outputs, out_leaves = [], []
         for leaf in raw_leaves:
             if isinstance(leaf, torch.Tensor):
-                out_leaves.append(len(outputs))
-                outputs.append(trace.value_of(next(results)))
+                tracer = next(results)
+                order = _eager_order(tracer) if eager_layouts else None
+                if order is None:
+                    out_leaves.append(len(outputs))
+                else:
+                    out_leaves.append(Permuted(len(outputs), inverse_permutation(order)))
+                    tracer = trace.bind("transpose", tracer, permutation=order)
+                outputs.append(trace.value_of(tracer))
             else:
                 out_leaves.append(Static(leaf))
         mutated = [i for i, (t, v) in enumerate(zip(inputs, originals)) if t._value != v]
