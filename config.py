@@ -12,6 +12,7 @@ import logging
 import os
 
 import attrs
+import torch
 
 
 def _env(name: str, default, convert):
@@ -137,6 +138,17 @@ class Config:
     # Not in the cache key: it changes no generated code, only how kernels are launched.
     triton_autotune: bool = attrs.field(factory=lambda: _env("triton_autotune", False,
                                                              _to_bool))
+    # NOTE [deterministic programs]: a compiled program computes bitwise the same results in
+    # every run and process, where the kernels torch runs for it do too. Generated code does
+    # (no atomics; every kernel's reduction order is fixed by its code and launch
+    # configuration, chosen by rule from the shapes), so what varies from run to run is a
+    # choice made by timing: autotuning keeps its timing of kernels whose launch
+    # configuration changes no result (elementwise ones) and launches every reduction with
+    # the rule's configuration. torch's kernels (a scatter-add, an attention's backward)
+    # follow ``torch.use_deterministic_algorithms(True)``, which turns this on as well: set
+    # that for bitwise-reproducible training (benchmarks/determinism.py checks the suite).
+    # Read at each call, like ``triton_autotune``.
+    deterministic: bool = attrs.field(factory=lambda: _env("deterministic", False, _to_bool))
     # A compiled program on a CUDA device replays its launches as one CUDA graph from its third
     # call (NOTE [CUDA graphs], backends/cuda_graphs.py). Read at each call.
     cuda_graphs: bool = attrs.field(factory=lambda: _env("cuda_graphs", True, _to_bool))
@@ -210,3 +222,8 @@ class _Patch(contextlib.ContextDecorator):
 
 
 config = Config()
+
+
+def deterministic() -> bool:
+    """Are programs to compute bitwise-reproducible results (NOTE [deterministic programs])?"""
+    return config.deterministic or torch.are_deterministic_algorithms_enabled()

@@ -89,7 +89,7 @@ from collections.abc import Iterator, Sequence
 import sympy
 import torch
 
-from ..config import config
+from ..config import config, deterministic
 from ..errors import BackendError
 from ..graph.loops import (
     Apply,
@@ -1196,8 +1196,8 @@ class CompiledProgram(codegen.CompiledProgram):
             tensors = [env[s] for s in args]
             if w.checks_error:  # NOTE [kernel errors]
                 tensors.append(self._error_flag(device))
-            if not config.triton_autotune:
-                fn[grid](*tensors, **options)
+            if not config.triton_autotune or w.row_kernel and deterministic():
+                fn[grid](*tensors, **options)  # NOTE [deterministic programs]
             else:
                 if device not in tuned:
                     best = self._tuned(w, fn, tensors, written, device)

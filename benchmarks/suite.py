@@ -344,13 +344,18 @@ def read_rows(path: str) -> list[Row]:
 
 
 def append_rows(path: str, rows: list[Row]) -> None:
+    append_csv(path, [dataclasses.asdict(r) for r in rows], FIELDS)
+
+
+def append_csv(path: str, rows: list[dict], fields=None) -> None:
+    """Append ``rows`` to the CSV file ``path``, its header first where the file is new."""
     new = not os.path.exists(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS)
+        writer = csv.DictWriter(f, fields or list(rows[0]))
         if new:
             writer.writeheader()
-        writer.writerows(dataclasses.asdict(r) for r in rows)
+        writer.writerows(rows)
 
 
 def _geomean(values):

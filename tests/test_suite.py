@@ -54,3 +54,23 @@ def test_suite_model_in_channels_last_memory(name, mode):
                              channels_last=True)
     assert (eager.status, plait.status) == ("pass", "pass"), plait.reason
     assert plait.model == name + suite.CHANNELS_LAST
+
+
+def test_training_is_bitwise_reproducible_across_processes():
+    """benchmarks/determinism.py on the CPU: two processes, three steps each, one hash of
+    the loss and of every gradient per step (NOTE [deterministic programs])."""
+    import subprocess
+
+    import determinism
+
+    script = os.path.join(os.path.dirname(suite.__file__), "determinism.py")
+    done = subprocess.run([sys.executable, script, "--models", "DistilBertForMaskedLM",
+                           "--columns", "plait", "--processes", "2"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["DistilBertForMaskedLM", "plait", "reproducible"]
+    # and a difference is found where there is one
+    same = [{"loss": "a", "w": "b"}] * 3
+    assert determinism.verdict([same, same]) == "reproducible"
+    assert determinism.verdict([same, same[:2] + [{"loss": "a", "w": "c"}]]) == \
+        "differs: process 1 step 2: w"

@@ -3,6 +3,7 @@ LoopPrograms (pointwise, persistent and looped reductions, externs, buffers), ev
 the interpreter's op set, plait.jit end to end with kernel counts, and an OpInfo sweep."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -539,6 +540,45 @@ def test_autotuning_keeps_the_fastest_launch_and_remembers_it(case, tmp_path, mo
         again = plait.jit(lambda *a: fn(*a), backend="triton")
         torch.testing.assert_close(again(*args), fn(*args))
         torch.testing.assert_close(jit(*args), fn(*args))
+
+
+@pytest.mark.parametrize("how", ["config", "torch"])
+def test_deterministic_autotuning_times_only_what_changes_no_result(how, tmp_path,
+                                                                   monkeypatch):
+    """NOTE [deterministic programs]: a reduction's launch configuration sets the order it
+    sums in, so it keeps the rule's; an elementwise kernel is still tuned. Set by
+    ``config.deterministic`` or by torch's own switch."""
+    timed = []
+
+    def fake_time(launch, device):
+        timed.append(launch)
+        launch()
+        return 1000 - len(timed)  # each candidate "faster" than the one before
+
+    monkeypatch.setattr(triton_backend, "time_launch", fake_time)
+    x, y = torch.randn(6, 300), torch.randn(40, 7)  # (apart: not fused into one kernel)
+    fn = lambda x, y: (torch.exp(y) * 2, torch.log_softmax(x, -1))  # noqa: E731
+    deterministic = plait.config.patch(deterministic=True) if how == "config" else \
+        _torch_deterministic()
+    with plait.config.patch(triton_autotune=True, cache_dir=str(tmp_path)), deterministic:
+        jit = plait.jit(fn, backend="triton")
+        for got, want in zip(jit(x, y), fn(x, y)):
+            torch.testing.assert_close(got, want)
+        compiled = jit.lower(x, y).compiled
+        tuned = json.loads(pathlib.Path(compiled._tuning_path).read_text())
+        rows = [w.name for w in compiled.writers.values() if w.row_kernel]
+        elementwise = [w for w in compiled.writers.values() if not w.row_kernel]
+        assert rows and elementwise and not any(f"{n} on interpreter" in tuned for n in rows)
+        assert tuned == {f"{w.name} on interpreter": w.candidates()[-1] for w in elementwise}
+
+
+@contextlib.contextmanager
+def _torch_deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_autotuning_reads_past_a_damaged_file(tmp_path, monkeypatch):
