@@ -131,16 +131,23 @@ def check_pool(device) -> dict:
     return pool
 
 
-def main():
-    args = parse_args()
-    warnings.simplefilter("ignore", FutureWarning)
+def init_ranks() -> tuple[int, int, torch.device]:
+    """This rank's process group (NCCL on GPUs, else gloo): its rank, the world size and
+    its device."""
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else \
         torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def main():
+    args = parse_args()
+    warnings.simplefilter("ignore", FutureWarning)
+    rank, world, device = init_ranks()
+    cuda = device.type == "cuda"
     plait.distributed.enable_symmetric_memory()
     pool = check_pool(device)
     if cuda:
