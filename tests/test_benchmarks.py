@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -14,6 +15,7 @@ def _python() -> str:
     return venv_python if os.path.exists(venv_python) else sys.executable
 
 
+@pytest.mark.slow  # the whole script, its C++ builds and timings included: most of a minute
 def test_benchmark_script_runs():
     # --quick: small shapes and 2 repetitions; two cases of (c) and (d) keep it well under 30 s
     # (one plain function, and the training step, which goes through plait.grad_and_value).
