@@ -4,6 +4,7 @@ model, in one process, each step timed the same way.
     python benchmarks/profile_step.py --model gpt --blocks 12 --dtype bfloat16   # on a GPU
     python benchmarks/profile_step.py --model resnet
     python benchmarks/profile_step.py --suite GPT2LMHeadModel --dtype bfloat16
+    python benchmarks/profile_step.py --suite timm_resnet50 --mode infer --channels-last
     .venv/bin/python benchmarks/profile_step.py --model gpt --device cpu --blocks 2
 
 Per compiler: the step (median of CUDA-event timings over batches of steps), the host time
@@ -106,25 +107,29 @@ def zoo_steps(args, device, dtype):
 
 
 def suite_steps(args, device, dtype):
-    """A model of the suite (``benchmarks/suite_models.py``), trained as ``suite.py`` trains
-    it, at its full size on a GPU and its tiny one on the CPU."""
-    from suite import Step, without_dropout
+    """A model of the suite (``benchmarks/suite_models.py``), trained (or run, ``--mode
+    infer``) as ``suite.py`` runs it, at its full size on a GPU and its tiny one on the CPU,
+    in channels-last memory with ``--channels-last``."""
+    from suite import Step, in_channels_last, without_dropout
     from suite_models import SUITE
 
     spec, tiny = SUITE[args.suite], device != "cuda"
     torch.manual_seed(0)
     base = spec.build(tiny).to(device)
+    base.train(args.mode == "train")
     without_dropout(base)
     inputs = spec.inputs(base, spec.tiny_batch if tiny else spec.batch, tiny, device,
                          torch.Generator().manual_seed(0))
-    steps, jitted = {}, {}
-    for label in ("eager", "torch.compile", "plait"):
-        step = Step(copy.deepcopy(base), label, "train", args.dtype, inputs, device)
-        steps[label] = step
-        if label == "plait":
-            jitted["plait"] = step.run
-    return (f"{args.suite} training step, {dtype}, {device}", steps,
-            lambda: autograd_programs(jitted["plait"]))
+    if args.channels_last:
+        base, inputs = in_channels_last(base, inputs)
+    steps = {label: Step(copy.deepcopy(base), label, args.mode, args.dtype, inputs, device)
+             for label in ("eager", "torch.compile", "plait")}
+    jitted = steps["plait"].run
+    what = "training step" if args.mode == "train" else "inference"
+    layout = ", channels-last" if args.channels_last else ""
+    return (f"{args.suite} {what}, {dtype}{layout}, {device}", steps,
+            lambda: autograd_programs(jitted) if args.mode == "train" else
+            [compiled.lowered for compiled in jitted.jitted._cache.values()])
 
 
 def autograd_programs(module) -> list:
@@ -153,6 +158,10 @@ def main() -> None:
                                                            "resnet", "convnext"))
     parser.add_argument("--suite", metavar="NAME", help="a model of benchmarks/suite.py's "
                         "suite instead (trained as the suite trains it)")
+    parser.add_argument("--mode", default="train", choices=("train", "infer"),
+                        help="--suite's: a training step, or inference under no_grad")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="--suite's model and images in channels-last memory")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--blocks", type=int, default=1)

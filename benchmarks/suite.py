@@ -170,6 +170,14 @@ def _sync(device):
 CHANNELS_LAST = ":channels_last"  # the rows' model name, run in channels-last memory
 
 
+def in_channels_last(module, inputs: dict):
+    """``module`` and its 4-D inputs in channels-last memory, as vision training scripts
+    run them."""
+    return module.to(memory_format=torch.channels_last), {
+        k: v.contiguous(memory_format=torch.channels_last)
+        if isinstance(v, torch.Tensor) and v.ndim == 4 else v for k, v in inputs.items()}
+
+
 def run(name: str, mode: str, dtype: str, device: str, columns=COLUMNS, tiny: bool = True,
         rounds: int = 3, repeat: int = 5, dropout_seeds: int = 0,
         channels_last: bool = False) -> list[Row]:
@@ -185,10 +193,7 @@ def run(name: str, mode: str, dtype: str, device: str, columns=COLUMNS, tiny: bo
     generator = torch.Generator().manual_seed(0)
     inputs = spec.inputs(base, spec.tiny_batch if tiny else spec.batch, tiny, device, generator)
     if channels_last:
-        base = base.to(memory_format=torch.channels_last)
-        inputs = {k: v.contiguous(memory_format=torch.channels_last)
-                  if isinstance(v, torch.Tensor) and v.ndim == 4 else v
-                  for k, v in inputs.items()}
+        base, inputs = in_channels_last(base, inputs)
         name += CHANNELS_LAST
     dropout_base = copy.deepcopy(base) if dropout_seeds and mode == "train" else None
     without_dropout(base)
