@@ -86,6 +86,9 @@ class Config:
     # stored [batch, rows, heads, head dim], as CUDA's kernels do (NOTE [attention in the
     # kernels' layout], passes/attention.py).
     attention_layout: str = attrs.field(factory=lambda: _env("attention_layout", "cuda", str))
+    # On which devices (all, cuda or none) a matrix product's bias that only library calls
+    # read is added by the product's library call (NOTE [bias epilogues], passes/epilogues.py).
+    bias_epilogues: str = attrs.field(factory=lambda: _env("bias_epilogues", "cuda", str))
     # Constant folding evaluates nodes whose result has at most this many elements.
     fold_max_numel: int = attrs.field(factory=lambda: _env("fold_max_numel", 4096, int))
     # ATen ops with no decomposition run as opaque nodes that call torch; False raises instead.

@@ -470,7 +470,7 @@ def _sub_programs(k, buffers, compile_body) -> list | None:
     whose wrapper is native and writes every output into memory of its caller's; or None.
     ``compile_body(graph)``: a body compiled by this backend (None: none is)."""
     if compile_body is None or _prim(k) not in BODIES or k.fenced or any(
-            m != "reshape" for v in k.fn.views for m, _ in v):
+            m != "reshape" for v in k.fn.views for m, *_ in v):
         return None
     runners = [compile_body(dict(k.params)[name]).runner for name in BODIES[_prim(k)]]
     if not all(isinstance(r.wrapper, NativeWrapper) and r.wrapper.loopable for r in runners):
@@ -504,8 +504,8 @@ def _view_of(k: Extern, j: int | None, t) -> tuple[tuple, tuple, int]:
     ``t``) as its implementation views it (``Impl.views``); of an output (``j`` None), its
     buffer's."""
     x = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-    for method, arg in (k.fn.views[j] if j is not None and k.fn.views else ()):
-        x = getattr(x, method)(arg)
+    for method, *args in (k.fn.views[j] if j is not None and k.fn.views else ()):
+        x = getattr(x, method)(*args)
     return tuple(x.shape), tuple(x.stride()), x.storage_offset()
 
 

@@ -110,6 +110,7 @@ SPLIT = Stage("split", "autodiff.split")
 
 LOOP_STAGES = (
     Stage("inline", "lowering.inline_checkpoints"),
+    Stage("epilogues", "epilogues.bias_epilogues", reads={"devices": "bias_epilogues"}),
     Stage("lower", "lowering.lower",
           target=("supported_ops", "supported_dtypes", "comm_buffers")),
     Stage("index", "indexing.simplify_indices"),

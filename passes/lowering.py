@@ -129,6 +129,10 @@ def _clamp(e, n):
 _CONV_KERNELS = {"conv": 1, "conv_backward": 2}
 
 
+# the views attention reads in place (as tensor methods: reshape, permute, narrow)
+_STRIDED_VIEWS = frozenset(("reshape", "transpose", "slice"))
+
+
 def _reads_transposed(extern: str, permutation, operand: int) -> bool:
     """Does the extern read its ``operand`` transposed by ``permutation`` as it is (a view
     of its buffer, not a copy)? BLAS reads any transpose; the attention library's fused
@@ -400,8 +404,10 @@ class _Lowering:
         reshaped for a batched product; an embedding's layer norm, reshaped for the first
         products and added back after the attention)."""
         steps, views = [], []
-        for prim, method, param in (("transpose", "permute", "permutation"),
-                                    ("reshape", "reshape", "shape")):
+        if extern == "attention":
+            v = self._strided_view(v, steps, views)
+        for prim, method, param in () if steps else (("transpose", "permute", "permutation"),
+                                                     ("reshape", "reshape", "shape")):
             node = self.graph.node(v.node)
             if node.prim == prim and (prim == "reshape" or
                                       _reads_transposed(extern, node.kwargs[param], operand)):
@@ -418,6 +424,36 @@ class _Lowering:
                     node, args, node.out_types[0]), origins=_origins(view.node, args))
         source = self.values[v]
         return (source.buffer, tuple(steps)) if steps and self.held(source) else (None, ())
+
+    def _strided_view(self, v: Value, steps: list, views: list) -> Value:
+        """What attention's operand ``v`` views through reshapes, transposes and slices
+        (the heads of a fused qkv projection, NOTE [bias epilogues]), the chain's steps put
+        in ``steps`` and its values in ``views`` where the view keeps the last dim's unit
+        stride (as attention's fused kernels need); else ``v``, nothing put."""
+        chain, values, source = [], [], v
+        while (node := self.graph.node(source.node)).prim in _STRIDED_VIEWS:
+            params, (operand,) = node.kwargs, self.graph.operands(source.node)
+            if node.prim == "slice":
+                if any(step != 1 for step in params["step"]):
+                    break
+                chain[:0] = [("narrow", d, a, b - a) for d, (a, b, n) in enumerate(zip(
+                    params["start"], params["limit"], self.graph.type_of(operand).shape))
+                    if (a, b) != (0, n)]
+            else:
+                chain.insert(0, ("reshape", params["shape"]) if node.prim == "reshape" else
+                             ("permute", params["permutation"]))
+            values.insert(0, source)
+            source = operand
+        if not chain:
+            return v
+        view = torch.empty(self.graph.type_of(source).shape, device="meta")
+        for method, *args in chain:
+            view = getattr(view, method)(*args)
+        if view.ndim and view.stride(-1) != 1:
+            return v
+        steps += chain
+        views += values
+        return source
 
     def reduction(self, n, node, x: Lazy, out: Value, fenced: bool):
         t = node.out_types[0]

@@ -785,6 +785,24 @@ def _dot_general_impl(lhs, rhs, *, contracting, batch):
 define("dot_general", _dot_general_infer, _dot_general_impl)
 
 
+def _dot_bias_infer(lhs, rhs, bias, *, contracting, batch):
+    (t,) = _dot_general_infer(lhs, rhs, contracting=contracting, batch=batch)
+    _check(not batch[0] and t.ndim == 2 and bias.shape == t.shape[1:] and bias.dtype == t.dtype,
+           "dot_bias", "expected a matrix product and a bias of its columns", lhs, rhs, bias)
+    return (t,)
+
+
+def _dot_bias_impl(lhs, rhs, bias, *, contracting, batch):
+    (lc, rc), _ = contracting, batch
+    return torch.addmm(bias, lhs if lc == (1,) else lhs.t(), rhs if rc == (0,) else rhs.t())
+
+
+# A matrix product with a bias added to each row, in one library call (its epilogue adds
+# it): made by lowering's ``bias_epilogues`` (NOTE [bias epilogues]), never traced, so it
+# has no transform rules.
+define("dot_bias", _dot_bias_infer, _dot_bias_impl)
+
+
 @vjp_rule("dot_general")
 def _dot_general_vjp(cts, lhs, rhs, *, outs, contracting, batch):
     """Each operand's cotangent is itself a dot_general: the output cotangent contracted with

@@ -49,14 +49,14 @@ class Impl:
     """``prim``'s eager implementation by name, always returning a tuple: what a compiled
     program calls for an extern (a name, not a closure, so programs pickle: NOTE [program
     cache]). Each operand first becomes the view of it that its steps in ``views`` make
-    (``((tensor method, argument), ...)``, one tuple per operand, or none at all)."""
+    (``((tensor method, *arguments), ...)``, one tuple per operand, or none at all)."""
 
     prim: str
     views: tuple = ()
 
     def __call__(self, *tensors, **params):
         prim = PRIMITIVES[self.prim]
-        tensors = [functools.reduce(lambda t, step: getattr(t, step[0])(step[1]), steps, t)
+        tensors = [functools.reduce(lambda t, step: getattr(t, step[0])(*step[1:]), steps, t)
                    for t, steps in zip(tensors, self.views)] or tensors
         out = prim.impl(*tensors, **params)
         return tuple(out) if prim.multiple_results else (out,)
