@@ -863,12 +863,15 @@ def test_as_strided_on_an_intermediate_eager_lays_out_otherwise_is_refused():
 
 def test_as_strided_sees_eager_layouts_through_a_conversion_naming_its_device():
     """``x.to(device=..., dtype=...)`` (Longformer's mask) reaches ATen as a ``_to_copy``
-    given a device, whose meta kernel cannot run there: its layout is derived on fake
-    tensors of that device."""
+    given a device, which would copy a meta tensor there: its layout is derived on the meta
+    device, where it is the same (the transposed product keeps its strides through it)."""
     f = lambda x: (x * 2).to(device=x.device, dtype=torch.float64).as_strided(  # noqa: E731
+        (3, 2), (1, 3))
+    g = lambda x: (x.t() * 2).to(device=x.device, dtype=torch.float32).t().as_strided(  # noqa
         (3, 2), (1, 3))
     x = torch.randn(2, 3)
     assert_close(plait.jit(f)(x), f(x))
+    assert_close(plait.jit(g)(x.double()), g(x.double()))
 
 
 def test_as_strided_on_a_convolution_of_a_channels_last_image_is_refused():

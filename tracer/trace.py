@@ -898,15 +898,14 @@ class Origin:
         try:
             with _disable_current_modes(), torch.no_grad():
                 # a convolution's layout depends on the device's kernel, which meta tensors
-                # do not name, and an op given a device (``x.to(torch.int32)``'s _to_copy)
-                # would copy a meta tensor there: they run on fake tensors of the operands'
-                # devices
-                fake = FakeTensorMode() if self.func in _CHOSEN_BY_DEVICE or \
-                    self.kwargs.get("device") is not None else None
+                # do not name: it runs on fake tensors of the operands' devices
+                fake = FakeTensorMode() if self.func in _CHOSEN_BY_DEVICE else None
                 metas = {id(o): _meta_with(o.type, layout, fake)
                          for o, layout in zip(operands, layouts)}
                 args, kwargs = pytree.tree_map_only(_Operand, lambda o: metas[id(o)],
                                                     (self.args, self.kwargs))
+                if fake is None and kwargs.get("device") is not None:  # (x.to(device=...)):
+                    kwargs["device"] = "meta"  # a copy's layout is the same on every device
                 with fake or contextlib.nullcontext():
                     out = self.func(*args, **kwargs)
         except Exception:  # noqa: BLE001 - no meta kernel: the layout stays unknown
