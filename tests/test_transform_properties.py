@@ -13,7 +13,6 @@ are derandomized, so each run checks the same stacks.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import pytest
@@ -361,11 +360,7 @@ def _inputs(shapes, seed):
 # ---------------------------------------------------------------------------------------
 # The property
 # ---------------------------------------------------------------------------------------
-@settings(max_examples=500 if os.environ.get("CI") else 60, deadline=None, derandomize=True,
-          database=None, suppress_health_check=[HealthCheck.too_slow,
-                                                HealthCheck.function_scoped_fixture])
-@given(stack=stacks(), seed=st.integers(0, 2 ** 16), jit=st.booleans())
-def test_a_stack_of_transforms_matches_torch_func(stack, seed, jit):
+def _matches_torch_func(stack, seed, jit):
     name, layers, shapes = stack
     fn = POOL[name][0]
     args = _inputs(shapes, seed)
@@ -379,3 +374,13 @@ def test_a_stack_of_transforms_matches_torch_func(stack, seed, jit):
             ours(*args)
         return
     assert_close(ours(*args), want)
+
+
+_PROPERTY = dict(deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+_STACKS = given(stack=stacks(), seed=st.integers(0, 2 ** 16), jit=st.booleans())
+# 60 stacks in every run, 500 in the slow tier (three minutes on two cores)
+test_a_stack_of_transforms_matches_torch_func = settings(max_examples=60, **_PROPERTY)(
+    _STACKS(_matches_torch_func))
+test_500_stacks_of_transforms_match_torch_func = pytest.mark.slow(settings(
+    max_examples=500, **_PROPERTY)(_STACKS(_matches_torch_func)))
