@@ -381,6 +381,7 @@ print(plait.jit(lambda x: (x * 3.5).exp(), backend="cpp")(torch.ones(3)).tolist(
 """
 
 
+@pytest.mark.slow  # builds its library twice in processes of their own
 def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path):
     """A library cut short past its ELF header loads and then faults (SIGBUS) when a page
     past its end is touched: its length and digest are checked first, by the library cache

@@ -550,7 +550,8 @@ def test_group_norm_errors_are_plait_errors():
             randn(2, 6, 2))
 
 
-@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+@pytest.mark.parametrize("cls", [pytest.param(torch.nn.LSTM, marks=pytest.mark.slow),  # 15 s
+                                 pytest.param(torch.nn.GRU, marks=pytest.mark.slow), torch.nn.RNN])
 def test_recurrent_layers_grad_and_jit_match_torch_func(cls):
     """Their C++ composites write into views of tensors they just made (the gates of a
     step): a rebind, since no other alias of those is alive (``TracerTensor._aliases``)."""

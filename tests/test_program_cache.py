@@ -84,6 +84,7 @@ def _processes(cache_dir, n: int) -> list[dict]:
     return [json.loads(out.splitlines()[-1]) for out, _ in outs]
 
 
+@pytest.mark.slow  # fresh processes import torch and compile: most of a minute
 def test_a_new_process_compiles_nothing_it_compiled_before(tmp_path):
     # two processes compiling one function at once both succeed (atomic writes); which of
     # them finds the other's program already written is up to the scheduler

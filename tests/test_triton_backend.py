@@ -708,7 +708,8 @@ def test_large_batch_statistics_take_one_pass(monkeypatch):
 
 @pytest.mark.parametrize("fn, x", [
     (lambda x: x.argmax(0), torch.randn(4096, 3)),         # an index, not a combinable value
-    (lambda x: x.sum(1), torch.randn(4096, 4096 // 64)),   # outputs enough to fill a GPU
+    pytest.param(lambda x: x.sum(1), torch.randn(4096, 4096 // 64),  # outputs enough to fill
+                 marks=pytest.mark.slow),  # a GPU (18 s in the interpreter)
     (lambda x: x.sum(0), torch.randn(512, 3)),             # rows too short to pay
 ])
 def test_reductions_that_stay_whole(fn, x):
