@@ -4,11 +4,11 @@ NOTE [bias epilogues]
 A linear layer traces as a product and an add of its bias broadcast over the rows (torch's
 addmm decomposition). Where an elementwise kernel reads the sum (an activation, a residual,
 a layer norm), lowering inlines the add into that kernel at no cost. Where only library
-calls read it (the q, k and v projections attention reads), the add is a kernel of its own:
-one more pass over the product's memory, where cuBLAS adds the bias as it writes the
-product (its epilogue). ViT-B/16's inference made 36 such kernels, biasing and cutting out
+calls read it (the q, k and v projections attention reads, a product's operand), the add is
+a kernel of its own: one more pass over the product's memory, where cuBLAS adds the bias as
+it writes the product (its epilogue). ViT-B/16's inference made 36 such kernels, biasing and cutting out
 the heads of its fused qkv projection, 0.40 ms of a 6 ms step on an H200 (torch.compile
-calls addmm). So a sum whose every reader is attention or another product, through
+calls addmm). So a sum whose every reader is another product, or attention through
 reshapes, transposes and slices alone, becomes one ``dot_bias`` (``torch.addmm``), and
 lowering hands attention its heads as views of that result (``_buffer_view``). A sum that
 the program returns, or that a training step's forward saves for its backward, stays an
@@ -25,12 +25,8 @@ import torch
 
 from ..config import device_kinds
 from ..graph import Graph, Value, rewrite
+from .lowering import STRIDED_VIEWS
 from .simplify import dce
-
-# what may read a sum for its add to go into the product's epilogue: the views lowering
-# hands a library as views of its buffer, and the library calls that read them
-_VIEWS = frozenset(("reshape", "transpose", "slice"))
-_LIBRARIES = frozenset(("attention", "dot_general"))
 
 
 def _unconverted(graph: Graph, v: Value, dtype: torch.dtype | None) -> Value | None:
@@ -45,9 +41,9 @@ def _unconverted(graph: Graph, v: Value, dtype: torch.dtype | None) -> Value | N
 
 
 def _product_and_bias(graph: Graph, n: int) -> tuple[Value, Value, Value, int] | None:
-    """(lhs, rhs, bias, the product's node) where node ``n`` adds a bias broadcast over the rows of a 2-D
-    product that nothing else reads, in the product's dtype (or in a wider one, converted
-    back: ``n`` is then the convert); else None."""
+    """(lhs, rhs, bias, the product's node) where node ``n`` adds a bias broadcast over the
+    rows of a 2-D product that nothing else reads, in the product's dtype (or in a wider one,
+    converted back: ``n`` is then the convert); else None."""
     node, add, narrow = graph.node(n), n, None
     if node.prim == "convert":
         (v,) = graph.operands(n)
@@ -73,7 +69,9 @@ def _product_and_bias(graph: Graph, n: int) -> tuple[Value, Value, Value, int] |
 
 
 def _read_by_libraries(graph: Graph, n: int, outputs: set[int]) -> bool:
-    """Do only library calls read node ``n``'s value, through views that no output is?"""
+    """Do only library calls read node ``n``'s value where it lies: another product, or
+    attention through the views lowering hands it in place (``STRIDED_VIEWS``) that no
+    output is?"""
     stack = [n]
     while stack:
         m = stack.pop()
@@ -81,9 +79,9 @@ def _read_by_libraries(graph: Graph, n: int, outputs: set[int]) -> bool:
             return False
         for user in graph.users(m):
             prim = graph.node(user).prim
-            if prim in _VIEWS:
+            if prim in STRIDED_VIEWS:
                 stack.append(user)
-            elif prim not in _LIBRARIES:
+            elif not (prim == "attention" or prim == "dot_general" and m == n):
                 return False
     return True
 

@@ -130,7 +130,7 @@ _CONV_KERNELS = {"conv": 1, "conv_backward": 2}
 
 
 # the views attention reads in place (as tensor methods: reshape, permute, narrow)
-_STRIDED_VIEWS = frozenset(("reshape", "transpose", "slice"))
+STRIDED_VIEWS = frozenset(("reshape", "transpose", "slice"))
 
 
 def _reads_transposed(extern: str, permutation, operand: int) -> bool:
@@ -406,14 +406,15 @@ class _Lowering:
         steps, views = [], []
         if extern == "attention":
             v = self._strided_view(v, steps, views)
-        for prim, method, param in () if steps else (("transpose", "permute", "permutation"),
-                                                     ("reshape", "reshape", "shape")):
-            node = self.graph.node(v.node)
-            if node.prim == prim and (prim == "reshape" or
-                                      _reads_transposed(extern, node.kwargs[param], operand)):
-                steps.insert(0, (method, node.kwargs[param]))
-                views.insert(0, v)
-                (v,) = self.graph.operands(v.node)
+        if not steps:
+            for prim, method, param in (("transpose", "permute", "permutation"),
+                                        ("reshape", "reshape", "shape")):
+                node = self.graph.node(v.node)
+                if node.prim == prim and (prim == "reshape" or _reads_transposed(
+                        extern, node.kwargs[param], operand)):
+                    steps.insert(0, (method, node.kwargs[param]))
+                    views.insert(0, v)
+                    (v,) = self.graph.operands(v.node)
         if steps and not self.held(self.values[v]) and (v in self.returned
                                                          or self.uses.get(v, 0) > 1):
             self.realize(v)
@@ -431,7 +432,7 @@ class _Lowering:
         in ``steps`` and its values in ``views`` where the view keeps the last dim's unit
         stride (as attention's fused kernels need); else ``v``, nothing put."""
         chain, values, source = [], [], v
-        while (node := self.graph.node(source.node)).prim in _STRIDED_VIEWS:
+        while (node := self.graph.node(source.node)).prim in STRIDED_VIEWS:
             params, (operand,) = node.kwargs, self.graph.operands(source.node)
             if node.prim == "slice":
                 if any(step != 1 for step in params["step"]):

@@ -63,6 +63,15 @@ def test_attention_reads_its_heads_where_the_product_and_its_bias_wrote_them(
     assert_close(got, want, atol=1e-6 if dtype == torch.float32 else 0, rtol=1e-6)
 
 
+def test_a_sum_another_product_reads_is_added_by_its_product(monkeypatch):
+    monkeypatch.setattr(plait.config, "bias_epilogues", "all")
+    x, w2 = torch.randn(32, 64), torch.randn(16, 192)
+    f = lambda x: F.linear(F.linear(x, W.t(), B), w2)  # noqa: E731
+    externs = [k.fn.prim for k in _program(f, x).kernels if isinstance(k, Extern)]
+    assert externs == ["dot_bias", "dot_general"]
+    assert_close(plait.jit(f, backend="cpp")(x), f(x))
+
+
 def test_a_sum_read_by_anything_else_keeps_its_add(monkeypatch):
     """An output, an elementwise reader or a product read twice: the add stays (an
     elementwise kernel writes it anyway), and a training step's forward, which saves the

@@ -768,11 +768,17 @@ def _dot_general_infer(lhs, rhs, *, contracting, batch):
     return (TensorType([lhs.shape[i] for i in lb] + free_l + free_r, lhs.dtype, lhs.device),)
 
 
+def _matrices(lhs, rhs, contracting) -> tuple:
+    """The [M, K] and [K, N] operands of a matrix product (transposed views, for BLAS)."""
+    (lc, rc) = contracting
+    return lhs if lc == (1,) else lhs.t(), rhs if rc == (0,) else rhs.t()
+
+
 def _dot_general_impl(lhs, rhs, *, contracting, batch):
     """Batch dims first, then lhs free dims, then rhs free dims (as jax.lax.dot_general)."""
     (lc, rc), (lb, rb) = contracting, batch
     if not lb and lhs.ndim == rhs.ndim == 2 and len(lc) == 1:  # a matrix product: BLAS
-        return torch.mm(lhs if lc == (1,) else lhs.t(), rhs if rc == (0,) else rhs.t())
+        return torch.mm(*_matrices(lhs, rhs, contracting))
     lf = [i for i in range(lhs.ndim) if i not in lc + lb]
     rf = [i for i in range(rhs.ndim) if i not in rc + rb]
     size = lambda t, dims: math.prod(t.shape[d] for d in dims)
@@ -793,8 +799,7 @@ def _dot_bias_infer(lhs, rhs, bias, *, contracting, batch):
 
 
 def _dot_bias_impl(lhs, rhs, bias, *, contracting, batch):
-    (lc, rc), _ = contracting, batch
-    return torch.addmm(bias, lhs if lc == (1,) else lhs.t(), rhs if rc == (0,) else rhs.t())
+    return torch.addmm(bias, *_matrices(lhs, rhs, contracting))
 
 
 # A matrix product with a bias added to each row, in one library call (its epilogue adds
