@@ -36,7 +36,7 @@ from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.strided import passed
 from .tracer.state import STATE_LOCK, tensor_key
-from .tracer.trace import no_dynamo_import, tracing_active
+from .tracer.trace import foreign_mode_active, no_dynamo_import, tracing_active
 
 _cache_log = logging.getLogger("plait.cache")
 
@@ -650,8 +650,7 @@ class Jitted:
     def __call__(self, *args, **kwargs):
         if tracing_active():  # inside another jit or a transform: traced into its graph, as
             return self.fn(*args, **kwargs)  # JAX inlines a nested jit (its kernels ran on tracers)
-        if torch._C._len_torch_dispatch_stack() or \
-                torch._C._functorch.peek_interpreter_stack() is not None:
+        if foreign_mode_active():
             return self._interpreted(args, kwargs)
         leaves, tree, tensors, key, backend = self._key(args, kwargs)
         # an argument not contiguous passes the view of its memory it reads (NOTE [strided

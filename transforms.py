@@ -30,7 +30,8 @@ from .passes import autodiff
 from .tracer.interpret import inline
 from .tracer import trace_function
 from .tracer.strided import broadcast_dims, inverse_permutation, passed_order
-from .tracer.trace import TracerTensor, bind, current_trace, on_tracers, tracing_active
+from .tracer.trace import (TracerTensor, bind, current_trace, foreign_mode_active, on_tracers,
+                           tracing_active)
 
 
 def vjp_graph(graph, wrt: Sequence[int]):
@@ -419,8 +420,9 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool):
         last, [t._version for t in leaves + last[1]], [passed_order(x) for x in leaves])
     recording: list = []  # vjp_fn as a jitted function of the primals, made once
 
-    def vjp_fn(cotangents, *, retain_graph: bool = True, create_graph: bool = False):
-        """The cotangents of the primals (``retain_graph`` is always so: call it again).
+    def vjp_fn(cotangents, retain_graph: bool = True, create_graph: bool | None = None):
+        """The cotangents of the primals (``retain_graph`` is always so: call it again;
+        ``create_graph`` only where nothing is recorded, so that it changes nothing).
         Called inside a trace (``vmap(vjp_fn)``, ``vjp(vjp_fn, ...)``), the graph of the
         call is differentiated there, at the tensors that call read. Made under no_grad on
         primals that require grad and called with grad mode on, its results are recorded by
@@ -428,14 +430,18 @@ def _recorded_vjp(func: Callable, primals: tuple, has_aux: bool):
         if tracing_active():
             _check_unwritten(call, leaves)
             return _vjp_of_call(call, leaves, main, cotangents, tree)
-        if not tracked and call is not None and torch.is_grad_enabled() and any(
-                x.requires_grad for x in flat):
+        recorded_by_torch = not tracked and torch.is_grad_enabled() and any(
+            x.requires_grad for x in flat)
+        if call is not None and (recorded_by_torch or foreign_mode_active()):
+            # a dispatch mode (make_fx) or torch.func transform sees the jitted vjp's ops
             _check_unwritten(call, flat)
             if not recording:
                 recording.append(jit(lambda primals, cts: _vjp_of_call(
                     call, primals, main, cts, tree)))
             return recording[0](list(flat), cotangents)
-        if create_graph:
+        if create_graph and (tracked or any(
+                isinstance(c, torch.Tensor) and c.requires_grad
+                for c in pytree.tree_leaves(cotangents))):
             raise TraceError("vjp_fn(create_graph=True) is not supported; take higher "
                              "derivatives by composing plait's transforms, e.g. "
                              "plait.vjp(lambda x: plait.vjp(f, x)[1](ct), x).")

@@ -778,6 +778,25 @@ def test_make_fx_and_fake_tensors_see_the_graphs_torch_ops():
     assert out.shape == (4,) and type(out).__name__ == "FakeTensor"
 
 
+def test_make_fx_and_torch_func_see_a_vjp_fns_ops():
+    """vjp_fn called under make_fx or a torch.func transform runs the call's backward op by
+    op (a compiled backward made the result a constant of the first cotangent), and takes
+    torch.func's retain_graph and create_graph positionally."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        return (x.sin() * x).sum()
+
+    x = torch.randn(3)
+    _, vjp_fn = plait.vjp(f, x)
+    _, expected_fn = torch.func.vjp(f, x)
+    traced = make_fx(vjp_fn)(torch.randn(()), True, True)
+    for ct in torch.randn(2):
+        assert_close(traced(ct, True, True), expected_fn(ct))
+    cts = torch.randn(4)
+    assert_close(torch.func.vmap(vjp_fn)(cts), torch.func.vmap(expected_fn)(cts))
+
+
 @pytest.mark.parametrize("transform", ["vmap", "grad", "jvp", "functionalize", "jacrev"])
 def test_torch_func_transforms_of_a_jitted_function(transform):
     """Under a torch.func transform the arguments are wrapped tensors with no storage a

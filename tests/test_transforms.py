@@ -527,8 +527,10 @@ def test_torch_func_options_work_or_are_refused_as_torch_func_does():
     assert_close(plait.vmap(f, chunk_size=2)(xs), torch.func.vmap(f, chunk_size=2)(xs))
     out, fn = plait.vjp(f, x)
     assert_close(fn(t, retain_graph=True), torch.func.vjp(f, x)[1](t))
+    assert_close(fn(t, True, True), torch.func.vjp(f, x)[1](t))  # nothing to record
     with pytest.raises(TraceError, match="create_graph"):
-        fn(t, create_graph=True)
+        fn(t.requires_grad_(), create_graph=True)
+    t = t.detach()
     (want_out, want_fn), (got_out, got_fn) = torch.func.linearize(f, x), plait.linearize(f, x)
     assert_close(got_out, want_out)
     assert_close(got_fn(t), want_fn(t))

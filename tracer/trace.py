@@ -176,6 +176,13 @@ def tracing_active() -> bool:
     return bool(_THREAD.traces)
 
 
+def foreign_mode_active() -> bool:
+    """Is a dispatch mode (``make_fx``, ``FakeTensorMode``) or a torch.func transform other
+    than plait's on? What records ops must then see torch ops, not compiled kernels."""
+    return bool(torch._C._len_torch_dispatch_stack()) or \
+        torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def current_trace(func=None) -> "Trace":
     if not _THREAD.traces:
         raise TraceError(f"a traced tensor was used outside of its trace (op {func}): a tracer "
