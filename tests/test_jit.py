@@ -1043,6 +1043,23 @@ def test_a_channels_last_models_weights_are_read_where_they_lie(backend):
     assert jitted.trace_count == 3  # training, inference, and contiguous weights
 
 
+def test_a_parameter_given_other_data_in_place_is_keyed_again():
+    """The same Parameter object with new data of another layout, offset or shape: the
+    keys of the module's tensors, checked natively at each call, see it (NOTE [native
+    tensor checks])."""
+    model = torch.nn.Linear(4, 3)
+    jitted = plait.jit(model, backend="cpp")
+    x = torch.randn(2, 4)
+    for data in (torch.randn(3, 4), torch.randn(4, 3).t(), torch.randn(20)[2:14].view(3, 4),
+                 torch.randn(3, 4), torch.randn(5, 4)):
+        model.weight.data = data
+        if data.shape[0] == 5:
+            model.bias.data = torch.randn(5)
+        with torch.no_grad():
+            assert_close(jitted(x), model(x))
+    assert jitted.trace_count == 4  # the second contiguous weight is the first's signature
+
+
 # -- eager's layouts of results (NOTE [eager's layouts of results]) --------------------------
 PERMUTED_RESULTS = {
     "transpose of an argument": lambda a: a.t(),

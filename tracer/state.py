@@ -424,6 +424,55 @@ def tensor_keys(tensors: list[torch.Tensor], contiguous: tuple[bool, ...]) -> tu
                 tensors, map(operator.not_, contiguous)))))
 
 
+# NOTE [native tensor checks]
+# A module's state is keyed at every call (``tensor_keys``: hundreds of parameters, a
+# microsecond each in Python, more than a CUDA graph's replay takes to launch). The last
+# keys are kept with torch's own C++ check of tensors (dynamo's ``TensorGuards``: dispatch
+# keys, dtype, device, requires_grad, sizes and strides), which tells in a tenth of the time
+# that another list of tensors has those keys too: what ``tensor_key`` depends on is all
+# in it but the storage offset's being 0, compared besides. It checks more than the keys
+# hold (requires_grad of every tensor, the thread's dispatch state), so a failed check
+# only keys the tensors again. A torch without it keys every call.
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - torch without dynamo's guards
+    _TensorGuards = None
+
+
+@attrs.frozen
+class KeyedTensors:
+    """``tensor_keys`` of a list of tensors, their contiguity, and the native check that
+    another list has the same keys (NOTE [native tensor checks])."""
+
+    keys: tuple
+    contiguous: tuple[bool, ...]
+    at_zero: tuple[bool, ...]  # storage offset 0
+    check: Callable | None
+
+    @staticmethod
+    def of(tensors: list[torch.Tensor]) -> "KeyedTensors":
+        contiguous = tuple(map(torch.Tensor.is_contiguous, tensors))
+        keys = tensor_keys(tensors, contiguous)
+        check = None
+        if _TensorGuards is not None:
+            try:
+                # every size and stride as it is (a None there would leave it unchecked)
+                check = _TensorGuards(*tensors, dynamic_dims_sizes=[
+                    list(t.shape) for t in tensors], dynamic_dims_strides=[
+                    list(t.stride()) for t in tensors]).check
+            except Exception:  # noqa: BLE001 - another torch's signature: key every call
+                check = None
+        return KeyedTensors(keys, contiguous, _at_zero(tensors), check)
+
+    def holds(self, tensors: list[torch.Tensor]) -> bool:
+        return self.check is not None and len(tensors) == len(self.contiguous) and \
+            self.check(*tensors) and _at_zero(tensors) == self.at_zero
+
+
+def _at_zero(tensors: list[torch.Tensor]) -> tuple[bool, ...]:
+    return tuple(map(operator.not_, map(torch.Tensor.storage_offset, tensors)))
+
+
 class _Same:
     """A module attribute plait cannot compare by value (a function, a config object, a
     list), held in a structure by identity: another object there retraces. Holding it keeps
@@ -608,8 +657,11 @@ class State:
             if not self.held.same():
                 return None
             values = self.values.read()  # 1, 1.0 and True trace differently: typed
-            contiguous = tuple(map(torch.Tensor.is_contiguous, tensors))
-            signature = (tuple(structures), tensor_keys(tensors, contiguous), tuple(values),
+            keyed = self._last.keyed  # once: another thread may set it meanwhile
+            if keyed is None or not keyed.holds(tensors):
+                keyed = self._last.keyed = KeyedTensors.of(tensors)
+            contiguous = keyed.contiguous
+            signature = (tuple(structures), keyed.keys, tuple(values),
                          tuple(map(type, values)))
         except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError):
             return None
@@ -620,15 +672,19 @@ class State:
             signature = last
         self._last.signature = signature
         if not all(contiguous[:held]):
-            tensors = [passed(t) if i < held else t for i, t in enumerate(tensors)]
+            tensors = list(tensors)
+            for i in itertools.compress(range(held), map(operator.not_, contiguous)):
+                tensors[i] = passed(tensors[i])
         return signature, tensors
 
 
 class _LastRead:
-    """``State.read``'s memo: each module root's state as last read, and the signature."""
+    """``State.read``'s memo: each module root's state as last read, the keys of the tensors
+    read and the signature."""
 
-    __slots__ = ("trees", "signature")
+    __slots__ = ("trees", "keyed", "signature")
 
     def __init__(self):
         self.trees: dict[int, ModuleState] = {}
+        self.keyed: KeyedTensors | None = None
         self.signature: tuple | None = None

@@ -2,6 +2,7 @@
 (NOTE [strided arguments]), for its arguments and its captured state alike."""
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -44,8 +45,9 @@ def address_order(x: torch.Tensor) -> tuple[int, ...] | None:
     return dense_order(x.shape, x.stride()) if x.layout == torch.strided else None
 
 
+@functools.lru_cache(maxsize=4096)  # asked at every call for each argument not contiguous
 def dense_order(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
-    """``address_order`` of a tensor of ``shape`` laid out with ``strides``."""
+    """``address_order`` of a tensor of ``shape`` laid out with ``strides`` (hashable)."""
     def dense(dims):  # are these dims' strides, in this order, a contiguous block's?
         expected = 1
         for d in reversed([d for d in dims if shape[d] != 1]):
