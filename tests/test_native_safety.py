@@ -492,10 +492,10 @@ def test_programs_match_eager_and_never_crash():
 
 @pytest.mark.slow
 def test_many_generated_programs_match_eager_and_never_crash():
-    """1500 generated programs, in two processes at once (one per core)."""
+    """2000 generated programs, in two processes at once (one per core)."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda seed: run_isolated(["--runtime", "--generated", str(seed), "750"],
-                                                timeout=3000), (2, 752)))
+        list(pool.map(lambda seed: run_isolated(["--runtime", "--generated", str(seed), "1000"],
+                                                timeout=3600), (2, 1002)))
 
 
 # ---------------------------------------------------------------------------------------
