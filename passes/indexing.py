@@ -11,7 +11,9 @@ bounds every subexpression by interval arithmetic, bottom up:
   Mod(a, n)  -> a            when 0 <= a < n
   floor(a)   -> k            when a lies in [k, k + 1)
   floor(a/n) with a = g*q + b, 0 <= b < g, g | n (q an integer expression) -> floor(q/(n/g))
-  c*Mod(a, n) + c*n*floor(a/n)  -> c*a
+  floor(floor(a)/n)  -> floor(a/n)   (n a positive integer)
+  c*Mod(a, n) + c*n*floor(a/n)  -> c*a, as often as it applies (a position split into
+                                   three or more parts: each join makes the next one's)
   Min/Max    -> the operands that can win
   a < b, ... -> true/false   when the bounds decide it
 
@@ -125,9 +127,11 @@ def _rule(e, bound):
         lo, hi = bound(e.args[0])
         if lo.is_finite and hi.is_finite and math.floor(lo) == math.floor(hi):
             return sympy.Integer(math.floor(lo))
-        return _floor_of_sum(e.args[0], bound) or e
+        return _floor_of_floor(e.args[0]) or _floor_of_sum(e.args[0], bound) or e
     elif isinstance(e, sympy.Add):
-        return _mod_and_floor(e) or e
+        while isinstance(e, sympy.Add) and (joined := _mod_and_floor(e)) is not None:
+            e = joined
+        return e
     elif isinstance(e, (sympy.Min, sympy.Max)):
         low, high = {a: bound(a)[0] for a in e.args}, {a: bound(a)[1] for a in e.args}
         if isinstance(e, sympy.Min):  # an operand that some other one never exceeds loses
@@ -168,6 +172,19 @@ def _floor_of_sum(arg, bound):
     return None
 
 
+def _floor_of_floor(arg):
+    """floor(floor(a)/n) -> floor(a/n) for a positive integer n (sympy keeps both floors)."""
+    c, inner = arg.as_coeff_Mul()
+    if isinstance(inner, sympy.floor) and c.is_Rational and c.p == 1 and c.q > 1:
+        return sympy.floor(inner.args[0] / c.q)
+    return None
+
+
+def _floor_div(a, n):
+    """floor(a/n), a nested floor flattened (as ``_floor_of_floor``)."""
+    return sympy.floor(a.args[0] / n) if isinstance(a, sympy.floor) else sympy.floor(a / n)
+
+
 def _mod_and_floor(e):
     """c*Mod(a, n) + c*n*floor(a/n) -> c*a: a position split into a row and a column
     and joined again (a reshape of a reshape)."""
@@ -177,7 +194,7 @@ def _mod_and_floor(e):
         if not isinstance(mod, sympy.Mod):
             continue
         a, n = mod.args
-        partner = c * n * sympy.floor(a / n)
+        partner = c * n * _floor_div(a, n)
         if partner in terms:
             terms.remove(partner)
             terms[terms.index(t)] = c * a

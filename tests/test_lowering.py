@@ -153,6 +153,10 @@ def test_index_simplification_keeps_every_value_and_undoes_split_positions():
         (sympy.floor((x - 4 * r + 40) / 8), {x: 4, r: 10}),
         (3 * sympy.Mod(x + r, 5) + 15 * sympy.floor((x + r) / 5), {x: 7, r: 9}),
         (sympy.floor((6 * x + 2 * r + 1) / 12), {x: 5, r: 3}),
+        # a row of [N*H*W, C] split into n, h, w and joined again (ConvNeXt's MLP)
+        (r + 3 * sympy.Mod(x, 4) + 12 * sympy.Mod(sympy.floor(x / 4), 5)
+         + 60 * sympy.floor(x / 20), {x: 60, r: 3}),
+        (sympy.floor(sympy.floor(x / 3) / 4), {x: 40, r: 1}),
     ]
     for expr, ranges in cases:
         got = simplify(expr, ranges)
@@ -162,6 +166,8 @@ def test_index_simplification_keeps_every_value_and_undoes_split_positions():
     assert simplify(cases[0][0], cases[0][1]) == x + 12 * r
     assert simplify(cases[1][0], cases[1][1]) == sympy.floor(r / 2)
     assert simplify(cases[4][0], cases[4][1]) == 3 * x + 3 * r
+    assert simplify(cases[6][0], cases[6][1]) == 3 * x + r
+    assert simplify(cases[7][0], cases[7][1]) == sympy.floor(x / 12)
 
 
 def test_a_gather_repeated_by_a_broadcast_is_stored_once():

@@ -87,6 +87,23 @@ def test_layer_norm_after_matmul_reuses_the_matmul_output():
             (x.numel() + w.numel() + 2 * 32 * 64) * 4
 
 
+def test_an_activation_of_a_product_over_image_rows_reuses_the_product_output():
+    """ConvNeXt's MLP: a product over the rows of an [N, H, W, C] image, whose activation
+    reads it through the reshapes back and forth; the index joins again (NOTE [index
+    simplification]), so the activation is written in place of the product."""
+    def f(x, w1, w2):
+        h = torch.nn.functional.gelu(x.permute(0, 2, 3, 1) @ w1)
+        return (h @ w2).permute(0, 3, 1, 2) + x
+
+    x, w1, w2 = torch.randn(2, 8, 5, 6), torch.randn(8, 32), torch.randn(32, 8)
+    lowered = plait.jit(f, backend="cpp").lower(x, w1, w2)
+    prog = lowered.compiled.program
+    first, _ = [k for k in prog.kernels if isinstance(k, Extern)]
+    gelu = [k for k in prog.kernels if isinstance(k, Kernel) and first.outputs[0] in k.reads]
+    assert (gelu[0].writes[0], first.outputs[0]) in lowered.memory["inplace"]
+    torch.testing.assert_close(plait.jit(f, backend="cpp")(x, w1, w2), f(x, w1, w2))
+
+
 def test_no_reuse_of_a_buffer_read_at_another_index():
     bufs = {"x": (4, 4), "a": (4, 4), "b": (4, 4)}
     transposed = Kernel("k1", (4, 4), (), (Store("b", 4 * x0 + x1, unary("exp", "a", 4 * x1 + x0)),))
