@@ -56,6 +56,7 @@ same graph, or of the one it shares memory with, by an event, under a lock.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import warnings
 import weakref
@@ -104,6 +105,9 @@ class _Capture:
         self.pool = recorder.pool(self.graph)
         self.pool_bytes = recorder.reserved(device) - before
         self.addresses = [t.data_ptr() if s else 0 for t, s in zip(inputs, static)]
+        # the static inputs, picked out of a call's list in C (checked at every replay)
+        self._fixed = _picker([i for i, s in enumerate(static) if s])
+        self._fixed_addresses = self._fixed(self.addresses)
         storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
         ours = {storage(t) for t in (*(b for b, s in zip(self.buffers, static) if not s),
                                      *constants)}
@@ -128,12 +132,22 @@ class _Capture:
 
     def moved(self, inputs: Sequence[torch.Tensor], addresses: list[int]) -> list[int]:
         """The static inputs that are no longer where the graph reads them."""
+        if self._fixed(addresses) == self._fixed_addresses and all(
+                map(torch.Tensor.is_contiguous, self._fixed(inputs))):
+            return []
         return [i for i, (t, now, then) in enumerate(zip(inputs, addresses, self.addresses))
                 if then and (now != then or not t.is_contiguous())]
 
     def alive(self) -> list[int]:
         """The outputs the caller still holds (their storage used beyond the graph's own)."""
         return [j for j in self.checked if _use_count(self.outputs[j]) > self.baseline[j]]
+
+
+def _picker(positions: list[int]) -> Callable[[Sequence], tuple]:
+    """A sequence's items at ``positions``, as a tuple (``operator.itemgetter``'s, always)."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return lambda seq: tuple(seq[i] for i in positions)
 
 
 def _within(o: torch.Tensor, inputs: Sequence[torch.Tensor], static: list[bool]):
@@ -268,7 +282,7 @@ class _DeviceState:
         self.capture: _Capture | None = None
 
     def call(self, owner: Graphed, inputs, device) -> list:
-        addresses = [t.data_ptr() for t in inputs]
+        addresses = list(map(torch.Tensor.data_ptr, inputs))
         previous, self.addresses = self.addresses, addresses
         stayed = [a == b for a, b in zip(addresses, previous or [])]
         self.calls += 1
