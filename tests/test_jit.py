@@ -1043,10 +1043,15 @@ def test_a_channels_last_models_weights_are_read_where_they_lie(backend):
     assert jitted.trace_count == 3  # training, inference, and contiguous weights
 
 
-def test_a_parameter_given_other_data_in_place_is_keyed_again():
+@pytest.mark.parametrize("native", [True, False])
+def test_a_parameter_given_other_data_in_place_is_keyed_again(native, monkeypatch):
     """The same Parameter object with new data of another layout, offset or shape: the
-    keys of the module's tensors, checked natively at each call, see it (NOTE [native
-    tensor checks])."""
+    keys of the module's tensors, checked natively at each call (or, on a torch without
+    that check, keyed at each call), see it (NOTE [native tensor checks])."""
+    from plait.tracer import state
+
+    if not native:
+        monkeypatch.setattr(state, "_TensorGuards", None)
     model = torch.nn.Linear(4, 3)
     jitted = plait.jit(model, backend="cpp")
     x = torch.randn(2, 4)

@@ -453,20 +453,25 @@ class KeyedTensors:
     def of(tensors: list[torch.Tensor]) -> "KeyedTensors":
         contiguous = tuple(map(torch.Tensor.is_contiguous, tensors))
         keys = tensor_keys(tensors, contiguous)
-        check = None
-        if _TensorGuards is not None:
-            try:
-                # every size and stride as it is (a None there would leave it unchecked)
-                check = _TensorGuards(*tensors, dynamic_dims_sizes=[
-                    list(t.shape) for t in tensors], dynamic_dims_strides=[
-                    list(t.stride()) for t in tensors]).check
-            except Exception:  # noqa: BLE001 - another torch's signature: key every call
-                check = None
-        return KeyedTensors(keys, contiguous, _at_zero(tensors), check)
+        return KeyedTensors(keys, contiguous, _at_zero(tensors), _native_check(tensors))
 
     def holds(self, tensors: list[torch.Tensor]) -> bool:
         return self.check is not None and len(tensors) == len(self.contiguous) and \
             self.check(*tensors) and _at_zero(tensors) == self.at_zero
+
+
+def _native_check(tensors: list[torch.Tensor]) -> Callable | None:
+    """torch's C++ check that tensors have ``tensors``' metadata, or None where this torch
+    has none (NOTE [native tensor checks]); one that refuses to build is not tried again."""
+    global _TensorGuards
+    if _TensorGuards is None:
+        return None
+    try:  # every size and stride as it is (a None there would leave it unchecked)
+        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors]).check
+    except Exception:  # noqa: BLE001 - another torch's signature: key every call
+        _TensorGuards = None
+        return None
 
 
 def _at_zero(tensors: list[torch.Tensor]) -> tuple[bool, ...]:
