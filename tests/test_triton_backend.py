@@ -373,6 +373,7 @@ def test_online_softmax_reads_long_rows_once_before_storing(fn, passes, monkeypa
     assert jitted(fn, x).kernels[0].source.count("for roff") == passes
 
 
+@pytest.mark.slow  # 7 s in the interpreter
 def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     """Rows reduced along a strided axis (a column sum) launch several outputs per program,
     so each chunk's loads coalesce; contiguous rows one (loops.column_wise)."""
@@ -658,8 +659,9 @@ def _batch_norm_loss(x, g):
     # a row kernel: two passes split, then its stores over the rows' points
     ("softmax of few rows", lambda x: x.softmax(1), (torch.randn(3, 4096),), 5),
     # BatchNorm's backward: two sums per channel, then the input's gradient from them
-    ("batch norm backward", plait.grad(_batch_norm_loss), (torch.randn(64, 4, 8, 8),
-                                                           torch.randn(64, 4, 8, 8)), None),
+    pytest.param("batch norm backward", plait.grad(_batch_norm_loss),
+                 (torch.randn(64, 4, 8, 8), torch.randn(64, 4, 8, 8)), None,
+                 marks=pytest.mark.slow),  # 10 s in the interpreter
 ])
 def test_long_reductions_to_few_outputs_split(name, fn, args, kernels):
     jitted = plait.jit(fn, backend="triton")
@@ -707,7 +709,8 @@ def test_large_batch_statistics_take_one_pass(monkeypatch):
 
 
 @pytest.mark.parametrize("fn, x", [
-    (lambda x: x.argmax(0), torch.randn(4096, 3)),         # an index, not a combinable value
+    pytest.param(lambda x: x.argmax(0), torch.randn(4096, 3),  # an index, not combinable
+                 marks=pytest.mark.slow),  # 7 s in the interpreter
     pytest.param(lambda x: x.sum(1), torch.randn(4096, 4096 // 64),  # outputs enough to fill
                  marks=pytest.mark.slow),  # a GPU (18 s in the interpreter)
     (lambda x: x.sum(0), torch.randn(512, 3)),             # rows too short to pay
