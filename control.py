@@ -50,8 +50,8 @@ from .passes.autodiff import differentiable, zeros
 from .tracer.interpret import graph_of, inline, replay
 from .passes.simplify import with_carry_history
 from .tracer.registry import bodies, define, draws_random, is_effectful
-from .tracer.trace import (TRACING_CONTEXTS, bind, current_trace, on_tracers, tracing_active,
-                           user_source)
+from .tracer.trace import (TRACING_CONTEXTS, bind, current_trace, foreign_mode_active,
+                           on_tracers, tracing_active, user_source)
 from .transforms import _TENSOR, _Traced, vjp_graph
 
 
@@ -67,7 +67,7 @@ def _rewired(graph: Graph, inputs: Sequence[int | TensorType], first_output: int
 
 def _recorded(tensors: Sequence[torch.Tensor]) -> bool:
     """Must a body run op by op with torch, so that what records ops sees them?"""
-    return bool(torch._C._len_torch_dispatch_stack()) or any(
+    return foreign_mode_active() or any(
         type(t) is not torch.Tensor or torch._C._functorch.is_functorch_wrapped_tensor(t)
         or t.requires_grad and torch.is_grad_enabled() for t in tensors)
 

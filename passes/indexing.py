@@ -180,11 +180,6 @@ def _floor_of_floor(arg):
     return None
 
 
-def _floor_div(a, n):
-    """floor(a/n), a nested floor flattened (as ``_floor_of_floor``)."""
-    return sympy.floor(a.args[0] / n) if isinstance(a, sympy.floor) else sympy.floor(a / n)
-
-
 def _mod_and_floor(e):
     """c*Mod(a, n) + c*n*floor(a/n) -> c*a: a position split into a row and a column
     and joined again (a reshape of a reshape)."""
@@ -194,7 +189,7 @@ def _mod_and_floor(e):
         if not isinstance(mod, sympy.Mod):
             continue
         a, n = mod.args
-        partner = c * n * _floor_div(a, n)
+        partner = c * n * (_floor_of_floor(a / n) or sympy.floor(a / n))
         if partner in terms:
             terms.remove(partner)
             terms[terms.index(t)] = c * a
