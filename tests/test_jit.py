@@ -890,7 +890,32 @@ def test_as_strided_sees_eager_layouts_through_a_conversion_naming_its_device():
         (3, 2), (1, 3))
     x = torch.randn(2, 3)
     assert_close(plait.jit(f)(x), f(x))
-    assert_close(plait.jit(g)(x.double()), g(x.double()))
+    # the view of a result whose eager layout was never derived reports the view of
+    # plait's report (here transposed, where eager's is contiguous): refused, not misread
+    with pytest.raises(PlaitError, match="otherwise than plait reports it"):
+        plait.jit(g)(x.double())
+
+
+def test_as_strided_reads_a_views_strides_as_eager_lays_it_out():
+    """Longformer's chunking: heads cut from a projection (divided in place) by views, a
+    reshape that is a view in eager, overlapping chunks made by as_strided from the strides
+    the view reports. Views report eager's strides of their base, so the chunks are
+    eager's, through functionalization's regenerated views as well; so are the gradients."""
+    def chunks(x, w):
+        q = x @ w  # (seq, batch, heads * d)
+        q /= 2
+        seq, b = q.shape[:2]
+        q = q.view(seq, b, 2, 3).transpose(0, 1).transpose(1, 2).reshape(b * 2, seq, 3)
+        q = q.view(b * 2, seq // 4, 4, 3)
+        size, stride = list(q.size()), list(q.stride())
+        size[1], stride[1] = size[1] * 2 - 1, stride[1] // 2
+        return q.as_strided(size=size, stride=stride)
+
+    x, w = torch.randn(8, 2, 5), torch.randn(5, 6, requires_grad=True)
+    for backend in ("eager", "cpp"):
+        assert_close(plait.jit(chunks, backend=backend)(x, w), chunks(x, w))
+    got = torch.autograd.grad(plait.jit(chunks)(x, w).square().sum(), w)
+    assert_close(got, torch.autograd.grad(chunks(x, w).square().sum(), w))
 
 
 def test_as_strided_on_a_convolution_of_a_channels_last_image_is_refused():

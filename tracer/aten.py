@@ -891,7 +891,10 @@ def _unfold(x, dimension, size, step):
 # A tracer's value is a logical tensor. What eager lays out in memory matters only where code
 # reads it: strides, contiguity and the storage offset, and as_strided, whose raw strides
 # address memory. A tracer reports a contiguous layout at offset 0 (eager's where it is
-# ``_dense``), except an input whose eager layout is known, which reports it (``_layout``: the
+# ``_dense``), except a view, which reports eager's view of its base as eager lays that out
+# where known, else as the base reports (``Trace._reporting_views``: Longformer reads the
+# strides of a reshape that is a view in eager), and an input whose eager layout is known,
+# which reports it (``_layout``: the
 # strides and the storage offset, None where unknown): an argument whose strides jit keys
 # (``state.layout_key``; its offset too where that is 0: another is left out, so that the
 # slices of a batch, ``x[:, t]`` for each ``t``, share a compilation), and

@@ -442,6 +442,36 @@ class Trace:
 
         return through
 
+    def _reporting_views(self, func, args, kwargs, out):
+        """``out``, a view op's results, each reporting the layout eager's view has of its
+        base laid out as eager lays it out where that is known (else as it reports), NOTE
+        [eager layouts]: the strides a user reads from a view (and passes to as_strided, as
+        Longformer's chunking does) are then eager's wherever the base's are. The views'
+        layouts count as eager's known ones where the base's is."""
+        base = args[0]
+        if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+            return out
+        known = _eager_layout_of(base)
+        try:
+            with _disable_current_modes():
+                viewed = func(_meta_with(self.type_of(base), known or (
+                    tuple(base.stride()), base.storage_offset())), *args[1:], **kwargs)
+        except Exception:  # noqa: BLE001 - no meta kernel: the views report as they are
+            return out
+        single = isinstance(out, torch.Tensor)
+        outs, views = ([out], [viewed]) if single else (list(out), list(viewed))
+        if len(outs) != len(views):
+            return out
+        for k, (t, m) in enumerate(zip(outs, views)):
+            layout = (tuple(m.stride()), m.storage_offset())
+            if not isinstance(t, TracerTensor) or (tuple(t.stride()), t.storage_offset()) == \
+                    layout:
+                continue
+            outs[k] = TracerTensor(self, t._value, layout)
+            outs[k]._layout = t._layout or (
+                (layout[0], layout[1] if known[1] is not None else None) if known else None)
+        return outs[0] if single else type(out)(outs)
+
     def _chain_effect(self) -> None:
         """Effects keep their program order: an effectful node (a check, a random draw) gets
         a control edge from the one before."""
@@ -491,6 +521,8 @@ class Trace:
                     out = pytree.tree_map_only(TracerTensor, self._without("no_grad"), out)
                 if not torch._C._is_fwd_grad_enabled():
                     out = pytree.tree_map_only(TracerTensor, self._without("no_fwd_grad"), out)
+                if func.is_view and isinstance(args[0], TracerTensor):
+                    out = self._reporting_views(func, args, kwargs, out)
                 Origin.record(func, args, kwargs, out)
             if func.is_view and isinstance(base := args[0], TracerTensor):
                 if base._aliases is None:
@@ -925,6 +957,17 @@ class Origin:
         result = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][self.index]
         known_offsets = all(layout[1] is not None for layout in layouts)
         return tuple(result.stride()), result.storage_offset() if known_offsets else None
+
+
+def _eager_layout_of(t: TracerTensor) -> tuple | None:
+    """Eager's (strides, storage offset or None) of tracer ``t`` where known without
+    deriving it (known, or derived already for an earlier as_strided); else None."""
+    if t._layout is not None:
+        return t._layout
+    if t._dense:
+        return contiguous_strides(t.shape), 0
+    derived = t._origin._derived if t._origin is not None else None
+    return None if derived is _UNDERIVED else derived
 
 
 _UNDERIVED = object()
