@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
 import threading
@@ -449,9 +450,15 @@ class Trace:
         Longformer's chunking does) are then eager's wherever the base's are. The views'
         layouts count as eager's known ones where the base's is."""
         base = args[0]
-        if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+        if func in _NOT_REREPORTED or any(isinstance(a, torch.Tensor)
+                                          for a in (*args[1:], *kwargs.values())):
             return out
         known = _eager_layout_of(base)
+        # a view eager could not make of that layout (torch would raise, which plait's own
+        # views of its reports may ask for) keeps its report, without a C++ exception
+        if func is _VIEW and not _viewable(base.shape, (known or (base.stride(),))[0],
+                                           args[1]):
+            return out
         try:
             with _disable_current_modes():
                 viewed = func(_meta_with(self.type_of(base), known or (
@@ -957,6 +964,36 @@ class Origin:
         result = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][self.index]
         known_offsets = all(layout[1] is not None for layout in layouts)
         return tuple(result.stride()), result.storage_offset() if known_offsets else None
+
+
+_VIEW = torch.ops.aten.view.default
+# as_strided reports the strides it is given (plait's handler checks they are eager's);
+# a dtype view's strides are the base's, scaled
+_NOT_REREPORTED = (torch.ops.aten.as_strided.default, torch.ops.aten.view.dtype)
+
+
+def _viewable(shape, strides, size) -> bool:
+    """Can ``view(size)`` be made of a tensor of ``shape`` laid out with ``strides`` (torch's
+    rule: each run of dims merged into new ones must be contiguous within itself)?"""
+    numel = math.prod(shape)
+    size = list(size)
+    if -1 in size:
+        rest = math.prod(n for n in size if n != -1)
+        size[size.index(-1)] = numel // rest if rest else 0
+    if numel == 0 or not shape:
+        return True
+    d, base, old_numel, new_numel = len(size) - 1, strides[-1], 1, 1
+    for k in range(len(shape) - 1, -1, -1):
+        old_numel *= shape[k]
+        if k == 0 or (shape[k - 1] != 1 and strides[k - 1] != old_numel * base):
+            while d >= 0 and (new_numel < old_numel or size[d] == 1):
+                new_numel *= size[d]
+                d -= 1
+            if new_numel != old_numel:
+                return False
+            if k > 0:
+                base, old_numel, new_numel = strides[k - 1], 1, 1
+    return d == -1
 
 
 def _eager_layout_of(t: TracerTensor) -> tuple | None:
