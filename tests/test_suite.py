@@ -26,23 +26,12 @@ except ImportError as e:  # the `suite` extra, which `make test-slow` installs
     pytest.skip(f"the model suite's libraries are not installed ({e})",
                 allow_module_level=True)
 
-# What plait refuses, with the reason it names: Longformer's chunking reads, through
-# as_strided, the strides of a reshape that eager makes a non-contiguous view, which plait
-# does not report (NOTE [eager layouts]).
-REFUSED = {("AllenaiLongformerBase", mode): "otherwise than plait reports it"
-           for mode in ("train", "infer")}
-
-
 @pytest.mark.parametrize("mode", ["train", "infer"])
 @pytest.mark.parametrize("name", sorted(suite.SUITE))
 def test_suite_model(name, mode):
     eager, plait = suite.run(name, mode, "float32", "cpu", ("eager", "plait"), rounds=0)
     assert eager.status == "pass", f"eager fails on the CPU: {eager.reason}"  # none does
-    if (name, mode) in REFUSED:
-        assert plait.status == "fail" and plait.reason.startswith("refused") and \
-            REFUSED[name, mode] in plait.reason, plait.reason
-    else:
-        assert plait.status == "pass", plait.reason
+    assert plait.status == "pass", plait.reason
 
 
 @pytest.mark.parametrize("mode", ["train", "infer"])
