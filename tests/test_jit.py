@@ -918,6 +918,20 @@ def test_as_strided_reads_a_views_strides_as_eager_lays_it_out():
     assert_close(got, torch.autograd.grad(chunks(x, w).square().sum(), w))
 
 
+def test_a_mean_pooled_channels_last_view_is_restrided_in_place_as_eager_does():
+    """ATen pools a channels-last input to 1x1 as a mean and restrides the result in place
+    (as_strided_ on dims of size 1): a permuted view reports eager's channels-last strides,
+    so the restride reaches the trace, and changes no element (Swin's head)."""
+    def head(x, w):
+        y = torch.nn.functional.adaptive_avg_pool2d((x * w).permute(0, 3, 1, 2), 1)
+        return y.flatten(1)
+
+    x, w = torch.randn(2, 4, 4, 3), torch.randn(3, requires_grad=True)
+    assert_close(plait.jit(head)(x, w), head(x, w))
+    got = torch.autograd.grad(plait.jit(head)(x, w).square().sum(), w)
+    assert_close(got, torch.autograd.grad(head(x, w).square().sum(), w))
+
+
 def test_as_strided_on_a_convolution_of_a_channels_last_image_is_refused():
     """Eager's convolution of a channels-last image is channels-last (its kernel picks the
     layout on its device, which a meta kernel cannot tell): raw strides that assume

@@ -1018,6 +1018,17 @@ def _as_strided(x, size, stride, storage_offset=None):
     return strided_view(bind("transpose", x, permutation=perm), size, stride, start)
 
 
+@handles(aten.as_strided_.default)
+def _restrided(x, size, stride, storage_offset=None):
+    """An in-place restride that leaves every element where it is (new strides only on dims
+    of size 1: ATen's 1x1 adaptive average pooling of a channels-last input gives its mean
+    channels-last strides so) is ``x`` itself; any other goes the way of in-place ops."""
+    if list(size) == list(x.shape) and storage_offset in (None, x.storage_offset()) and all(
+            n == 1 or a == b for n, a, b in zip(size, stride, x.stride())):
+        return x
+    return NotImplemented
+
+
 @handles(aten.as_strided_scatter.default)
 def _as_strided_scatter(x, src, size, stride, storage_offset=None):
     perm, start = _in_address_order(x, "as_strided_scatter", storage_offset)
