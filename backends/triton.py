@@ -1095,27 +1095,54 @@ def load_module(source: str):
     return module
 
 
+# NOTE [loading launchers]
+# Triton builds a C launcher module per kernel signature at a kernel's first launch and loads
+# it under one module name for every signature. The kernels a program warms up in threads
+# loaded theirs at once and, with other processes filling the same Triton cache (suite
+# slices, data-parallel ranks), a kernel now and then got another signature's launcher:
+# "function takes exactly 20 arguments (21 given)" at its launch (3 processes compiling
+# ghostnet at once, measured on an H200 with Triton 3.6: 3 of 9 runs). Handles are made one
+# at a time (12 of 12 passed, and the first call was no slower); compiles stay parallel.
+_LAUNCHERS = threading.Lock()
+_collecting = threading.local()  # ``seen``: the specializations a thread's warmups ask for
+_hook_lock = threading.Lock()
+
+
 def _specialization(kernel, args: list, options: dict) -> str | None:
     """Triton's serialized specialization of ``kernel`` launched on ``args`` with ``options``
     (what a worker compiles it from, NOTE [compile workers]), taken from its cache hook, which
     skips the compile; None where the kernel is compiled already or Triton gives none."""
     import triton
 
-    seen, me = [], threading.get_ident()
-
-    def skip_compile(**kwargs):  # the hook is the process's: other threads' compiles go on
-        if threading.get_ident() != me:
-            return saved(**kwargs) if saved else None
-        seen.append(kwargs["compile"].get("specialization_data"))
-        return True
-
-    hooks = triton.knobs.runtime
-    saved, hooks.jit_cache_hook = hooks.jit_cache_hook, skip_compile
+    _install_specialization_hook(triton.knobs.runtime)
+    _collecting.seen = seen = []
     try:
         kernel.warmup(*args, grid=(1,), **options)
     finally:
-        hooks.jit_cache_hook = saved
+        _collecting.seen = None
     return seen[0] if seen else None
+
+
+def _install_specialization_hook(runtime) -> None:
+    """Triton's ``jit_cache_hook`` is one per process. The hook plait installs once (chaining
+    the one it finds) records and skips a compile only in a thread that collects
+    specializations: swapped in and out per call instead, two threads compiling at once
+    could leave one's hook installed, and Triton would then skip that thread's later
+    compiles and their launches without a word."""
+    with _hook_lock:
+        if getattr(runtime.jit_cache_hook, "plait", False):
+            return
+        previous = runtime.jit_cache_hook
+
+        def record_and_skip(**kwargs):
+            seen = getattr(_collecting, "seen", None)
+            if seen is None:
+                return previous(**kwargs) if previous else None
+            seen.append(kwargs["compile"].get("specialization_data"))
+            return True
+
+        record_and_skip.plait = True
+        runtime.jit_cache_hook = record_and_skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -1304,7 +1331,8 @@ class CompiledProgram(codegen.CompiledProgram):
             with torch.cuda.device(device):
                 compiled = getattr(self._module, w.name).warmup(
                     *stand_ins[w.name], grid=w.grid(options), **options)
-                getattr(compiled, "_init_handles", lambda: None)()
+                with _LAUNCHERS:  # NOTE [loading launchers]
+                    getattr(compiled, "_init_handles", lambda: None)()
 
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs),
                                                               config.compile_workers))) as remote:

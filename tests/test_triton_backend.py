@@ -327,6 +327,7 @@ SWEEP_OPS = {
 }
 
 
+@pytest.mark.slow  # 20 s in the interpreter
 def test_opinfo_sweep_has_no_wrong_answers():
     result = sweep("jit", SWEEP_OPS, backend="triton")
     print("\ntriton: " + result.summary())
@@ -406,6 +407,7 @@ def test_long_column_reductions_take_neighbouring_columns_together(monkeypatch):
     assert f"XBLOCK={triton_backend.COLUMNS_STORING_XBLOCK}," in stored.lower(wide).source
 
 
+@pytest.mark.slow  # 8 s in the interpreter
 def test_few_long_rows_take_the_biggest_chunks_and_more_warps(monkeypatch):
     """Fewer long rows than fill a GPU with programs (a mean over every row's loss): each
     program keeps more loads in flight; many rows keep the default chunks. (Rows that split
@@ -509,9 +511,9 @@ AUTOTUNED = {
 }
 
 
-# the interpreter times the long rows' candidates for a minute: those two in the slow tier
+# the interpreter times the long rows' candidates for a minute: those three in the slow tier
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
-                                  if c in ("looped_rows", "column_sums") else c
+                                  if c in ("looped_rows", "column_sums", "persistent_rows") else c
                                   for c in sorted(AUTOTUNED)])
 def test_autotuning_keeps_the_fastest_launch_and_remembers_it(case, tmp_path, monkeypatch):
     """Every candidate launch runs (on copies of the written buffers); the fastest is used,
@@ -645,19 +647,21 @@ def _batch_norm_loss(x, g):
 @pytest.mark.parametrize("name, fn, args, kernels", [
     # a column sum (a bias gradient): one pass, partial and final kernels
     ("column sum", lambda g: g.sum(0), (torch.randn(4096, 24),), 2),
-    ("max", lambda x: x.amax(0), (torch.randn(4096, 3),), 2),
+    pytest.param("max", lambda x: x.amax(0), (torch.randn(4096, 3),), 2, marks=pytest.mark.slow),
     ("mean of all", lambda x: x.mean(), (torch.randn(8192),), 2),
     # BatchNorm's statistics of a small input: the variance's pass after the mean's, each
     # split (a large one's take one pass: test_large_batch_statistics_take_one_pass)
-    ("mean and variance", lambda x: torch.var_mean(x, (0, 2, 3)), (torch.randn(64, 4, 8, 8),),
-     4),
+    pytest.param("mean and variance", lambda x: torch.var_mean(x, (0, 2, 3)),
+                 (torch.randn(64, 4, 8, 8),), 4, marks=pytest.mark.slow),
     # bf16 sums: float32 partials, rounded once
     ("bf16 sum", lambda x: x.sum((0, 1)), (torch.randn(64, 64, 5).bfloat16(),), 2),
     # a gradient and its column sums (a bias's): made and summed in one partial kernel
-    ("values and their column sums", lambda g, x: ((y := g * torch.sigmoid(x)), y.sum(0)),
-     (torch.randn(4096, 24), torch.randn(4096, 24)), 2),
+    pytest.param("values and their column sums",
+                 lambda g, x: ((y := g * torch.sigmoid(x)), y.sum(0)),
+                 (torch.randn(4096, 24), torch.randn(4096, 24)), 2, marks=pytest.mark.slow),
     # a row kernel: two passes split, then its stores over the rows' points
-    ("softmax of few rows", lambda x: x.softmax(1), (torch.randn(3, 4096),), 5),
+    pytest.param("softmax of few rows", lambda x: x.softmax(1), (torch.randn(3, 4096),), 5,
+                 marks=pytest.mark.slow),
     # BatchNorm's backward: two sums per channel, then the input's gradient from them
     pytest.param("batch norm backward", plait.grad(_batch_norm_loss),
                  (torch.randn(64, 4, 8, 8), torch.randn(64, 4, 8, 8)), None,
@@ -676,6 +680,7 @@ def test_long_reductions_to_few_outputs_split(name, fn, args, kernels):
     assert (before, after) == (1, kernels) if kernels else after > before
 
 
+@pytest.mark.slow  # 7 s in the interpreter
 def test_column_sums_split_into_more_chunks_than_row_sums():
     """A column sum's program takes several neighbouring outputs, so it splits its rows
     into more, shorter chunks (of MIN_COLUMN_CHUNK rows or more) than a row sum to as few
@@ -692,6 +697,7 @@ def test_column_sums_split_into_more_chunks_than_row_sums():
         assert program.buffers[partial].type.shape == (chunks, 8)
 
 
+@pytest.mark.slow  # 5 s in the interpreter
 def test_large_batch_statistics_take_one_pass(monkeypatch):
     """var_mean of an input too large for the cache (made small here by the threshold): the
     shifted sums of x and its square in one kernel, split into partial sums and a final
@@ -748,3 +754,40 @@ def test_a_row_store_in_place_waits_for_the_passes_that_read_its_memory(monkeypa
     y, v = compile_program(p)([a])
     torch.testing.assert_close(y, (a + 1) * 2)
     torch.testing.assert_close(v, (a + 1).var(1) * 8)
+
+
+def test_the_specialization_hook_skips_compiles_only_in_threads_that_collect():
+    """Triton's cache hook is one per process. plait's, installed once, records and skips a
+    compile only in a thread collecting specializations: threads collecting at once each get
+    their own, and a thread compiling meanwhile, or any thread afterwards, compiles (a hook
+    left behind would skip its kernels' launches silently)."""
+    import threading
+    import types
+
+    runtime = types.SimpleNamespace(jit_cache_hook=lambda **kw: "theirs")
+    triton_backend._install_specialization_hook(runtime)
+    hook = runtime.jit_cache_hook
+    triton_backend._install_specialization_hook(runtime)
+    assert runtime.jit_cache_hook is hook  # installed once, chaining the hook it found
+    together, results = threading.Barrier(3), {}
+
+    def collect(name):
+        triton_backend._collecting.seen = seen = []
+        together.wait()
+        results[name] = hook(compile={"specialization_data": name}), seen
+        triton_backend._collecting.seen = None
+        results[name + " after"] = hook(compile={"specialization_data": name})
+
+    def compile_plainly():
+        together.wait()
+        results["plain"] = hook(compile={"specialization_data": "plain"})
+
+    threads = [threading.Thread(target=collect, args=(n,)) for n in "ab"]
+    threads.append(threading.Thread(target=compile_plainly))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {"a": (True, ["a"]), "b": (True, ["b"]), "plain": "theirs",
+                       "a after": "theirs", "b after": "theirs"}
+    assert hook(compile={"specialization_data": "main"}) == "theirs"
