@@ -248,6 +248,7 @@ def test_a_program_checks_its_inputs_before_any_kernel_runs(native):
     """, native)
 
 
+@pytest.mark.slow  # 9 s
 def test_a_linearized_function_under_vmap_is_refused_then_matches_torch_func():
     """torch.func.linearize's function folds its constants into new parameters of its module
     at its first call. Traced, they held plait's tracers, which the compiled program was

@@ -27,7 +27,8 @@ def loop_ordering(x):
     return y, z, z_t
 
 
-@pytest.mark.parametrize("backend", COMPILERS)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow) if b == "triton" else b
+                                     for b in COMPILERS])  # the interpreter: 6 s
 def test_loop_ordering_example_reads_x_once(backend):
     x = torch.randn(256, 128)
     lowered = _compiled(loop_ordering, x, backend=backend)

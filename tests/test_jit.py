@@ -1048,7 +1048,7 @@ def test_vjp_fn_of_a_permuted_primal_under_vmap_and_recorded_is_torch_funcs():
     assert_close(vjp_fn(cts[0]), want_fn(cts[0]))
 
 
-@pytest.mark.parametrize("backend", ["cpp", "eager", "triton"])
+@pytest.mark.parametrize("backend", ["cpp", "eager", pytest.param("triton", marks=pytest.mark.slow)])
 def test_a_channels_last_models_weights_are_read_where_they_lie(backend):
     """model.to(memory_format=torch.channels_last): its convolutions' weights are passed as
     views of their memory and the convolution reads them so (no kernel copies them per

@@ -30,8 +30,14 @@ def _train(model, call, inputs, steps=2):
     return losses, grads
 
 
-@pytest.mark.parametrize("name,layout", [(name, "none") for name in sorted(MODELS)] +
-                         [(name, "all") for name in ("convnext", "resnet", "vit")])
+# the heaviest three in the slow tier (the model suite trains such models too)
+_SLOW = {("resnet", "all"), ("convnext", "none"), ("llama", "none")}
+
+
+@pytest.mark.parametrize("name,layout", [
+    pytest.param(*case, marks=pytest.mark.slow) if case in _SLOW else case
+    for case in [(name, "none") for name in sorted(MODELS)] +
+    [(name, "all") for name in ("convnext", "resnet", "vit")]])
 def test_model_trains_as_in_eager(name, layout):
     """layout "all" (the default): the convolutions channels-last (NOTE [channels-last
     convolutions]); "none": channels-first."""
