@@ -44,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -233,6 +234,8 @@ def run(name: str, mode: str, dtype: str, device: str, columns=COLUMNS, tiny: bo
                 steps.append((row, step, []))
         except Exception as e:  # noqa: BLE001 - a column's failure is a result
             refused = isinstance(e, plait.errors.PlaitError)
+            if os.environ.get("PLAIT_SUITE_TRACEBACK"):  # where a column failed, for debugging
+                traceback.print_exc()
             row.status = "fail"
             row.reason = f"{'refused' if refused else type(e).__name__}: " \
                          f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
