@@ -918,6 +918,26 @@ def test_as_strided_reads_a_views_strides_as_eager_lays_it_out():
     assert_close(got, torch.autograd.grad(chunks(x, w).square().sum(), w))
 
 
+def test_as_strided_reads_the_strides_of_views_of_what_dropout_made():
+    """Longformer in training: its chunking (as_strided from a view's strides) reads what
+    passed through dropout, whose mask torch's C++ draws as bernoulli of empty_like(x):
+    eager's layout of the draw is derived from its operand's, so the views' strides are
+    known, and with one seed the chunks are eager's."""
+    def chunks(x):
+        h = torch.nn.functional.dropout(x, 0.5, training=True)  # (seq, batch, heads * d)
+        q = h.view(8, 2, 2, 3).transpose(0, 1).transpose(1, 2).reshape(4, 8, 3)
+        q = q.view(4, 2, 4, 3)
+        size, stride = list(q.size()), list(q.stride())
+        size[1], stride[1] = size[1] * 2 - 1, stride[1] // 2
+        return q.as_strided(size=size, stride=stride)
+
+    x = torch.randn(8, 2, 6)
+    torch.manual_seed(0)
+    got = plait.jit(chunks)(x)
+    torch.manual_seed(0)
+    assert_close(got, chunks(x))
+
+
 def test_a_mean_pooled_channels_last_view_is_restrided_in_place_as_eager_does():
     """ATen pools a channels-last input to 1x1 as a mean and restrides the result in place
     (as_strided_ on dims of size 1): a permuted view reports eager's channels-last strides,

@@ -1171,7 +1171,11 @@ class _TraceMode(_Mode):
         if torch.Tag.nondeterministic_seeded in func.tags:  # a random factory that a
             if func._schema.is_mutable:  # decomposition calls; not a draw into a tensor
                 raise _lost_draw(func)  # that a C++ composite made, which is never traced
-            return current_trace(func).opaque(func, args, kwargs or {})
+            out = current_trace(func).opaque(func, args, kwargs or {})
+            # eager lays the draw out as its operand (dropout's bernoulli of empty_like(x))
+            Origin.record(func, *pytree.tree_map_only(torch.Tensor, unwrap_functional,
+                                                      (args, kwargs or {})), out)
+            return out
         return func(*args, **(kwargs or {}))
 
 
