@@ -185,8 +185,6 @@ def run(name: str, mode: str, dtype: str, device: str, columns=COLUMNS, tiny: bo
     """One model's rows: every column's status, first call, step time, peak memory and
     accuracy for ``mode`` at ``dtype`` (``rounds=0``: no timing, the accuracy alone); with
     ``channels_last``, the model's parameters and its 4-D inputs in that memory format."""
-    import plait
-
     spec = SUITE[name]
     torch.manual_seed(0)
     base = spec.build(tiny).to(device)
@@ -233,12 +231,7 @@ def run(name: str, mode: str, dtype: str, device: str, columns=COLUMNS, tiny: bo
                     step()
                 steps.append((row, step, []))
         except Exception as e:  # noqa: BLE001 - a column's failure is a result
-            refused = isinstance(e, plait.errors.PlaitError)
-            if os.environ.get("PLAIT_SUITE_TRACEBACK"):  # where a column failed, for debugging
-                traceback.print_exc()
-            row.status = "fail"
-            row.reason = f"{'refused' if refused else type(e).__name__}: " \
-                         f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            row.status, row.reason = "fail", _failure(e)
         if column in columns:
             rows.append(row)
     _time(steps, device, rounds, repeat)
@@ -312,6 +305,17 @@ def _time(steps, device, rounds, repeat):
         row.step_ms = statistics.median(times)
 
 
+def _failure(e: Exception) -> str:
+    """A failed column's reason: refused (plait's error) or the exception's type, and its
+    first line; with PLAIT_SUITE_TRACEBACK=1 the traceback is printed too."""
+    import plait
+
+    if os.environ.get("PLAIT_SUITE_TRACEBACK"):
+        traceback.print_exc()
+    kind = "refused" if isinstance(e, plait.errors.PlaitError) else type(e).__name__
+    return f"{kind}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+
+
 def _check_dropout(rows, module, spec, inputs, dtype, device, seeds):
     """With the model's own dropout, plait's training loss over ``seeds`` seeds against
     eager's: the means agree within four standard errors (a wrong distribution is a wrong
@@ -323,11 +327,17 @@ def _check_dropout(rows, module, spec, inputs, dtype, device, seeds):
         return
     losses = {}
     for column in ("eager", "plait"):
-        step = Step(copy.deepcopy(module), column, "train", dtype, inputs, device)
         losses[column] = []
-        for seed in range(seeds):
-            torch.manual_seed(seed)
-            losses[column].append(step()[1].item())
+        try:
+            step = Step(copy.deepcopy(module), column, "train", dtype, inputs, device)
+            for seed in range(seeds):
+                torch.manual_seed(seed)
+                losses[column].append(step()[1].item())
+        except Exception as e:  # noqa: BLE001 - plait's failure with dropout is its row's
+            if column == "eager":
+                raise
+            row.status, row.reason = "fail", "with dropout, " + _failure(e)
+            return
     (e_mean, e_var), (p_mean, p_var) = [(statistics.mean(v), statistics.variance(v))
                                         for v in losses.values()]
     bound = 4 * math.sqrt((e_var + p_var) / seeds) + 1e-6 * abs(e_mean)
