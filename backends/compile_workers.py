@@ -24,6 +24,7 @@ This file imports nothing of plait, so the parent side here stays stdlib only to
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -62,6 +63,25 @@ class Pool:
             _log.debug("compile worker, %s: %s", job["kernel"], reply["error"])
         return "error" not in reply
 
+    def close(self) -> None:
+        """End the idle workers (their pipes close, so they exit; one that does not within five
+        seconds is killed): at the parent's exit, so that none is left running, which Python's
+        ``subprocess`` warns about."""
+        while True:
+            try:
+                worker = self._idle.get_nowait()
+            except queue.Empty:
+                return
+            if worker is None:
+                continue
+            for pipe in (worker.stdin, worker.stdout):
+                pipe.close()
+            try:
+                worker.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+
 
 _pool: Pool | None = None
 _lock = threading.Lock()
@@ -73,6 +93,7 @@ def pool(size: int) -> Pool:
     with _lock:
         if _pool is None:
             _pool = Pool(size)
+            atexit.register(_pool.close)
         return _pool
 
 

@@ -612,7 +612,7 @@ def double(x_ptr, n, BLOCK: tl.constexpr):
 def test_compile_workers_fill_tritons_cache_and_survive_failures(tmp_path, monkeypatch):
     """NOTE [compile workers]: a worker compiles a kernel for a GPU target (no GPU needed:
     Triton compiles ahead for sm_90) into Triton's disk cache; a job that fails or a worker
-    that died answers False, and the pool goes on."""
+    that died answers False, and the pool goes on; closed, its workers end."""
     from plait.backends import compile_workers
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
@@ -637,6 +637,11 @@ def test_compile_workers_fill_tritons_cache_and_survive_failures(tmp_path, monke
     worker.kill()
     worker.wait()
     assert not pool.compile(job) and not pool.compile(job)  # no worker left, no hang
+    # closed (at exit), the pool's live workers end
+    pool = compile_workers.Pool(2)
+    workers = list(pool._idle.queue)
+    pool.close()
+    assert all(w.poll() is not None for w in workers)
 
 
 # -- split reductions (NOTE [split reductions], passes/split.py) -----------------------------
