@@ -31,8 +31,9 @@ NOTE [fusion scheduler]
 Compile time must grow with the program, not with its square. The pass keeps an index of
 the program: each buffer's writer and readers, each kernel's place. Candidates come from that
 index: a producer's first reader (vertical), and pairs of readers of one buffer (siblings,
-the nearest ``SIBLING_WINDOW`` readers of each buffer, scored by the bytes of the buffers
-they share and tried best first). Vertical merges run first, in program order, until none is
+the nearest ``SIBLING_WINDOW`` readers of each buffer, found by bisection in the buffer's
+sorted readers, queued once however many buffers the two share, scored by the bytes of those
+buffers and tried best first: DenseNet's layers each read every earlier layer's output). Vertical merges run first, in program order, until none is
 left; then sibling merges, best first, with vertical merges after each round, until neither
 finds one: siblings are a final round that can only add fusions, and loop ordering happens
 only there. A pair judged unable to merge is never tried again (a merged kernel is a new
@@ -43,6 +44,7 @@ merge that happens.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -279,7 +281,7 @@ class _Schedule:
         self.outputs = set(program.outputs)
         self.at = dict(enumerate(program.kernels))  # place -> kernel
         self.writer: dict[str, int] = {}            # buffer -> the place writing it
-        self.readers: dict[str, set[int]] = {}      # buffer -> the places reading it
+        self.readers: dict[str, list[int]] = {}     # buffer -> the places reading it, sorted
         self.failed: set[tuple[int, int]] = set()   # (id, id) of pairs judged unmergeable
         self.seen: list = []                        # every kernel indexed: their ids stay theirs
         self.nbytes = {n: b.type.nbytes for n, b in program.buffers.items()}
@@ -293,14 +295,15 @@ class _Schedule:
     def _index(self, i: int, k) -> None:
         self.seen.append(k)
         for b in k.reads:
-            self.readers.setdefault(b, set()).add(i)
+            bisect.insort(self.readers.setdefault(b, []), i)
         for b in k.writes:
             self.writer[b] = i
 
     def _unindex(self, i: int) -> None:
         k = self.at.pop(i)
         for b in k.reads:
-            self.readers[b].discard(i)
+            readers = self.readers[b]
+            del readers[bisect.bisect_left(readers, i)]
         for b in k.writes:
             if self.writer.get(b) == i:
                 del self.writer[b]
@@ -315,14 +318,17 @@ class _Schedule:
         if not self._mergeable(i):
             return
         heapq.heappush(self.producers, i)
+        near = set()  # each sibling once, however many buffers the two share
         for b in k.reads:
-            readers = sorted(self.readers[b])
-            n = readers.index(i)
-            for j in readers[max(0, n - SIBLING_WINDOW):n + SIBLING_WINDOW + 1]:
-                if j != i and self._mergeable(j):
-                    shared = set(k.reads) & set(self.at[j].reads)
-                    saved = sum(self.nbytes[s] for s in shared)
-                    heapq.heappush(self.pairs, (-saved, min(i, j), max(i, j)))
+            readers = self.readers[b]
+            n = bisect.bisect_left(readers, i)
+            near.update(readers[max(0, n - SIBLING_WINDOW):n + SIBLING_WINDOW + 1])
+        near.discard(i)
+        reads = set(k.reads)
+        for j in sorted(near):
+            if self._mergeable(j):
+                saved = sum(self.nbytes[s] for s in reads.intersection(self.at[j].reads))
+                heapq.heappush(self.pairs, (-saved, min(i, j), max(i, j)))
 
     def _replace(self, gone: tuple[int, ...], i: int, merged: Kernel) -> None:
         moved = set()
@@ -359,7 +365,7 @@ class _Schedule:
                     continue
                 place = i
             keep = {b for b in p.writes if b in self.outputs
-                    or self.readers.get(b, set()) - {i, first}}
+                    or any(j not in (i, first) for j in self.readers.get(b, ()))}
             merged |= self._try(i, first, place, lambda a, b: _merge(a, b, keep))
         return merged
 
