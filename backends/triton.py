@@ -1095,6 +1095,9 @@ def load_module(source: str):
     return module
 
 
+_collecting = threading.local()  # ``seen``: the specializations a thread's warmups ask for
+_hook_lock = threading.Lock()
+
 # NOTE [loading launchers]
 # Triton builds a C launcher module per kernel signature at a kernel's first launch and loads
 # it under one module name for every signature. The kernels a program warms up in threads
@@ -1104,8 +1107,6 @@ def load_module(source: str):
 # ghostnet at once, measured on an H200 with Triton 3.6: 3 of 9 runs). Handles are made one
 # at a time (12 of 12 passed, and the first call was no slower); compiles stay parallel.
 _LAUNCHERS = threading.Lock()
-_collecting = threading.local()  # ``seen``: the specializations a thread's warmups ask for
-_hook_lock = threading.Lock()
 
 
 def _specialization(kernel, args: list, options: dict) -> str | None:

@@ -33,11 +33,12 @@ the program: each buffer's writer and readers, each kernel's place. Candidates c
 index: a producer's first reader (vertical), and pairs of readers of one buffer (siblings,
 the nearest ``SIBLING_WINDOW`` readers of each buffer, found by bisection in the buffer's
 sorted readers, queued once however many buffers the two share, scored by the bytes of those
-buffers and tried best first: DenseNet's layers each read every earlier layer's output). Vertical merges run first, in program order, until none is
-left; then sibling merges, best first, with vertical merges after each round, until neither
-finds one: siblings are a final round that can only add fusions, and loop ordering happens
-only there. A pair judged unable to merge is never tried again (a merged kernel is a new
-kernel, with new pairs); a merge re-examines only the kernels around it. Legality is decided
+buffers and tried best first: DenseNet's layers each read every earlier layer's output).
+Vertical merges run first, in program order, until none is left; then sibling merges, best
+first, with vertical merges after each round, until neither finds one: siblings are a final
+round that can only add fusions, and loop ordering happens only there. A pair judged unable
+to merge is never tried again (a merged kernel is a new kernel, with new pairs); a merge
+re-examines only the kernels around it. Legality is decided
 on the loads of the buffers concerned, their indices renamed (a memoized sympy substitution)
 and compared, before any expression is rewritten: the whole-kernel rewrite runs only for a
 merge that happens.
@@ -325,7 +326,7 @@ class _Schedule:
             near.update(readers[max(0, n - SIBLING_WINDOW):n + SIBLING_WINDOW + 1])
         near.discard(i)
         reads = set(k.reads)
-        for j in sorted(near):
+        for j in near:  # the heap orders them
             if self._mergeable(j):
                 saved = sum(self.nbytes[s] for s in reads.intersection(self.at[j].reads))
                 heapq.heappush(self.pairs, (-saved, min(i, j), max(i, j)))

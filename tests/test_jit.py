@@ -918,6 +918,18 @@ def test_as_strided_reads_a_views_strides_as_eager_lays_it_out():
     assert_close(got, torch.autograd.grad(chunks(x, w).square().sum(), w))
 
 
+def test_results_take_eagers_layout_of_each_operand_layout_derived_once_per_layout():
+    """Eager's layout of a result is derived from its ops' meta kernels, each derivation once
+    per operand types and layouts (a model's repeated blocks share them): one function
+    compiled for a transposed and a contiguous argument returns each in eager's layout."""
+    f = plait.jit(lambda a: (a + 1).relu())
+    x = torch.randn(3, 4)
+    for arg in (x.t(), x.t().contiguous(), x.t()):
+        got, want = f(arg), (arg + 1).relu()
+        assert_close(got, want)
+        assert got.stride() == want.stride()
+
+
 def test_as_strided_reads_the_strides_of_views_of_what_dropout_made():
     """Longformer in training: its chunking (as_strided from a view's strides) reads what
     passed through dropout, whose mask torch's C++ draws as bernoulli of empty_like(x):
@@ -1068,7 +1080,8 @@ def test_vjp_fn_of_a_permuted_primal_under_vmap_and_recorded_is_torch_funcs():
     assert_close(vjp_fn(cts[0]), want_fn(cts[0]))
 
 
-@pytest.mark.parametrize("backend", ["cpp", "eager", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["cpp", "eager",
+                                     pytest.param("triton", marks=pytest.mark.slow)])
 def test_a_channels_last_models_weights_are_read_where_they_lie(backend):
     """model.to(memory_format=torch.channels_last): its convolutions' weights are passed as
     views of their memory and the convolution reads them so (no kernel copies them per

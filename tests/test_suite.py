@@ -26,6 +26,7 @@ except ImportError as e:  # the `suite` extra, which `make test-slow` installs
     pytest.skip(f"the model suite's libraries are not installed ({e})",
                 allow_module_level=True)
 
+
 @pytest.mark.parametrize("mode", ["train", "infer"])
 @pytest.mark.parametrize("name", sorted(suite.SUITE))
 def test_suite_model(name, mode):

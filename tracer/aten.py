@@ -921,11 +921,7 @@ def _unfold(x, dimension, size, step):
 def known_layout(x) -> tuple | None:
     """Eager's (strides, storage offset or None) of the tensor tracer ``x`` stands for, where
     known (NOTE [eager layouts])."""
-    if not isinstance(x, TracerTensor):
-        return None
-    if x._layout is not None:
-        return x._layout
-    return (contiguous_strides(type_of(x).shape), 0) if x._dense else None
+    return x.known_layout() if isinstance(x, TracerTensor) else None
 
 
 def eager_layout(x) -> tuple | None:

@@ -122,6 +122,13 @@ class TracerTensor(torch.Tensor):
         self._layout, self._origin = layout, None
         return self
 
+    def known_layout(self) -> tuple | None:
+        """Eager's (strides, storage offset or None) of the tensor this tracer stands for,
+        where known without deriving it (NOTE [eager layouts] in tracer/aten.py)."""
+        if self._layout is not None:
+            return self._layout
+        return (contiguous_strides(self.shape), 0) if self._dense else None
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -936,11 +943,27 @@ class Origin:
         return self._derived
 
     def _derive(self) -> tuple | None:
-        operands = [o for o in pytree.tree_leaves((self.args, self.kwargs))
-                    if isinstance(o, _Operand)]
+        leaves, spec = pytree.tree_flatten((self.args, self.kwargs))
+        operands = [o for o in leaves if isinstance(o, _Operand)]
         layouts = [o.layout() for o in operands]
         if any(layout is None for layout in layouts):
             return None
+        # a model's repeated blocks ask for the same derivations: each runs its meta
+        # kernels once (layer norm's and addmm's are Python, ~1 ms each)
+        key = (self.func, self.index, spec, *((o.type, o.layout()) if isinstance(o, _Operand)
+                                              else o for o in leaves))
+        try:
+            return _DERIVATIONS[key]
+        except TypeError:  # an unhashable argument: derived every time
+            return self._derived_anew(operands, layouts)
+        except KeyError:
+            if len(_DERIVATIONS) >= _DERIVATIONS_KEPT:
+                _DERIVATIONS.clear()
+            derived = _DERIVATIONS[key] = self._derived_anew(operands, layouts)
+            return derived
+
+    def _derived_anew(self, operands: list, layouts: list) -> tuple | None:
+        """Eager's layout of the result, from the meta kernel on the operands' layouts."""
         try:
             with _disable_current_modes(), torch.no_grad():
                 # a convolution's layout depends on the device's kernel, which meta tensors
@@ -999,15 +1022,15 @@ def _viewable(shape, strides, size) -> bool:
 def _eager_layout_of(t: TracerTensor) -> tuple | None:
     """Eager's (strides, storage offset or None) of tracer ``t`` where known without
     deriving it (known, or derived already for an earlier as_strided); else None."""
-    if t._layout is not None:
-        return t._layout
-    if t._dense:
-        return contiguous_strides(t.shape), 0
+    if (known := t.known_layout()) is not None:
+        return known
     derived = t._origin._derived if t._origin is not None else None
     return None if derived is _UNDERIVED else derived
 
 
 _UNDERIVED = object()
+_DERIVATIONS: dict = {}  # Origin._derive's memo: (op, operands' types and layouts, ...) ->
+_DERIVATIONS_KEPT = 4096  # layout; cleared whole when full
 _RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _CHOSEN_BY_DEVICE = (torch.ops.aten.convolution.default,)
 
@@ -1025,7 +1048,7 @@ class _Operand:
         if not isinstance(t, TracerTensor):  # a real tensor (a constant): its own layout
             return _Operand(TensorType(t.shape, t.dtype, str(t.device)),
                             (tuple(t.stride()), t.storage_offset()), None)
-        known = t._layout or ((contiguous_strides(t.shape), 0) if t._dense else None)
+        known = t.known_layout()
         return _Operand(t._trace.builder.type_of(t._value), known, None if known else t._origin)
 
     def layout(self) -> tuple | None:
