@@ -34,6 +34,7 @@ from .compiler import pipeline
 from .compiler.stages import Stages, collector_paused
 from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
+from .tracer.sizes import reopened
 from .tracer.strided import passed
 from .tracer.state import STATE_LOCK, tensor_key
 from .tracer.trace import foreign_mode_active, no_dynamo_import, tracing_active
@@ -117,6 +118,22 @@ def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int], floats: b
     return leaves, tree, tuple(signature)
 
 
+def _sized(signature: tuple, dynamic: dict) -> tuple:
+    """``signature`` with the dynamic dimensions of its tensors' shapes left out (NOTE
+    [automatic dynamic]); sizes 0 and 1 stay: they trace static (NOTE [dynamic
+    dimensions])."""
+    out, j = [], 0
+    for e in signature:
+        if isinstance(e, tuple) and e and isinstance(e[0], torch.Size):
+            dims = dynamic.get(j, ())
+            if dims:
+                e = (tuple(None if d in dims and n >= 2 else n
+                           for d, n in enumerate(e[0])), *e[1:])
+            j += 1
+        out.append(e)
+    return tuple(out)
+
+
 class _once:
     """``functools.cached_property`` whose computation holds its object's lock (``_lock``, an
     RLock: one such property may ask for another). Threads asking at once wait for the one
@@ -132,7 +149,8 @@ class _once:
             return self
         with obj._lock:
             if self._name not in obj.__dict__:  # set: found there first from then on
-                obj.__dict__[self._name] = self._fn(obj)
+                with reopened(obj.sizes):  # NOTE [dynamic dimensions]
+                    obj.__dict__[self._name] = self._fn(obj)
         return obj.__dict__[self._name]
 
 
@@ -156,6 +174,11 @@ class Lowered:
         self._settings = settings or pipeline.snapshot(get_backend(backend))
         self._keeps_program = config.program_cache
         self._lock = threading.RLock()
+
+    @property
+    def sizes(self):
+        """The size symbols of a dynamic compilation (NOTE [dynamic dimensions]), or None."""
+        return self.traced.sizes
 
     @property
     def traced_graph(self) -> Graph:
@@ -277,6 +300,11 @@ class Lowered:
         return f"<plait.Lowered backend={self.backend!r}\n{self.as_text()}>"
 
 
+class _DynamicFailed(Exception):
+    """A dynamic compilation's training programs failed to compile (NOTE [automatic
+    dynamic]): the call compiles static instead."""
+
+
 class _Compiled:
     """A compiled signature: run the graph, then rebuild the outputs and write back inputs."""
 
@@ -301,16 +329,28 @@ class _Compiled:
         # NOTE [value guards]: (program, its input count, the bool it must compute again);
         # the compilations of one signature that took other branches, this one among them
         self.guards = [(eager_program(g), len(g.inputs), value) for g, value in traced.guards]
+        self.sizes = traced.sizes  # NOTE [dynamic dimensions]
         self.variants = [self]
 
     def holds(self, tensors: list[torch.Tensor]) -> bool:
-        """Does every branch this compilation took go the same way for ``tensors``?"""
+        """Does every branch this compilation took go the same way for ``tensors``, and do
+        its guards on sizes hold?"""
+        if self.sizes is not None and self.sizes.values(tensors) is None:
+            return False
         with torch.no_grad():
             return all(bool(run(tensors[:n])[0]) == value for run, n, value in self.guards)
 
     def variant(self, tensors: list[torch.Tensor]) -> "_Compiled | None":
         """The compilation of this signature whose branches ``tensors`` take, if any."""
         return next((c for c in self.variants if c.holds(tensors)), None)
+
+    def _differentiable(self, wrt) -> "_Differentiable":
+        try:
+            return _Differentiable(self.lowered, wrt, self._reaches)
+        except Exception as e:
+            if self.sizes is None:
+                raise
+            raise _DynamicFailed(e) from e
 
     def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False):
         """``interpreted``: the program runs torch's ops (the eager backend) under a mode or
@@ -324,8 +364,7 @@ class _Compiled:
             program = self._programs.get(wrt)
             if program is None:
                 with self._lock:
-                    program = self._programs.get(wrt) or _Differentiable(
-                        self.lowered, wrt, self._reaches)
+                    program = self._programs.get(wrt) or self._differentiable(wrt)
                     self._programs[wrt] = program
             results = _Node.apply(program, len(tensors), *tensors)
         else:
@@ -356,6 +395,7 @@ class _Differentiable:
 
     def __init__(self, lowered: Lowered, wrt: tuple[int, ...], reaches: list[int]):
         traced, self.wrt, self.reaches = lowered.traced, wrt, reaches
+        self.sizes = lowered.sizes
         graph = traced.graph
         self.n_outputs = len(graph.outputs)
         self.n_results = self.n_outputs - len(traced.mutated_inputs)
@@ -365,7 +405,7 @@ class _Differentiable:
                        if autodiff.differentiable(graph.output_types[k])]
         name = lowered._stages.name
         stages = Stages(f"{name} (forward)")
-        with no_dynamo_import():
+        with no_dynamo_import(), reopened(self.sizes):
             # a primal the call does not write is read by the backward where it is (a
             # weight): returned by the forward, a CUDA graph would copy it out every call
             forward, backward, self.read = pipeline.training(
@@ -373,22 +413,28 @@ class _Differentiable:
                 lowered._settings, stages)
         backward_stages = Stages(f"{name} (backward)")
         backward_stages.record("backward", backward, 0.0)
-        self._forward = Lowered(_program(forward.updating(self.mutated, self.n_results)),
+        self._forward = Lowered(_program(forward.updating(self.mutated, self.n_results),
+                                         self.sizes),
                                 lowered.backend, stages=stages, simplified=True,
                                 settings=lowered._settings)
-        self._backward = Lowered(_program(backward), lowered.backend, stages=backward_stages,
+        self._backward = Lowered(_program(backward, self.sizes), lowered.backend,
+                                 stages=backward_stages,
                                  simplified=True, settings=lowered._settings)
         self._lock = threading.RLock()  # for _backward_runner
+        if self.sizes is not None:  # compiled now: where size symbols fail, the call
+            self._forward.runner       # compiles static instead (Jitted.__call__)
+            self._backward_runner
 
     def forward(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
         outs = self._forward.runner(tensors)
         results = _written_back(outs[:self.n_outputs], tensors, self.mutated, tensors)
         return results, [tensors[i] for i in self.read] + outs[self.n_outputs:]
 
-    def backward(self, residuals, cotangents) -> list:
+    def backward(self, residuals, cotangents, shapes=None) -> list:
         """Each input's gradient, None where no result with a cotangent (torch gives None
-        for a result no gradient reached) depends on it."""
-        seeds = [_zeros(self.output_types[k]) if cotangents[k] is None
+        for a result no gradient reached) depends on it; ``shapes``: the results' shapes,
+        where their types are symbolic."""
+        seeds = [_zeros(self.output_types[k], shapes and shapes[k]) if cotangents[k] is None
                  else cotangents[k].contiguous() for k in self.seeded]
         reached = functools.reduce(operator.or_, (
             self.reaches[k] for k in self.seeded if cotangents[k] is not None), 0)
@@ -404,12 +450,12 @@ class _Differentiable:
         return runner
 
 
-def _zeros(t) -> torch.Tensor:
-    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+def _zeros(t, shape=None) -> torch.Tensor:
+    return torch.zeros(shape or t.shape, dtype=t.dtype, device=t.device)
 
 
-def _program(graph: Graph) -> TracedFunction:
-    return TracedFunction(graph, pytree.tree_structure(()), (), ())
+def _program(graph: Graph, sizes=None) -> TracedFunction:
+    return TracedFunction(graph, pytree.tree_structure(()), (), (), sizes=sizes)
 
 
 class _Node(torch.autograd.Function):
@@ -419,6 +465,8 @@ class _Node(torch.autograd.Function):
     def forward(ctx, program: _Differentiable, n_inputs: int, *tensors):
         results, residuals = program.forward(list(tensors))
         ctx.program, ctx.n_inputs = program, n_inputs
+        # the results' sizes, where their types are symbolic (a missing cotangent's zeros)
+        ctx.shapes = [r.shape for r in results] if program.sizes is not None else None
         ctx.set_materialize_grads(False)  # a result no gradient reached: None (reaching)
         ctx.save_for_backward(*residuals)
         ctx.mark_non_differentiable(*[r for r in results
@@ -439,7 +487,8 @@ class _Node(torch.autograd.Function):
                 "higher derivatives with plait's transforms, e.g. plait.grad(plait.grad(f)).")
         program = ctx.program
         grads = [None] * ctx.n_inputs
-        for i, g in zip(program.wrt, program.backward(ctx.saved_tensors, cotangents)):
+        for i, g in zip(program.wrt, program.backward(ctx.saved_tensors, cotangents,
+                                                      ctx.shapes)):
             grads[i] = g
         return (None, None, *grads)
 
@@ -520,8 +569,9 @@ def _check_not_aliased(tensors, written: dict[int, str]) -> None:
                 "(e.g. .clone() one of them).")
 
 
-def _change(before, now) -> str:
-    """How one argument's key changed between two traces, and what to do about it."""
+def _change(before, now, sizes_static: str) -> str:
+    """How one argument's key changed between two traces, and what to do about it;
+    ``sizes_static``: why its sizes are not symbolic (NOTE [automatic dynamic])."""
     if len(before) != 6 or not isinstance(before[0], torch.Size) or len(now) != 6:
         kind = before[0]
         if kind is float:
@@ -537,9 +587,7 @@ def _change(before, now) -> str:
         dims = [f"dim {d}: {a}, then {b}" for d, (a, b) in enumerate(zip(shape, now[0]))
                 if a != b] if len(shape) == len(now[0]) else [f"{list(shape)}, then "
                                                                 f"{list(now[0])}"]
-        return (f" (its shape, {'; '.join(dims)}): plait compiles each input shape once. "
-                "Pad the varying dims to a few sizes (a multiple of 64, or powers of two) "
-                "and mask the padding.")
+        return (f" (its shape, {'; '.join(dims)}): {sizes_static}")
     if dtype != now[1] or device != now[2]:
         return (f" (its dtype or device, {dtype} on {device}, then {now[1]} on {now[2]}): "
                 "convert it once, before the calls.")
@@ -555,11 +603,25 @@ def _argument_name(path) -> str:
     return name + pytree.keystr(tuple(rest))
 
 
+# NOTE [automatic dynamic]
+# A tensor argument's dimension that takes a second size at a later call (as torch.compile's
+# automatic dynamic shapes), that ``mark_dynamic`` marks, or every dimension with
+# ``dynamic=True``, is traced as a size symbol from then on (NOTE [dynamic dimensions] in
+# tracer/sizes.py): the call key leaves such a dimension's size out (``_sized``; sizes 0 and
+# 1 stay in it, as they trace static) and one compilation serves every size where its guards
+# hold (another size compiles a variant, as a branch on a value does: NOTE [value guards]).
+# Where tracing or compiling with symbols fails (an op the symbolic path does not handle, a
+# trace that decided a size), a forced dimension stops being symbolic unless it varies, and
+# else the function compiles one size at a time, as before, and ``dynamic_failure`` (and the
+# retrace warning) says why: never a wrong answer, at worst a compilation per size. The
+# training programs of a dynamic compilation are compiled at its first differentiated call
+# (forward and backward at once), so a failure there still falls back before anything ran.
 class Jitted:
     """``plait.jit(fn)``: compiles ``fn`` once per input signature and caches the result."""
 
     def __init__(self, fn: Callable, static_argnums: Sequence[int] | int = (),
-                 backend: str | None = None, donate_argnums: Sequence[int] | int = ()):
+                 backend: str | None = None, donate_argnums: Sequence[int] | int = (),
+                 dynamic: bool | None = None):
         # its name and doc, not its attributes: a transform of a jitted function carries that
         # one's (functools.wraps copies them), and they would replace this one's cache and fn
         functools.update_wrapper(self, fn, updated=())
@@ -571,6 +633,19 @@ class Jitted:
                              " are both static and donated; only tensor arguments can be "
                              "donated. Drop them from donate_argnums or static_argnums.")
         self.backend = backend
+        if dynamic not in (None, True, False):
+            raise TraceError(f"dynamic={dynamic!r}: pass None (a dimension that varies "
+                             "becomes symbolic), True (every argument's dimensions are "
+                             "symbolic from the first call) or False (one compilation per "
+                             "size).")
+        self.dynamic = dynamic
+        # NOTE [automatic dynamic]: tensor argument -> its dimensions traced as size symbols,
+        # and the shapes the arguments had at the first trace
+        self._dynamic: dict[int, frozenset[int]] = {}
+        self._varied: dict[int, frozenset[int]] = {}  # the dimensions seen with two sizes
+        self._forcing = True  # dynamic=True and mark_dynamic apply (until they fail)
+        self._first_shapes: dict[tuple, torch.Size] = {}  # (ranks, argument) -> first shape
+        self.dynamic_failure: str | None = None  # why size symbols were given up, if they were
         self.eager_layouts = True  # NOTE [eager's layouts of results] (tracer/function.py)
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._latest = (None, None, None)  # the last call's key, state signature and entry
@@ -584,7 +659,8 @@ class Jitted:
 
     def __reduce__(self):
         """Pickled as the function and the settings (``JittedModule.__reduce__``)."""
-        return Jitted, (self.fn, self.static_argnums, self.backend, self.donate_argnums)
+        return Jitted, (self.fn, self.static_argnums, self.backend, self.donate_argnums,
+                        self.dynamic)
 
     def _key(self, args, kwargs):
         """The call's leaves, their tree, its tensors, the cache key, and the backend that
@@ -593,13 +669,19 @@ class Jitted:
                                            self._trace_floats)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend = get_backend(resolve_backend(self.backend or config.backend, tensors))
+        if self._dynamic and backend.symbolic_sizes:
+            signature = _sized(signature, self._dynamic)
         key = (signature, backend.cache_key(), pipeline.settings_key(), _torch_modes())
         return leaves, tree, tensors, key, backend.name
 
     def lower(self, *args, **kwargs) -> Lowered:
         leaves, tree, _, _, backend = self._key(args, kwargs)
+        symbolic = get_backend(backend).symbolic_sizes
+        if symbolic:  # as a call would compile it, noting no size (lower is no call)
+            self._sizes_turn_dynamic(args, leaves, observe=False)
         try:
-            return self._lower(leaves, tree, backend, self._donated(args))
+            return self._lower(leaves, tree, backend, self._donated(args),
+                               self._dynamic if symbolic else {})
         except Exception:
             if self._floats_turn_static(args, kwargs):
                 return self.lower(*args, **kwargs)
@@ -632,7 +714,8 @@ class Jitted:
         return frozenset(positions)
 
     @no_dynamo_import()
-    def _lower(self, leaves, tree, backend: str, donated: frozenset = frozenset()) -> Lowered:
+    def _lower(self, leaves, tree, backend: str, donated: frozenset = frozenset(),
+               dynamic: dict | None = None) -> Lowered:
         with self._lock:
             self.trace_count += 1
         stages = Stages(debug.function_name(self.fn))
@@ -640,7 +723,7 @@ class Jitted:
         # the traced modules' parameters are tracers meanwhile (NOTE [threads])
         with collector_paused(), STATE_LOCK:
             traced = trace_function(self.fn, leaves, tree, live=True,
-                                    eager_layouts=self.eager_layouts,
+                                    eager_layouts=self.eager_layouts, dynamic=dynamic,
                                     evaluate=lambda graph, tensors: eager_program(graph)(tensors))
         stages.record("traced", traced.graph, time.perf_counter() - start)
         lowered = Lowered(traced, backend, donated, stages)
@@ -668,7 +751,12 @@ class Jitted:
         elif _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
             _cache_log.debug("hit %s", debug.function_name(self.fn))
         self._latest = key, read[0], compiled
-        return compiled(tensors + read[1])
+        try:
+            return compiled(tensors + read[1])
+        except _DynamicFailed as e:
+            self._give_up_dynamic(e.__cause__)
+            self.clear_cache()
+            return self(*args, **kwargs)
 
     def last_call(self) -> tuple | None:
         """The traced function the last call ran and the tensors it read besides its
@@ -682,7 +770,7 @@ class Jitted:
     def _find(self, key, tensors):
         """``_lookup``, then the compilation whose value guards hold (NOTE [value guards])."""
         compiled, state, read = self._lookup(key)
-        if compiled is not None and compiled.guards:
+        if compiled is not None and (compiled.guards or compiled.sizes):
             compiled = compiled.variant(tensors + read[1])
         return compiled, state, read
 
@@ -720,12 +808,20 @@ class Jitted:
         """Trace and compile a call that ``_lookup`` missed: the compilation and the state
         it reads, or (None, None) where its floats turned static (``_floats_turn_static``)."""
         name = debug.function_name(self.fn)
+        if get_backend(backend).symbolic_sizes and (self._sizes_turn_dynamic(args, leaves) or
+                                                    self._key(args, kwargs)[3] != key):
+            return None, None  # keyed again: its dims turned symbolic (here or in a thread)
         _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
                          name, [str(TensorType.of(t)) for t in tensors])
+        dynamic = self._dynamic if get_backend(backend).symbolic_sizes else {}
         try:
-            lowered = self._lower(leaves, tree, backend, self._donated(args))
-        except Exception:
+            lowered = self._lower(leaves, tree, backend, self._donated(args), dynamic)
+            if dynamic:
+                compiled = _Compiled(lowered)  # where size symbols fail, static (below)
+        except Exception as e:
             if self._floats_turn_static(args, kwargs):
+                return None, None
+            if dynamic and self._give_up_dynamic(e):
                 return None, None
             raise
         state_before, state = state, lowered.traced.state
@@ -735,7 +831,8 @@ class Jitted:
                 f"{name}: the state it captures could not be read back right after it "
                 "was traced (a path to a captured tensor or module that changes as it "
                 "is followed). Pass such tensors as arguments.")
-        compiled = _Compiled(lowered)  # compiled here, outside the lock
+        if not dynamic:
+            compiled = _Compiled(lowered)  # compiled here, outside the lock
         with self._lock:
             self._note_retrace(args, kwargs, key)
             if state_before is not None and read_before is None:  # compiled under a state
@@ -743,7 +840,8 @@ class Jitted:
                     del self._cache[stale]
             self._states[key] = state
             first = self._cache.get((key, read[0]))
-            if first is not None and first.guards:  # another branch (NOTE [value guards])
+            if first is not None and (first.guards or first.sizes):  # another branch or
+                # other sizes (NOTE [value guards], NOTE [dynamic dimensions])
                 compiled.variants = first.variants
                 compiled.variants.append(compiled)
                 if len(compiled.variants) > config.cache_size:
@@ -754,6 +852,79 @@ class Jitted:
                 self._cache.popitem(last=False)
                 _cache_log.debug("%s: evicted the oldest signature", name)
         return compiled, read
+
+    def _sizes_turn_dynamic(self, args, leaves, observe: bool = True) -> bool:
+        """NOTE [automatic dynamic]: do this call's tensor arguments make dimensions dynamic
+        that were not (marked with ``mark_dynamic``, or, with ``observe``, of another size
+        than at the first trace of arguments of their ranks)? The call's key changes then:
+        it is keyed again."""
+        if self.dynamic is False or self.dynamic_failure is not None:
+            return False
+        with self._lock:
+            return self._turn_dynamic([x for x in leaves if isinstance(x, torch.Tensor)],
+                                      observe)
+
+    def _turn_dynamic(self, tensors: list, observe: bool) -> bool:
+        changed = False
+        ranks = tuple(t.dim() for t in tensors)  # argument j is the same argument
+        for j, t in enumerate(tensors):
+            first = self._first_shapes.setdefault((ranks, j), t.shape)
+            if observe:
+                self._varied[j] = self._varied.get(j, frozenset()) | {
+                    d for d, (a, b) in enumerate(zip(first, t.shape)) if a != b}
+            dims = set(self._varied.get(j, ()))
+            if self._forcing:
+                dims.update(getattr(t, "_dynamo_dynamic_indices", ()))
+                dims.update(range(t.dim()) if self.dynamic else ())
+            dims = frozenset(dims) | self._dynamic.get(j, frozenset())
+            if dims != self._dynamic.get(j, frozenset()):
+                self._dynamic[j] = dims
+                changed = True
+        if changed:
+            _cache_log.info("%s: traced with symbolic sizes from now on: %s",
+                            debug.function_name(self.fn), ", ".join(
+                                f"argument tensor {j}'s dims {sorted(d)}"
+                                for j, d in self._dynamic.items()))
+        return changed
+
+    def _sizes_static(self, backend: str) -> str:
+        """Why a tensor argument's sizes compile one at a time, and what to do about it."""
+        if not get_backend(backend).symbolic_sizes:
+            return (f"the {backend} backend compiles each size once (one program for every "
+                    "size is built on the CPU backend only so far). Pad the varying dims to "
+                    "a few sizes and mask the padding.")
+        if self.dynamic is False:
+            return ("plait.jit(..., dynamic=False) compiles each size once. Leave dynamic unset "
+                    "to compile one program for every size of a dimension that varies.")
+        if self.dynamic_failure is not None:
+            return ("compiling one program for every size failed, so each size compiles "
+                    f"once ({self.dynamic_failure}). Please report it; meanwhile pad the "
+                    "varying dims to a few sizes and mask the padding.")
+        return ("its sizes 0 and 1 compile their own programs (a program for every size "
+                "holds for sizes of 2 and more).")
+
+    def _give_up_dynamic(self, error: Exception) -> bool:
+        """A trace or compilation with size symbols failed: with dimensions made symbolic
+        before they varied (dynamic=True, mark_dynamic), only those that vary are from now
+        on; else this function compiles one size at a time from now on (as where it varies
+        nowhere), and says why once."""
+        with self._lock:
+            return self._fall_back(error)
+
+    def _fall_back(self, error: Exception) -> bool:
+        varied = {j: d for j, d in self._varied.items() if d}
+        if self._forcing and self._dynamic != varied:
+            self._forcing, self._dynamic = False, varied
+            _cache_log.info("%s: symbolic sizes failed (%s: %s); only dimensions that vary "
+                            "are symbolic from now on", debug.function_name(self.fn),
+                            type(error).__name__, error)
+            return True
+        self.dynamic_failure = f"{type(error).__name__}: {error}"
+        self._dynamic = {}
+        _cache_log.info("%s: compiling one size at a time, since symbolic sizes failed: %s",
+                        debug.function_name(self.fn), self.dynamic_failure,
+                        exc_info=error if _cache_log.isEnabledFor(logging.DEBUG) else None)
+        return True
 
     def _interpreted(self, args, kwargs):
         """A call under a foreign dispatch mode (``make_fx``, ``FakeTensorMode``) or a
@@ -782,7 +953,7 @@ class Jitted:
         if len(before) != len(now):
             changed = [("the structure of the arguments", "")]
         else:
-            changed = [(_argument_name(path), _change(a, b))
+            changed = [(_argument_name(path), _change(a, b, self._sizes_static(key_now[1][0])))
                        for (path, a), (_, b) in zip(before, now) if a != b]
             changed = changed or ([("captured state (a module's attributes or parameters)", "")]
                                   if key_before == key_now else [("the configuration", "")])
@@ -875,7 +1046,8 @@ del _name
 
 
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
-        backend: str | None = None, donate_argnums: Sequence[int] | int = ()):
+        backend: str | None = None, donate_argnums: Sequence[int] | int = (),
+        dynamic: bool | None = None):
     """Compile ``fn`` for each new input signature (shapes, dtypes, devices, pytree structure,
     and the values of non-tensor arguments other than floats, which are traced). Usable as
     ``@jit``, ``@jit(backend=...)``, on a method, or on a module (``plait.jit(model)``
@@ -889,14 +1061,32 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
     ``donate_argnums``: positional arguments whose tensors the caller hands over: compiled
     code may write results into their memory, so after the call their contents are undefined
     (as in JAX; pass tensors you no longer need, e.g. the old weights of a training step).
-    A backend that plans no memory ignores the donation."""
+    A backend that plans no memory ignores the donation.
+
+    ``dynamic`` (NOTE [automatic dynamic]): None, a tensor argument's dimension that takes a
+    second size (or that ``mark_dynamic`` marks) is compiled for every size from then on;
+    True, every dimension of every tensor argument is, from the first call; False, each
+    size compiles its own version."""
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, backend=backend,
-                                 donate_argnums=donate_argnums)
+                                 donate_argnums=donate_argnums, dynamic=dynamic)
     if isinstance(fn, torch.nn.parallel.DistributedDataParallel):  # NOTE [jit of DDP]
-        return _JittedDDP(fn, Jitted(fn.module, static_argnums, backend, donate_argnums))
-    jitted = Jitted(fn, static_argnums, backend, donate_argnums)
+        return _JittedDDP(fn, Jitted(fn.module, static_argnums, backend, donate_argnums,
+                                     dynamic))
+    jitted = Jitted(fn, static_argnums, backend, donate_argnums, dynamic)
     return JittedModule(fn, jitted) if isinstance(fn, torch.nn.Module) else jitted
+
+
+def mark_dynamic(tensor: torch.Tensor, dims: int | Sequence[int]) -> None:
+    """Compile for every size of ``tensor``'s dimensions ``dims`` from the first call it is
+    passed to a jitted function (NOTE [automatic dynamic]), as ``torch._dynamo.mark_dynamic``
+    does for torch.compile (the same mark: either call serves both)."""
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if any(not -tensor.dim() <= d < tensor.dim() for d in dims):
+        raise TraceError(f"mark_dynamic: dims {list(dims)} out of range for a tensor of "
+                         f"{tensor.dim()} dims")
+    marked = getattr(tensor, "_dynamo_dynamic_indices", set())
+    tensor._dynamo_dynamic_indices = marked | {d % tensor.dim() for d in dims}
 
 
 def make_graph(fn: Callable, static_argnums: Sequence[int] | int = ()):

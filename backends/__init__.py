@@ -8,7 +8,9 @@ compiles a control-flow body with ``bodies(graph)``. A backend may bring a confi
 ``repr`` joins the compilation cache key, as do the values of the global settings its code
 generator reads (``reads``). A backend whose callables may have a picklable ``runner`` (the
 callable's runtime alone) registers with ``keeps_programs``: the program cache keeps those on
-disk (NOTE [program cache]). Nothing here imports the passes: backends only generate code.
+disk (NOTE [program cache]); one that runs programs of symbolic sizes (NOTE [symbolic sizes]
+in graph/types.py) with ``symbolic_sizes``, and a jit then compiles a dimension that varies
+once for all its sizes. Nothing here imports the passes: backends only generate code.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class Backend:
     keeps_programs: bool = False
     target: Callable[[], Target] | None = None  # a code generator's (None: interprets graphs)
     reads: tuple[str, ...] = ()  # the global settings its code generation reads
+    symbolic_sizes: bool = False  # runs programs whose sizes are symbolic
 
     def cache_key(self) -> tuple:
         return (self.name, repr(self.config), tuple(getattr(global_config, r) for r in self.reads))
@@ -40,9 +43,10 @@ _BACKENDS: dict[str, Backend] = {}
 
 def register_backend(name: str, factory: Callable, config: Any = None, *,
                      keeps_programs: bool = False, target: Callable[[], Target] | None = None,
-                     reads: tuple[str, ...] = ()) -> None:
+                     reads: tuple[str, ...] = (), symbolic_sizes: bool = False) -> None:
     """Register (or replace) the backend ``name``."""
-    _BACKENDS[name] = Backend(name, factory, config, keeps_programs, target, tuple(reads))
+    _BACKENDS[name] = Backend(name, factory, config, keeps_programs, target, tuple(reads),
+                              symbolic_sizes)
 
 
 def get_backend(name: str) -> Backend:
@@ -67,9 +71,9 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-register_backend("eager", eager.compile_graph)
+register_backend("eager", eager.compile_graph, symbolic_sizes=True)
 register_backend("cpp", cpp.CompiledProgram, keeps_programs=True, target=cpp.target,
-                 reads=cpp.READS)
+                 reads=cpp.READS, symbolic_sizes=True)
 register_backend("loops", loopeval.Interpreted, target=loopeval.target)  # the reference
 register_backend("triton", triton.generate, target=triton.target, reads=triton.READS)
 

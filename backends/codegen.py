@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import re
 import tempfile
 import warnings
 import weakref
@@ -17,7 +18,9 @@ import torch
 
 from ..config import config
 from ..errors import BackendError, CheckError
-from ..graph.loops import Extern, Kernel, LoopProgram, Wait
+from ..graph.loops import Extern, Kernel, LoopProgram, Wait, walk
+from ..graph.types import (concrete, evaluated, is_symbolic, numeric, size_bindings,
+                          size_values)
 from ..tracer.collectives import COMM_BUFFER_TYPES
 
 
@@ -66,7 +69,7 @@ class IndexPrinter:
             return "(" + " * ".join([self(e.base)] * int(e.exp)) + ")"
         if isinstance(e, (sympy.floor, sympy.ceiling)):
             num, den = e.args[0].as_numer_denom()
-            if not den.is_Integer:
+            if not (den.is_integer and den.is_positive):  # a number or a size
                 raise BackendError(f"cannot print index {e}: the divisor is not an integer")
             if isinstance(e, sympy.ceiling):  # ceil(n / d) = -floor(-n / d)
                 num = -num
@@ -85,7 +88,8 @@ class IndexPrinter:
             return "(" + op.join(map(self, e.args)) + ")"
         if isinstance(e, sympy.core.relational.Relational):
             num, den = (e.lhs - e.rhs).as_numer_denom()
-            if den.is_Integer and den > 1:  # rational coefficients (r0/16 + x0/1536 < 2)
+            if den != 1 and den.is_integer and den.is_positive:  # rational coefficients
+                # (r0/16 + x0/1536 < 2; x0/s0 of a symbolic size)
                 return f"({self(num)} {e.rel_op} 0)"  # scaled by the positive denominator
             return f"({self(e.lhs)} {e.rel_op} {self(e.rhs)})"
         raise BackendError(f"cannot print index expression {e} ({type(e).__name__}) as "
@@ -98,6 +102,22 @@ class IndexPrinter:
 
 
 KERNEL_NAME = "KERNEL_NAME"  # where a generated kernel's text names the kernel
+SIZES = "<sizes>"  # the wrapper's slot holding a call's size symbols' values (by symbol name)
+_LOOP_VARIABLE = re.compile(r"[xri]\d+")
+
+
+def kernel_symbols(k: Kernel) -> tuple[sympy.Symbol, ...]:
+    """The size symbols a kernel's loops and indices use (NOTE [symbolic sizes]), by name:
+    parameters of the generated kernel, after its buffers."""
+    exprs = [*k.sizes, *k.reduction_sizes]
+    for s in k.stores:
+        exprs.append(s.index)
+        for e in walk(s.value):
+            exprs += [getattr(e, "index", 0), getattr(e, "expr", 0),
+                      *(n for _, n in getattr(e, "indirect", ()))]
+    symbols = {s for e in exprs if isinstance(e, sympy.Basic) for s in e.free_symbols}
+    return tuple(sorted((s for s in symbols if not _LOOP_VARIABLE.fullmatch(s.name)),
+                        key=str))
 
 
 def kernel_name(text: str) -> str:
@@ -265,17 +285,24 @@ class CompiledKernel:
     writes: tuple[str, ...]
 
 
-def extern_results(k: Extern, args: list, types: Sequence) -> list[torch.Tensor]:
+def extern_results(k: Extern, args: list, types: Sequence,
+                   sizes: dict | None = None) -> list[torch.Tensor]:
     """Run an extern on its argument tensors: its results, checked against their buffers'
     ``types``, contiguous, and never sharing memory with an argument (a later in-place write
-    or a reused slot must not change them)."""
-    result = k.fn(*args, **dict(k.params))
+    or a reused slot must not change them). ``sizes``: the size symbols' values, for a
+    program with symbolic sizes (NOTE [symbolic sizes])."""
+    fn, params = k.fn, dict(k.params)
+    if sizes is not None:
+        params = {n: concrete(v, sizes) for n, v in params.items()}
+        if is_symbolic(getattr(fn, "views", ())):  # an Impl's views of its operands
+            fn = attrs.evolve(fn, views=concrete(fn.views, sizes))
+    result = fn(*args, **params)
     result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
     if len(result) != len(k.outputs):
         raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
                            f"expected {len(k.outputs)}")
     for b, t, want in zip(k.outputs, result, types):
-        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+        if tuple(t.shape) != concrete(tuple(want.shape), sizes or {}) or t.dtype != want.dtype:
             raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
                                f"for {b}, which is {want.dtype}{list(want.shape)}")
     return [own(t.contiguous(), args) for t in result]
@@ -344,14 +371,17 @@ def _address(t: torch.Tensor) -> int:
 
 @attrs.frozen
 class _Empty:
-    """``env[dest] = torch.empty(shape, dtype)``: a buffer's own storage, or a pool slot."""
+    """``env[dest] = torch.empty(shape, dtype)``: a buffer's own storage, or a pool slot.
+    A symbolic shape is evaluated at the call's sizes, ``env[sizes]``."""
 
     dest: int
     shape: tuple
     dtype: torch.dtype
+    sizes: int | None = None
 
     def __call__(self, env, device):
-        return torch.empty(self.shape, dtype=self.dtype, device=device)
+        shape = self.shape if self.sizes is None else concrete(self.shape, env[self.sizes])
+        return torch.empty(shape, dtype=self.dtype, device=device)
 
     def text(self, names) -> str:
         return f"{names[self.dest]} = torch.empty({self.shape}, dtype={self.dtype}, device=device)"
@@ -388,12 +418,15 @@ class _View:
     dtype: torch.dtype
     offset: int = 0
     nbytes: int | None = None
+    sizes: int | None = None  # as _Empty's
 
     def __call__(self, env, device):
         t = env[self.src]
-        if self.nbytes is not None:
-            t = t[self.offset:self.offset + self.nbytes].view(self.dtype)
-        return t.view(self.shape)
+        shape, offset, nbytes = (self.shape, self.offset, self.nbytes) if self.sizes is None \
+            else (concrete(v, env[self.sizes]) for v in (self.shape, self.offset, self.nbytes))
+        if nbytes is not None:
+            t = t[offset:offset + nbytes].view(self.dtype)
+        return t.view(shape)
 
     def text(self, names) -> str:
         if self.nbytes is None:
@@ -441,6 +474,13 @@ class Wrapper:
         slot = {b: i for i, b in enumerate(program.buffers)}
         block = {("slot", j): len(slot) + j for j in range(len(plan.slots))} | {
             ("comm", j): len(slot) + len(plan.slots) + j for j in range(len(plan.comm_pools))}
+        # NOTE [symbolic sizes]: a call's size symbols' values live in one more slot
+        self._bindings = size_bindings(program.buffers[b].type for b in program.inputs)
+        symbolic = any(map(is_symbolic, (b.type for b in program.buffers.values())))
+        sizes = len(names) if symbolic else None
+        if symbolic:
+            slot[SIZES] = sizes
+            names.append("sizes")
         bound = {*program.inputs, *program.constants,
                  *(b for k in kernels if isinstance(k, Extern) for b in k.outputs)}
         keep = set(program.outputs)
@@ -461,7 +501,7 @@ class Wrapper:
             listing.append("# an extern's result that shares memory with its inputs is copied")
         for i, k in enumerate(kernels):
             used = tuple(dict.fromkeys((*k.reads, *k.writes)))
-            bind: list = [_Empty(block[("slot", j)], (s.nbytes,), torch.uint8)
+            bind: list = [_Empty(block[("slot", j)], (s.nbytes,), torch.uint8, sizes)
                           for j, s in enumerate(plan.slots) if s.first == i]
             bind += [pool for pool, p in zip(pools, plan.comm_pools) if p.first == i]
             for b in used:
@@ -470,16 +510,20 @@ class Wrapper:
                 t, s = program.buffers[b].type, lv.storage[b]
                 shape = tuple(t.shape)
                 if b in program.aliases:
-                    bind.append(_View(slot[b], slot[program.aliases[b]], shape, t.dtype))
+                    bind.append(_View(slot[b], slot[program.aliases[b]], shape, t.dtype,
+                                      sizes=sizes))
                 elif s in plan.slot_of:
                     bind.append(_View(slot[b], block[("slot", plan.slot_of[s])], shape, t.dtype,
-                                      0, t.nbytes))
+                                      0, t.nbytes, sizes))
                 elif s in plan.comm_of:
                     j = plan.comm_of[s]
                     bind.append(_View(slot[b], block[("comm", j)], shape, t.dtype,
-                                      plan.comm_pools[j].offsets[s], t.nbytes))
+                                      plan.comm_pools[j].offsets[s], t.nbytes, sizes))
                 else:
-                    bind.append(_Empty(slot[b], shape, t.dtype))
+                    bind.append(_Empty(slot[b], shape, t.dtype, sizes))
+            bind = [attrs.evolve(b, sizes=None) if getattr(b, "sizes", None) is not None and
+                    not is_symbolic((b.shape, getattr(b, "offset", 0), getattr(b, "nbytes", 0)))
+                    else b for b in bind]  # evaluated per call only where symbolic
             free = tuple(slot[b] for b in used if lv.uses[b][1] == i and b not in keep) + \
                 tuple(block[("slot", j)] for j, s in enumerate(plan.slots) if s.last == i) + \
                 tuple(block[("comm", j)] for j, p in enumerate(plan.comm_pools) if p.last == i)
@@ -494,6 +538,12 @@ class Wrapper:
         self._blocks = {(block[n] if isinstance(n, tuple) else slot[n]): span
                         for n, span in plan.blocks().items()}
         self._size = len(names)
+        self._sizes = sizes
+        # a symbolic program's shapes, offsets and extern arguments, evaluated at each call
+        # in one compiled function (NOTE [symbolic sizes])
+        self._exprs = tuple(dict.fromkeys(v for v in _size_values(self._steps, program)
+                                          if is_symbolic(v) and numeric(v))) if symbolic else ()
+        self._evaluate = None
         self._inputs = tuple(slot[b] for b in program.inputs)
         self.n_inputs = len(self._inputs)
         self.unread = frozenset(j for j, b in enumerate(program.inputs)
@@ -509,6 +559,9 @@ class Wrapper:
         self.source = "\n".join(
             ["def run(" + ", ".join(program.inputs) + "):"] + ["    " + s for s in listing])
 
+    def __getstate__(self):
+        return self.__dict__ | {"_evaluate": None}  # compiled again where it is loaded
+
     def __call__(self, inputs: Sequence[torch.Tensor], device: torch.device,
                  constants: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
         inputs = list(map(torch.Tensor.contiguous, inputs))
@@ -518,6 +571,10 @@ class Wrapper:
             env[s] = t
         for s, t in constants:
             env[s] = t
+        if self._sizes is not None:
+            if self._evaluate is None:
+                self._evaluate = evaluated(self._exprs)
+            env[self._sizes] = self._evaluate(size_values(self._bindings, inputs))
         tracker = _Tracker(self, env) if config.check_memory_plan else None
         for i, step in enumerate(self._steps):
             for b in step.bind:
@@ -534,10 +591,25 @@ class Wrapper:
             if tracker:
                 tracker.verify(i, during=False)
         for s, shape, dtype in self._unbound_outputs:
+            if self._sizes is not None:
+                shape = concrete(shape, env[self._sizes])
             env[s] = torch.empty(shape, dtype=dtype, device=device)
         if tracker:
             tracker.finish()
         return [env[s] for s in self._outputs]
+
+
+def _size_values(steps, program: LoopProgram):
+    """The values a symbolic program's steps evaluate at each call: shapes, offsets and byte
+    counts of bindings, outputs' shapes, externs' arguments and operand views."""
+    for step in steps:
+        for b in step.bind:
+            yield from (b.shape, getattr(b, "offset", 0), getattr(b, "nbytes", 0))
+    for k in program.kernels:
+        if isinstance(k, Extern):
+            yield from (v for _, v in k.params)
+            yield from (getattr(k.fn, "views", ()))
+    yield from (b.type.shape for b in program.buffers.values())
 
 
 @attrs.frozen
@@ -548,10 +620,12 @@ class _ExternCall:
     args: tuple[int, ...]
     outs: tuple[int, ...]
     types: tuple  # of the results
+    sizes: int | None = None  # as _Empty's
 
     def __call__(self, env, device):
-        for s, t in zip(self.outs, extern_results(self.extern, [env[s] for s in self.args],
-                                                  self.types)):
+        for s, t in zip(self.outs, extern_results(
+                self.extern, [env[s] for s in self.args], self.types,
+                None if self.sizes is None else env[self.sizes])):
             env[s] = t
 
 
@@ -572,8 +646,10 @@ def _extern_step(k: Extern | Wait, program: LoopProgram, slot: dict) -> Callable
     outs = tuple(slot[b] for b in k.outputs)
     if isinstance(k, Wait):
         return _WaitCall(k, outs, dict(k.params))
-    return _ExternCall(k, tuple(slot[b] for b in k.inputs), outs,
-                       tuple(program.buffers[b].type for b in k.outputs))
+    types = tuple(program.buffers[b].type for b in k.outputs)
+    symbolic = is_symbolic((k.params, getattr(k.fn, "views", ()), types))
+    return _ExternCall(k, tuple(slot[b] for b in k.inputs), outs, types,
+                       slot.get(SIZES) if symbolic else None)
 
 
 class _Tracker:
@@ -692,7 +768,8 @@ class CompiledProgram:
 @attrs.frozen
 class Runner:
     """What calling a compiled program needs and nothing more: its wrapper (whose steps hold
-    the loaded kernels), its constants and its device; no loop program, no sympy. The program
+    the loaded kernels), its constants and its device; no loop program, and no sympy but a
+    symbolic program's size expressions. The program
     cache pickles it where every step pickles (NOTE [program cache])."""
 
     wrapper: Wrapper

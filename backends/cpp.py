@@ -49,8 +49,9 @@ from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
                            column_wise, is_inner, levels, loop_vars, walk)
 from . import codegen, cpp_wrapper
+from ..graph.types import numel_hint
 from .codegen import (INFIX, INT_DIVISIONS, KERNEL_NAME, IndexPrinter, kernel_error,
-                      with_error_codes)
+                      kernel_symbols, with_error_codes)
 from .toolchain import CPP_DTYPES, Library, build, ctype
 
 # op -> C++ expression: {0}, {1}, {2} are the operands' locals, {T} the result's C type.
@@ -258,7 +259,9 @@ def _stored_by_the_reductions(passes: list, inner: list) -> bool:
 # ---------------------------------------------------------------------------------------
 # Printing expressions
 # ---------------------------------------------------------------------------------------
-def _int(n: int) -> str:
+def _int(n) -> str:
+    if not isinstance(n, int):  # a size expression (NOTE [symbolic sizes]): its parameters
+        return _index(n)
     if n == -(1 << 63):
         return "(-9223372036854775807LL - 1)"
     return str(n) if -(1 << 31) < n < (1 << 31) else f"{n}LL"
@@ -361,6 +364,7 @@ class _KernelWriter:
         self.count, self.checks_error = 0, False
         self.buffers = tuple(dict.fromkeys(kernel.reads + kernel.writes))  # parameter order
         self.params = {b: f"arg{n}" for n, b in enumerate(self.buffers)}
+        self.symbols = kernel_symbols(kernel)  # its size symbols: parameters after the buffers
         self.columns = column_wise(kernel)
 
     def param(self, buffer: str) -> str:
@@ -374,21 +378,22 @@ class _KernelWriter:
             const = "" if written else "const "
             restrict = "" if (written and read) or b in self.shared else " __restrict__"
             decls.append(f"{const}{ctype(buffer_types[b].dtype)}*{restrict} {self.params[b]}")
+        decls += [f"const int64_t {s.name}" for s in self.symbols]
         lines = [f'extern "C" void {self.name}({", ".join(decls)}) {{']
         passes = levels(*(s.value for s in k.stores))
         inner = [s for s in k.stores if is_inner(s)]
         made = inner if _stored_by_the_reductions(passes, inner) else []
         # every sweep over the points is work (a softmax's max, sum and stores: three)
         sweeps = max(1, len(passes) + bool(inner and not made))
-        work = math.prod(k.sizes) * max(1, math.prod(k.reduction_sizes)) * sweeps
+        work = numel_hint(k.sizes) * max(1, numel_hint(k.reduction_sizes)) * sweeps
         parallel = work >= _PARALLEL_MIN_WORK
         xs = [f"x{i}" for i in range(len(k.sizes))]
         # a pointwise kernel keeps its innermost loop out of the collapse, for vectorization
         n_parallel = len(xs) if k.reduction_sizes or len(xs) < 2 else len(xs) - 1
         indent = "  "
         bound: dict = {}
-        if not k.reduction_sizes and math.prod(k.sizes[:-1]) > 1 and \
-                k.sizes[-1] <= _MAX_INVARIANT_POINTS:
+        if not k.reduction_sizes and numel_hint(k.sizes[:-1]) > 1 and \
+                isinstance(k.sizes[-1], int) and k.sizes[-1] <= _MAX_INVARIANT_POINTS:
             bound = self._invariants(lines, indent, set(loop_vars("x", len(xs) - 1)), "0",
                                      _int(k.sizes[-1]), k.sizes[-1])
         for i, (x, n) in enumerate(zip(xs, k.sizes)):
@@ -676,8 +681,8 @@ class CompiledProgram(codegen.CompiledProgram):
     def launch(self, i: int, k: Kernel, slot: dict):
         w = self.writers[i]
         call = _KernelCall(self._library_of[w.name], w.name, tuple(slot[b] for b in w.buffers),
-                           w.checks_error)
-        return call, f"{w.name}({', '.join(w.buffers)})"
+                           w.checks_error, w.symbols, slot.get(codegen.SIZES))
+        return call, f"{w.name}({', '.join((*w.buffers, *map(str, w.symbols)))})"
 
     def wrap(self, program, plan):
         """The C++ wrapper where it applies (NOTE [C++ wrapper]), else the Python one."""
@@ -708,17 +713,24 @@ class _KernelCall:
     """A wrapper step calling one kernel of the library on its buffers' pointers; it pickles
     as the library and the kernel's name (NOTE [program cache])."""
 
-    def __init__(self, library: Library, cname: str, args: tuple[int, ...], checks_error: bool):
-        self._reduce = (_KernelCall, (library, cname, args, checks_error))
+    def __init__(self, library: Library, cname: str, args: tuple[int, ...], checks_error: bool,
+                 symbols: tuple = (), sizes: int | None = None):
+        self._reduce = (_KernelCall, (library, cname, args, checks_error, symbols, sizes))
         self.fn, self.args = getattr(library.cdll, cname), args
-        self.fn.argtypes, self.fn.restype = [ctypes.c_void_p] * len(args), None
+        self.symbols, self.sizes = symbols, sizes  # its size parameters, from env[sizes]
+        self.fn.argtypes = [ctypes.c_void_p] * len(args) + [ctypes.c_int64] * len(symbols)
+        self.fn.restype = None
         self.take_error = library.cdll.plait_take_error if checks_error else None
 
     def __reduce__(self):
         return self._reduce
 
     def __call__(self, env, device):
-        self.fn(*[env[s].data_ptr() for s in self.args])
+        if self.symbols:
+            values = env[self.sizes]
+            self.fn(*[env[s].data_ptr() for s in self.args], *[values[s] for s in self.symbols])
+        else:
+            self.fn(*[env[s].data_ptr() for s in self.args])
         if self.take_error is not None and (code := self.take_error()):
             raise kernel_error(code)
 

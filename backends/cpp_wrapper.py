@@ -57,7 +57,7 @@ import torch
 from ..config import config
 from ..errors import BackendError
 from ..graph.loops import Extern, Kernel, Wait
-from ..graph.types import TensorType
+from ..graph.types import TensorType, is_symbolic
 from ..tracer.registry import Impl
 from .codegen import entry_pointers, extern_results, extern_text, kernel_error
 from .toolchain import CPP_DTYPES, build, ctype
@@ -481,8 +481,10 @@ def _sub_programs(k, buffers, compile_body) -> list | None:
 
 
 def applies(program, plan) -> bool:
-    """Is ``program`` run by the C++ wrapper (NOTE [C++ wrapper])?"""
+    """Is ``program`` run by the C++ wrapper (NOTE [C++ wrapper])? Not one with symbolic
+    sizes (NOTE [symbolic sizes]): the Python wrapper evaluates them per call."""
     return config.cpp_wrapper and not plan.comm_pools and not any(
+        is_symbolic(b.type) for b in program.buffers.values()) and not any(
         isinstance(k, Wait) or isinstance(k, Extern) and k.collective for k in program.kernels)
 
 

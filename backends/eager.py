@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..graph import Graph
+from ..graph.types import concrete, is_symbolic, size_bindings, size_values
 from ..tracer.registry import get_primitive
 
 
@@ -42,14 +43,19 @@ def compile_graph(graph: Graph) -> Callable[[Sequence[torch.Tensor]], list[torch
         prim = get_primitive(node.prim)
         ins = operand_slots[n]
         dead = tuple(s for s in set(ins) if last_use[s] == step and s not in out_slots)
-        program.append((prim.impl, ins, node.kwargs, outs, prim.multiple_results, dead))
+        program.append((prim.impl, ins, node.kwargs, is_symbolic(node.params), outs,
+                        prim.multiple_results, dead))
+    bindings = size_bindings(graph.input_types)
 
     def run(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         env = [None] * size
         env[:len(inputs)] = inputs
         for s, t in constants.items():
             env[s] = t
-        for impl, ins, params, outs, multiple, dead in program:
+        sizes = size_values(bindings, inputs) if bindings else None  # NOTE [symbolic sizes]
+        for impl, ins, params, symbolic, outs, multiple, dead in program:
+            if symbolic:
+                params = {k: concrete(v, sizes) for k, v in params.items()}
             result = impl(*[env[i] for i in ins], **params)
             if multiple:
                 for s, r in zip(outs, result):

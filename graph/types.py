@@ -1,12 +1,15 @@
 """The tiny value types every stage shares: tensor types, values, node payloads."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from typing import Any
+from typing import Any, Callable
 
 import attrs
+import sympy
 import torch
+from sympy.printing.pycode import PythonCodePrinter
 
 _DTYPE_NAMES = {
     torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -43,11 +46,164 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# NOTE [symbolic sizes]
+# A dimension is an int, or a sympy expression over size symbols (``s0, s1, ..``: integers
+# >= 2, made by torch's ShapeEnv while a jit traces a call whose dimension varies: NOTE
+# [dynamic dimensions] in tracer/sizes.py). A symbolic dimension compares by its expression,
+# and arithmetic on it stays symbolic; a question it cannot answer (``int()``, ``<`` with an
+# undecided result, ``range``) raises TypeError, so a stage that needs a number fails loudly
+# rather than deciding for one size. Heuristics read ``size_hint`` (the size it was traced
+# at), never correctness.
+def dimension(d) -> "int | sympy.Expr":
+    """An int, or the sympy expression of a symbolic size (a SymInt's or an expression)."""
+    if isinstance(d, int):
+        return int(d)
+    if isinstance(d, torch.SymInt):
+        n = d.node.maybe_as_int()
+        return n if n is not None else dimension(d.node.expr)
+    if isinstance(d, sympy.Basic):
+        return int(d) if d.is_Integer else d
+    return int(d)
+
+
+def is_static(shape) -> bool:
+    return all(isinstance(d, int) for d in shape)
+
+
+# size symbol -> its size at the latest trace that made it (symbols of one name are one
+# object: a hint is only ever a heuristic's guess)
+_HINTS: dict = {}
+
+
+def set_size_hint(symbol: sympy.Symbol, size: int) -> None:
+    _HINTS[symbol] = size
+
+
+def size_hint(d) -> int:
+    """A dimension's size at the trace that made it: for heuristics only (NOTE [symbolic
+    sizes])."""
+    if isinstance(d, int):
+        return d
+    return int(sympy.sympify(d).xreplace({s: _HINTS[s] for s in d.free_symbols}))
+
+
+def hints(value) -> dict:
+    """Each size symbol in ``value`` (a param, a shape) -> its hint: ``concrete(value,
+    hints(value))`` is ``value`` at the traced sizes."""
+    if isinstance(value, sympy.Basic):
+        return {s: _HINTS[s] for s in value.free_symbols}
+    if isinstance(value, (tuple, list)):
+        return {s: n for v in value for s, n in hints(v).items()}
+    return {}
+
+
+def numel_hint(shape) -> int:
+    return math.prod(map(size_hint, shape))
+
+
+def size_bindings(input_types) -> tuple:
+    """(input, dim, symbol) for each size symbol that is a dimension of an input (a dynamic
+    program's arguments: NOTE [dynamic dimensions]), where a call reads its value."""
+    seen = {}
+    for j, t in enumerate(input_types):
+        for d, n in enumerate(t.shape):
+            if isinstance(n, sympy.Symbol):
+                seen.setdefault(n, (j, d, n))
+    return tuple(seen.values())
+
+
+def size_values(bindings: tuple, tensors) -> dict:
+    """Each size symbol's value in a call (``size_bindings``)."""
+    return {s: tensors[j].shape[d] for j, d, s in bindings}
+
+
+def concrete(value, values: dict):
+    """``value`` (a param, a shape) with its size expressions evaluated at ``values`` (size
+    symbol -> int, and values evaluated already: ``evaluated``): a compiled program's sizes
+    at one call."""
+    try:
+        return values[value]
+    except (KeyError, TypeError):  # not evaluated already, or unhashable
+        pass
+    if isinstance(value, sympy.Basic) or isinstance(value, tuple) and all(
+            isinstance(v, (int, sympy.Basic)) for v in value):
+        symbols, fn = _evaluator(value)
+        return fn(*[values[s] for s in symbols])
+    if isinstance(value, tuple):
+        items = (concrete(v, values) for v in value)
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [concrete(v, values) for v in value]
+    return value
+
+
+def numeric(value) -> bool:
+    """Is ``value`` numbers and size expressions, in tuples (a shape, an op's sizes)?"""
+    if isinstance(value, (tuple, list)):
+        return all(map(numeric, value))
+    return isinstance(value, (int, float, sympy.Basic)) and not isinstance(value, bool)
+
+
+def evaluated(exprs: tuple) -> Callable[[dict], dict]:
+    """A function of a call's size symbols' values (``size_values``) returning them with
+    each of ``exprs`` (``numeric`` values) evaluated, in one compiled call: what a program
+    reads through ``concrete`` at each call."""
+    symbols, fn = _evaluator(tuple(exprs)) if exprs else ((), None)
+
+    def evaluate(values: dict) -> dict:
+        if fn is None:
+            return values
+        return values | dict(zip(exprs, fn(*[values[s] for s in symbols])))
+
+    return evaluate
+
+
+class _SizePrinter(PythonCodePrinter):
+    """Python code of size expressions in integer arithmetic (floor division, not float)."""
+
+    def _print_floor(self, e):
+        num, den = e.args[0].as_numer_denom()
+        return f"(({self._print(num)}) // ({self._print(den)}))"
+
+    def _print_ceiling(self, e):
+        num, den = e.args[0].as_numer_denom()
+        return f"(-((-({self._print(num)})) // ({self._print(den)})))"
+
+    def _print_Function(self, e):  # torch's ToFloat: a size as a float
+        if type(e).__name__ == "ToFloat":
+            return f"float({self._print(e.args[0])})"
+        return super()._print_Function(e)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _evaluator(value):
+    """(the symbols of ``value``, a function of their values giving ``value``'s numbers)."""
+    return _symbols_of(value), sympy.lambdify(_symbols_of(value), value, printer=_SizePrinter)
+
+
+def _symbols_of(value) -> tuple:
+    if isinstance(value, (tuple, list)):
+        return tuple(sorted({s for v in value for s in _symbols_of(v)}, key=str))
+    return tuple(value.free_symbols) if isinstance(value, sympy.Basic) else ()
+
+
+def is_symbolic(value) -> bool:
+    """Does ``value`` (a param, a type, a shape) hold a size expression?"""
+    if isinstance(value, sympy.Basic):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(map(is_symbolic, value))
+    if isinstance(value, TensorType):
+        return not is_static(value.shape)
+    return False
+
+
 @attrs.frozen
 class TensorType:
-    """Static type of a traced tensor: shape, dtype and device (always dense and contiguous)."""
+    """Static type of a traced tensor: shape, dtype and device (always dense and contiguous).
+    A dimension may be symbolic (NOTE [symbolic sizes])."""
 
-    shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(d) for d in s))
+    shape: tuple = attrs.field(converter=lambda s: tuple(map(dimension, s)))
     dtype: torch.dtype
     device: str = attrs.field(default="cpu", converter=lambda d: normalize_device(d))
 
@@ -62,6 +218,15 @@ class TensorType:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def numel_hint(self) -> int:
+        """``numel`` at the size the trace saw: for heuristics (NOTE [symbolic sizes])."""
+        return numel_hint(self.shape)
+
+    @property
+    def nbytes_hint(self) -> int:
+        return self.numel_hint * self.dtype.itemsize
 
     def __str__(self) -> str:
         return f"{dtype_name(self.dtype)}[{','.join(map(str, self.shape))}]"

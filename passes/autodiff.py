@@ -248,7 +248,7 @@ def _gathers_by_a_table(g: Graph, n: int, pinned: set[int]) -> bool:
     no fewer values than it reads from (saved, its result would cost more than its data)?"""
     data, index = g.operands(n)
     return index.node not in pinned and \
-        g.type_of(Value(n, 0)).numel >= g.type_of(data).numel
+        g.type_of(Value(n, 0)).numel_hint >= g.type_of(data).numel_hint
 
 
 def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
@@ -272,7 +272,7 @@ def _recomputed(g: Graph, pinned: set[int]) -> dict[int, frozenset]:
             continue
         if prim in _LAYOUT or prim in ELEMENTWISE or prim == "gather" and \
                 _gathers_by_a_table(g, n, pinned):
-            free = prim in _LAYOUT or g.node(n).out_types[0].numel <= RECOMPUTE_FREE_NUMEL
+            free = prim in _LAYOUT or g.node(n).out_types[0].numel_hint <= RECOMPUTE_FREE_NUMEL
             nodes = frozenset(() if free else (n,)).union(
                 *(redo.get(v.node, ()) for v in g.operands(n)))
             if len(nodes) <= RECOMPUTE_LIMIT:
@@ -441,10 +441,10 @@ def _stored_instead(g: Graph, n_outputs: int, recomputed: dict, in_backward: set
                 shared.add(v)
     stored: set[int] = set()
     for r, values in handed.items():
-        freed = sum(g.type_of(v).nbytes for v in reads.get(r, set()) - shared
+        freed = sum(g.type_of(v).nbytes_hint for v in reads.get(r, set()) - shared
                     if g.node(v.node).prim != "input")
         if all(v.node in stored_anyway for v in values) and \
-                sum(g.type_of(v).nbytes for v in values) <= freed:
+                sum(g.type_of(v).nbytes_hint for v in values) <= freed:
             stored.update(v.node for v in values)
     return stored
 

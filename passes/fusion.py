@@ -51,10 +51,12 @@ import heapq
 import itertools
 import math
 import operator
+from collections import Counter
 
 import attrs
 import sympy
 
+from ..graph.types import is_static
 from ..graph.loops import (Kernel, Load, LoopProgram, Store, children, loop_vars, reads_at,
                            with_children)
 
@@ -128,7 +130,7 @@ def _plans(p: Kernel, c: Kernel):
     if not pr:
         for target in (cx + cr, cx):
             sizes = (c.sizes + c.reduction_sizes) if len(target) > len(cx) else c.sizes
-            if len(target) != len(px) or sorted(sizes) != sorted(p.sizes):
+            if len(target) != len(px) or Counter(sizes) != Counter(p.sizes):
                 continue
             for order in _orders(len(px)):  # P's loop k runs as C's loop order[k]
                 if all(p.sizes[k] == sizes[order[k]] for k in range(len(px))):
@@ -170,6 +172,8 @@ def _common_split(*shapes: tuple) -> tuple | None:
     """The loops each of ``shapes`` (one product) is consecutive runs of, or None."""
     if any(0 in shape for shape in shapes) or len({math.prod(s) for s in shapes}) > 1:
         return None
+    if not all(map(is_static, shapes)):  # symbolic sizes share loops only as they are
+        return shapes[0] if len(set(shapes)) == 1 else None
     cuts = sorted({n for shape in shapes for n in itertools.accumulate(shape, operator.mul)})
     sizes, done = [], 1
     for n in cuts:
@@ -198,7 +202,7 @@ def _split_onto(k: Kernel, sizes: tuple, reduction_sizes: tuple) -> dict:
     exprs, j = {}, 0
     for v, n in zip(sum(_variables(k), ()), k.sizes + k.reduction_sizes):
         e, covered = sympy.Integer(0), 1
-        while covered < n:
+        while covered != n:  # the runs' products reach n exactly (symbolic sizes too)
             e, covered, j = e * merged[j] + names[j], covered * merged[j], j + 1
         exprs[v] = e
     return exprs
@@ -285,7 +289,7 @@ class _Schedule:
         self.readers: dict[str, list[int]] = {}     # buffer -> the places reading it, sorted
         self.failed: set[tuple[int, int]] = set()   # (id, id) of pairs judged unmergeable
         self.seen: list = []                        # every kernel indexed: their ids stay theirs
-        self.nbytes = {n: b.type.nbytes for n, b in program.buffers.items()}
+        self.nbytes = {n: b.type.nbytes_hint for n, b in program.buffers.items()}
         self.producers: list[int] = []              # places to try as producers (a heap)
         self.pairs: list = []                       # (-bytes, place, place) siblings (a heap)
         for i, k in self.at.items():

@@ -90,7 +90,10 @@ def _bound(e, bound, ranges) -> tuple:
     if e.is_Number:
         return e, e
     if e.is_Symbol:
-        return (sympy.Integer(0), sympy.Integer(ranges[e] - 1)) if e in ranges else (-inf, inf)
+        if e not in ranges:
+            return -inf, inf
+        n = ranges[e]  # a symbolic size is unbounded here (NOTE [symbolic sizes])
+        return sympy.Integer(0), sympy.Integer(n - 1) if isinstance(n, int) else inf
     if isinstance(e, sympy.Add):
         lo, hi = zip(*map(bound, e.args))
         return sympy.Add(*lo), sympy.Add(*hi)

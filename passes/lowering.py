@@ -43,7 +43,7 @@ import sympy
 import torch
 
 from ..graph import Graph, TensorType, Value, rewrite
-from ..graph.types import contiguous_strides
+from ..graph.types import concrete, contiguous_strides, hints, size_hint
 from ..graph.loops import (Apply, Buffer, CommKind, Constant, Extern, IndexValue, Kernel, Load,
                            LoopProgram, Reduce, Store, children, loop_vars, walk,
                            with_children)
@@ -291,7 +291,7 @@ class _Lowering:
         """Is computing ``lazy`` at every point of its broadcast to ``repeated`` costly: does
         it read a buffer indirectly (a gather, checked per point) or compute one of the
         ``COSTLY_OPS``?"""
-        return not self.held(lazy) and repeated.numel > lazy.type.numel and any(
+        return not self.held(lazy) and repeated.numel_hint > lazy.type.numel_hint and any(
             isinstance(e, Load) and e.indirect or isinstance(e, Apply) and e.op in COSTLY_OPS
             for e in _nodes(lazy))
 
@@ -302,7 +302,7 @@ class _Lowering:
         ops = sum(isinstance(e, (Apply, Reduce)) or isinstance(e, Load) and bool(e.indirect)
                   for e in nodes)
         reads = {e.buffer for e in nodes if isinstance(e, Load)
-                 and self.buffers[e.buffer].type.numel >= lazy.type.numel}
+                 and self.buffers[e.buffer].type.numel_hint >= lazy.type.numel_hint}
         return ops > RECOMPUTE_MAX_OPS or (ops > 0 and len(reads) > RECOMPUTE_MAX_READS)
 
     def gather(self, n, node, x: Value, index: Value) -> Lazy:
@@ -447,9 +447,12 @@ class _Lowering:
             source = operand
         if not chain:
             return v
-        view = torch.empty(self.graph.type_of(source).shape, device="meta")
+        # at the traced sizes, for symbolic ones: a view that copies at another size (a
+        # reshape) is still correct there (NOTE [symbolic sizes])
+        view = torch.empty(tuple(map(size_hint, self.graph.type_of(source).shape)),
+                           device="meta")
         for method, *args in chain:
-            view = getattr(view, method)(*args)
+            view = getattr(view, method)(*concrete(tuple(args), hints(args)))
         if view.ndim and view.stride(-1) != 1:
             return v
         steps += chain
@@ -625,10 +628,21 @@ _LAZY = {name: _elementwise for name in ELEMENTWISE} | {
     "no_fwd_grad": lambda node, args, t: args[0].at,
     "after": lambda node, args, t: args[0].at,
     "custom_vjp": lambda node, args, t: args[-1].at,  # NOTE [custom functions]
-    "full": lambda node, args, t: lambda idx: Constant(node.kwargs["value"], t.dtype),
+    "full": lambda node, args, t: _full(node.kwargs["value"], t.dtype),
     "iota": lambda node, args, t: lambda idx: IndexValue(
         node.kwargs["start"] + idx[0] * node.kwargs["step"], t.dtype),
 }
+
+
+def _full(value, dtype) -> Callable:
+    """A constant, or a size expression as a value (NOTE [symbolic sizes]: a row length
+    divided by)."""
+    if not isinstance(value, sympy.Basic) or not value.free_symbols:
+        return lambda idx: Constant(value, dtype)
+    n = value.replace(lambda e: type(e).__name__ == "ToFloat", lambda e: e.args[0])
+    if not n.is_integer:
+        raise TypeError(f"full of {value}: only an integer size expression is a value")
+    return lambda idx: IndexValue(n, dtype)
 
 
 def reads_memory(prim: str) -> bool:

@@ -78,9 +78,10 @@ import math
 from typing import Callable
 
 import attrs
+import sympy
 
 from ..graph.loops import Extern, Kernel, Load, LoopProgram, Wait, is_inner, reads_at, walk
-from ..graph.types import TensorType
+from ..graph.types import TensorType, size_hint
 
 
 # ---------------------------------------------------------------------------------------
@@ -91,12 +92,12 @@ class Liveness:
     uses: dict     # buffer -> (first, last) kernel using it, for buffers some kernel uses
     storage: dict  # buffer -> its storage (the buffer that an in-place chain starts from)
     span: dict     # storage -> (first, last): -1 bound on entry, len(kernels) kept to the end
-    nbytes: dict   # storage -> bytes
-    live: tuple    # live bytes during each kernel
+    nbytes: dict   # storage -> bytes (an expression of symbolic sizes: NOTE [symbolic sizes])
+    live: tuple    # live bytes during each kernel (at the traced sizes, for a symbolic one)
 
     @property
     def peak(self) -> int:
-        entry = sum(n for s, n in self.nbytes.items() if self.span[s][0] < 0)
+        entry = sum(size_hint(n) for s, n in self.nbytes.items() if self.span[s][0] < 0)
         return max(self.live, default=entry)
 
 
@@ -130,8 +131,8 @@ def liveness(program: LoopProgram) -> Liveness:
     delta = [0] * (end + 1)
     for s, (f, l) in span.items():
         if f <= l and f < end:
-            delta[max(f, 0)] += nbytes[s]
-            delta[min(l, end - 1) + 1] -= nbytes[s]
+            delta[max(f, 0)] += size_hint(nbytes[s])
+            delta[min(l, end - 1) + 1] -= size_hint(nbytes[s])
     live, total = [], 0
     for d in delta[:end]:
         total += d
@@ -349,7 +350,8 @@ def _schedule(program: LoopProgram, lv: Liveness, succ, frontier_of: Callable) -
             users[s].append(i)
     end = len(kernels)
     freeable = {s for s, (f, l) in lv.span.items() if 0 <= f and l < end}
-    alloc = [sum(lv.nbytes[b] for b in k.writes if lv.storage[b] == b) for k in kernels]
+    alloc = [sum(size_hint(lv.nbytes[b]) for b in k.writes if lv.storage[b] == b)
+             for k in kernels]
     freed = [0] * end
     remaining = {s: len(u) for s, u in users.items()}
     frontier = frontier_of(alloc, freed)
@@ -367,7 +369,7 @@ def _schedule(program: LoopProgram, lv: Liveness, succ, frontier_of: Callable) -
             remaining[s] -= 1
             if remaining[s] == 1 and s in freeable:  # its last user now frees it
                 (last,) = (u for u in users[s] if u not in done)
-                freed[last] += lv.nbytes[s]
+                freed[last] += size_hint(lv.nbytes[s])
                 frontier.changed(last)
         for j in succ[k]:
             npred[j] -= 1
@@ -571,6 +573,13 @@ def _into_comm_pools(pools: list, candidates: list, lv: Liveness, live: list) ->
     return [attrs.evolve(p, offsets=o) for p, o in zip(pools, offsets)]
 
 
+def _at_least(a, b) -> bool:
+    """``a >= b`` for every value of their size symbols (False where undecided)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a >= b
+    return bool((sympy.sympify(a) - b).is_nonnegative)
+
+
 def plan(program: LoopProgram, pool: bool = True, comm_reuse: bool = False) -> MemoryPlan:
     """The comm pools (NOTE [memory passes]), then, with ``comm_reuse``, intermediates in
     their free ranges, then pool slots for the other storages kernels write that hold no
@@ -594,16 +603,17 @@ def plan(program: LoopProgram, pool: bool = True, comm_reuse: bool = False) -> M
 
     def fits(slot, f, l, need) -> bool:
         idle, used = live[slot["last"] + 1:f], live[f:l + 1]
-        return max(idle, default=0) + slot["nbytes"] <= peak and \
-            max(used) + slot["nbytes"] - need <= peak
+        return max(idle, default=0) + size_hint(slot["nbytes"]) <= peak and \
+            max(used) + size_hint(slot["nbytes"]) - size_hint(need) <= peak
 
     for s in poolable if pool else ():
         if s in comm_of:
             continue
         (f, l), need = lv.span[s], lv.nbytes[s]
+        # a slot holds a storage at every size: at least as many bytes at all of them
         free = sorted((j for j, slot in enumerate(slots)
-                       if slot["last"] < f and slot["nbytes"] >= need),
-                      key=lambda j: (slots[j]["nbytes"], j))
+                       if slot["last"] < f and _at_least(slot["nbytes"], need)),
+                      key=lambda j: (size_hint(slots[j]["nbytes"]), j))
         j = next((j for j in free if fits(slots[j], f, l, need)), None)
         if j is None:
             j = len(slots)
@@ -611,7 +621,7 @@ def plan(program: LoopProgram, pool: bool = True, comm_reuse: bool = False) -> M
         else:
             slot = slots[j]
             for i in range(slot["last"] + 1, l + 1):  # idle, then the excess over s
-                live[i] += slot["nbytes"] - (need if i >= f else 0)
+                live[i] += size_hint(slot["nbytes"]) - (size_hint(need) if i >= f else 0)
         slots[j]["storages"].append(s)
         slots[j]["last"] = l
         slot_of[s] = j

@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from ..graph import Constant, Graph, GraphBuilder, Node, TensorType, Value, extract, rewrite
+from ..graph.types import is_symbolic
 from ..tracer.primitives import ELEMENTWISE
 from ..tracer.registry import get_primitive, is_effectful
 
@@ -146,6 +147,8 @@ def fold_constants(graph: Graph, max_numel: int = 4096) -> Graph:
 
     def visit(b, n, operands, preds):
         node = graph.node(n)
+        if is_symbolic(node.params) or is_symbolic(node.out_types):  # of a size: not known
+            return None  # at compile time
         small = all(t.numel <= max_numel for t in node.out_types)
         if preds or not small or is_effectful(node) or node.prim == "opaque" or any(
                 isinstance(v, Graph) for _, v in node.params):  # loops run when called
@@ -346,7 +349,8 @@ def algebra(graph: Graph) -> Graph:
                 return swapped
         if node.prim == "dot_general":
             return _absorb_transposes(b, operands, node)
-        if node.prim == "gather" and b.type_of(operands[1]).numel < b.type_of(operands[0]).numel:
+        if node.prim == "gather" and \
+                b.type_of(operands[1]).numel_hint < b.type_of(operands[0]).numel_hint:
             x, index = operands
             inner_node = b.node(x.node)
             if inner_node.prim in (*ELEMENTWISE, "full", "broadcast_in_dim"):

@@ -41,7 +41,7 @@ import torch
 
 from ..graph.loops import (Apply, Buffer, Kernel, Load, LoopProgram, Reduce, Store, children,
                            column_wise, is_inner, levels, loop_vars, reduces, with_children)
-from ..graph.types import TensorType
+from ..graph.types import TensorType, is_static
 from .fusion import rename
 
 SPLIT_OUTPUTS = 4096   # outputs (times chunks) below which a long reduction is split
@@ -58,7 +58,8 @@ _HALF = (torch.bfloat16, torch.float16)
 def split_reductions(program: LoopProgram) -> LoopProgram:
     buffers, kernels = dict(program.buffers), []
     for k in program.kernels:
-        chunks = _chunks(k) if isinstance(k, Kernel) else 1
+        chunks = _chunks(k) if isinstance(k, Kernel) and is_static(
+        k.sizes + k.reduction_sizes) else 1  # a symbolic size stays one reduction
         if chunks == 1:
             kernels.append(k)
             continue

@@ -264,7 +264,7 @@ def test_report_extra_sections(tmp_path):
 
 def test_logging(caplog):
     caplog.handler.setLevel(logging.DEBUG)  # the knob alone enables the loggers
-    jitted = plait.jit(_block)
+    jitted = plait.jit(_block, dynamic=False)  # the second size retraces
     jitted(*_args())
     assert not [r for r in caplog.records if r.name.startswith("plait")]
     with plait.config.patch(log="graph, cache"):

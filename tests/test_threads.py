@@ -102,8 +102,10 @@ def mixed_calls(n_calls: int, backend: str) -> None:
     for p, *want in zip(m.parameters(), *[c["dparams"] for c in cases]):
         total = sum(n * w for n, w in zip(counts, want))
         torch.testing.assert_close(p.grad, total, rtol=1e-4, atol=1e-4)
-    assert jf.trace_count == len(cases)
-    assert jm.trace_count == len(cases)
+    # the row counts vary: a static trace, then one for every count (NOTE [automatic dynamic]),
+    # and in training (a key of its own) one more; each thread waits for another's compile
+    assert jf.trace_count == 2, jf.dynamic_failure
+    assert jm.trace_count <= 4, jm.jitted.dynamic_failure
 
 
 def test_mixed_calls_from_threads_equal_eager():

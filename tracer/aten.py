@@ -15,16 +15,18 @@ import functools
 import math
 
 import attrs
+import sympy
 import torch
 import torch._prims  # noqa: F401  (registers every torch.ops.prims op before handlers bind)
 import torch._refs.nn.functional
 
 from ..errors import OpError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
-from ..graph.types import contiguous_strides
+from ..graph.types import contiguous_strides, dimension
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
 from . import randomness as _randomness  # noqa: F401  (refuses seeding while tracing)
+from .sizes import params_dimensions, reported
 from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback, _meta_with,
                     bind, current_trace, unwrap_functional)
 
@@ -64,7 +66,7 @@ def full(shape, value, dtype, device):
 
 def broadcast_to(x, shape):
     t = type_of(x)
-    shape = tuple(shape)
+    shape = tuple(map(dimension, shape))  # size expressions compare without guards
     if t.shape == shape:
         return x
     lead = len(shape) - t.ndim
@@ -89,8 +91,8 @@ def broadcast_shapes(*shapes) -> tuple[int, ...]:
     """The shape ``shapes`` broadcast to (torch.broadcast_shapes imports the symbolic-shapes
     machinery on its first call: NOTE [plain forms of torch's references])."""
     out = [1] * max(map(len, shapes), default=0)
-    for shape in shapes:
-        for i, n in enumerate(shape, len(out) - len(shape)):
+    for shape in shapes:  # size expressions compare without guards (NOTE [symbolic sizes])
+        for i, n in enumerate(map(dimension, shape), len(out) - len(shape)):
             if n != out[i] and 1 not in (n, out[i]):
                 raise ShapeError("shapes " + ", ".join(str(list(s)) for s in shapes) +
                                  " do not broadcast: sizes must match or be 1 in every dim")
@@ -305,7 +307,7 @@ def _where_one_scalar(condition, a, b):
     decomposition): promoted as eager promotes a tensor with a scalar, all broadcast."""
     tensor = a if isinstance(a, torch.Tensor) else b
     dtype = torch.result_type(a, b)
-    shape = torch.broadcast_shapes(type_of(condition).shape, type_of(tensor).shape)
+    shape = broadcast_shapes(type_of(condition).shape, type_of(tensor).shape)
     device = type_of(tensor).device
     (pred,) = line_up((convert(condition, torch.bool),), torch.bool, shape, device)
     return bind("where", pred, *line_up((a, b), dtype, shape, device))
@@ -430,6 +432,14 @@ def _generic_reference(reference):
     return None
 
 
+def _symbolic_number(x):
+    """A number that is a symbolic size (a mean's count: NOTE [dynamic dimensions]), as its
+    expression; else None."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        x = params_dimensions(x)
+    return x if isinstance(x, sympy.Basic) and x.free_symbols else None
+
+
 def _promoted(operands, kind, body):
     """``body`` on ``operands`` promoted and broadcast as torch's elementwise references do,
     its result converted to the promoted result dtype. A real tensor operand (a constant) is
@@ -437,7 +447,9 @@ def _promoted(operands, kind, body):
     compute, result = torch._prims_common.elementwise_dtypes(*operands,
                                                               type_promotion_kind=kind)
     number = torch._prims_common.dtype_to_type_ctor(compute)
-    operands = [number(x) if not isinstance(x, torch.Tensor) else convert(x, compute)
+    device = next((type_of(x).device for x in operands if isinstance(x, TracerTensor)), "cpu")
+    operands = [(full((), size, compute, device) if (size := _symbolic_number(x)) is not None
+                 else number(x)) if not isinstance(x, torch.Tensor) else convert(x, compute)
                 if isinstance(x, TracerTensor) else x.to(compute) for x in operands]
     if len(operands) > 1:
         shape = broadcast_shapes(*[x.shape for x in operands if isinstance(x, torch.Tensor)])
@@ -686,10 +698,46 @@ def _clone(x, *, memory_format=None):
     return out
 
 
+# A tracer of symbolic sizes is asked its sizes through dispatch (NOTE [dynamic dimensions])
+@handles(aten.size.default, aten.sym_size.default)
+def _size(x):
+    return x.shape
+
+
+@handles(aten.size.int, aten.sym_size.int)
+def _size_of(x, dim):
+    return x.shape[dim]
+
+
+@handles(aten.stride.default, aten.sym_stride.default)
+def _stride(x):
+    return x.stride()
+
+
+@handles(aten.stride.int, aten.sym_stride.int)
+def _stride_of(x, dim):
+    return x.stride()[dim]
+
+
+@handles(aten.numel.default, aten.sym_numel.default)
+def _numel(x):
+    return math.prod(x.shape)
+
+
+@handles(aten.dim.default)
+def _dim(x):
+    return x.dim()
+
+
+@handles(aten.sym_storage_offset.default)
+def _storage_offset(x):
+    return x.storage_offset()
+
+
 @handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(x, shape):
     t = type_of(x)
-    shape = list(shape)
+    shape = list(map(dimension, shape))  # size expressions compare without guards
     if -1 in shape:
         known = math.prod(n for n in shape if n != -1)
         shape[shape.index(-1)] = t.numel // known if known else 0
@@ -792,14 +840,29 @@ def _select(x, dim, index):
 def _slice(x, dim=0, start=None, end=None, step=1):
     t = type_of(x)
     dim = dim % t.ndim
-    n = t.shape[dim]
-    start, end, _ = slice(start, end).indices(n) if step > 0 else (0, 0, 1)
     if step <= 0:
         raise ShapeError("slice step must be positive")
+    if isinstance(t.shape[dim], int) and not isinstance(start, (torch.SymInt, sympy.Basic)) \
+            and not isinstance(end, (torch.SymInt, sympy.Basic)):
+        start, end, _ = slice(start, end).indices(t.shape[dim])
+    else:  # a symbolic size or bound: compared as Python would, each comparison a guard
+        n = x.shape[dim]  # (NOTE [dynamic dimensions])
+        start, end = (None if b is None else reported((b,))[0] for b in (start, end))
+        start, end = _within(start, n, 0), _within(end, n, n)
+    end = max(start, end)
     starts, limits = [0] * t.ndim, list(t.shape)
-    starts[dim], limits[dim] = start, max(start, end)
+    starts[dim], limits[dim] = dimension(start), dimension(end)
     return bind("slice", x, start=tuple(starts), limit=tuple(limits),
                 step=tuple(step if i == dim else 1 for i in range(t.ndim)))
+
+
+def _within(i, n, default):
+    """A slice bound ``i`` of a dimension of ``n`` elements in [0, n], as ``slice.indices``
+    makes it."""
+    if i is None:
+        return default
+    i = i + n if i < 0 else i
+    return 0 if i < 0 else n if i > n else i
 
 
 # Strided views. A tracer's value is logically contiguous, so a view given by strides over
@@ -1351,15 +1414,16 @@ def _flatten_indexed(x, indices):
             raise _MaskIndex()
     positions = [d for d, i in enumerate(indices) if i is not None]
     rest = [d for d in range(t.ndim) if d not in positions]
-    bshape = broadcast_shapes(*[type_of(indices[d]).shape for d in positions])
+    # as tracers report sizes: torch calls take them (NOTE [dynamic dimensions])
+    bshape = reported(broadcast_shapes(*[type_of(indices[d]).shape for d in positions]))
     linear = None
     for d in positions:
-        n = t.shape[d]
+        n = x.shape[d]
         i = indices[d].expand(bshape)
         i = torch.where(i < 0, i + n, i)
         linear = i if linear is None else linear * n + i
-    sizes = [t.shape[d] for d in rest]
-    flat = x.permute(positions + rest).reshape([math.prod(t.shape[d] for d in positions)] + sizes)
+    sizes = [x.shape[d] for d in rest]
+    flat = x.permute(positions + rest).reshape([math.prod(x.shape[d] for d in positions)] + sizes)
     count = math.prod(bshape)
     index = linear.reshape([count] + [1] * len(rest)).expand([count] + sizes)
     adjacent = positions == list(range(positions[0], positions[-1] + 1)) and positions[0] > 0
@@ -1384,8 +1448,7 @@ def _index(x, indices):
         raise UnsupportedOpError(
             "indexing with a boolean mask has a data-dependent shape; use torch.where(mask, "
             "x, other) or run it outside plait.jit") from None
-    t = type_of(x)
-    out = torch.gather(flat, 0, index).reshape(list(bshape) + [t.shape[d] for d in rest])
+    out = torch.gather(flat, 0, index).reshape(list(bshape) + [x.shape[d] for d in rest])
     return _place(out, len(bshape), positions[0], len(rest)) if adjacent else out
 
 
@@ -1396,7 +1459,7 @@ def _index_put(x, indices, values, accumulate=False):
         positions, rest, bshape, flat, index, adjacent = _flatten_indexed(x, indices)
     except _MaskIndex:
         return _mask_put(x, indices, values, accumulate)
-    nb, sizes = len(bshape), [t.shape[d] for d in rest]
+    nb, sizes = len(bshape), [x.shape[d] for d in rest]
     target = list(bshape) + sizes
     if adjacent:
         before = positions[0]
@@ -1404,11 +1467,11 @@ def _index_put(x, indices, values, accumulate=False):
         values = values.expand(target).permute(
             list(range(before, before + nb)) + list(range(before)) +
             list(range(before + nb, nb + len(sizes))))
-    values = values.expand(list(bshape) + sizes).reshape(list(type_of(index).shape))
+    values = values.expand(list(bshape) + sizes).reshape(index.shape)
     values = values.to(t.dtype) if type_of(values).dtype != t.dtype else values
     out = torch.scatter_add(flat, 0, index, values) if accumulate else torch.scatter(
         flat, 0, index, values)
-    out = out.reshape([t.shape[d] for d in positions] + sizes)
+    out = out.reshape([x.shape[d] for d in positions] + sizes)
     inverse = [0] * t.ndim
     for i, d in enumerate(positions + rest):
         inverse[d] = i
@@ -1423,7 +1486,7 @@ def _mask_put(x, indices, values, accumulate):
             "x[mask] = values with a boolean mask and more than one value has a "
             "data-dependent shape; use torch.where(mask, value, x)")
     t = type_of(x)
-    mask = mask.reshape(type_of(mask).shape + (1,) * (t.ndim - type_of(mask).ndim)).expand(t.shape)
+    mask = mask.reshape(*mask.shape, *(1,) * (t.ndim - mask.dim())).expand(x.shape)
     values = values.reshape(()).to(t.dtype)
     return torch.where(mask, x + values if accumulate else values, x)
 
@@ -1575,6 +1638,32 @@ def _pad(x, pad, mode="constant", value=None):
 
 
 FUNCTION_HANDLERS[torch.nn.functional.pad] = _pad
+
+
+def _linear(x, weight, bias=None):
+    """``F.linear`` of more than two dims with symbolic sizes (NOTE [dynamic dimensions]):
+    ATen's C++ composite asks for their values, which would decide them; here a product over
+    the flattened rows, as that composite computes it."""
+    if x.dim() <= 2 or not any(isinstance(n, torch.SymInt) for n in x.shape):
+        return NotImplemented
+    out = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+FUNCTION_HANDLERS[torch.nn.functional.linear] = _linear
+
+
+def _dropout(x, p=0.5, training=True, inplace=False):
+    """``F.dropout`` with symbolic sizes: ATen's C++ composite asks for the element count's
+    value before it draws; here its CPU computation itself (a Bernoulli draw into a tensor
+    like ``x``, scaled, then multiplied), which draws as eager does."""
+    if not (training and 0 < p < 1) or not any(isinstance(n, torch.SymInt) for n in x.shape):
+        return NotImplemented
+    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    return x.mul_(noise) if inplace else x * noise
+
+
+FUNCTION_HANDLERS[torch.nn.functional.dropout] = _dropout
 
 
 def _reduce_loss(loss, reduction):

@@ -19,6 +19,7 @@ from . import linalg as _linalg  # noqa: F401
 from . import nn as _nn  # noqa: F401
 from .strided import (address_order, broadcast_dims, compact, dense_order,
                       inverse_permutation, passed, passed_order)
+from .sizes import Sizes, symbolic_sizes
 from .state import (State, bindings, follow, layout_key, module_state, reach,
                     refuse_dtensor, slot_guards)
 from .trace import (Trace, TracerTensor, captured_write_error, check_dtype, is_dense,
@@ -75,6 +76,8 @@ class TracedFunction:
     # (graph of the graph's inputs, bool): what the trace took a branch on (NOTE [value
     # guards]); it holds for inputs where each graph computes its bool again
     guards: tuple = ()
+    # A dynamic trace's size symbols and the guards on them (NOTE [dynamic dimensions])
+    sizes: Sizes | None = None
 
 
 def _as_plait_error(e: RuntimeError) -> PlaitError | None:
@@ -208,7 +211,7 @@ def _is_size(x) -> bool:
 
 def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec,
                    live: bool = False, evaluate: Callable | None = None,
-                   eager_layouts: bool = False) -> TracedFunction:
+                   eager_layouts: bool = False, dynamic: dict | None = None) -> TracedFunction:
     """Trace ``fn(*args, **kwargs)`` where ``(args, kwargs) = unflatten(leaves, in_tree)``.
 
     Tensor leaves become graph inputs (in order); ``Static`` leaves are passed unwrapped.
@@ -219,9 +222,11 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     and with ``evaluate`` too (``evaluate(graph, tensors) -> outputs``), a branch on a bool
     computed from the call's tensors takes the branch they take (NOTE [value guards]). With
     ``eager_layouts``, a result eager lays out permuted is output in that order (NOTE
-    [eager's layouts of results]).
+    [eager's layouts of results]). ``dynamic`` maps a tensor leaf's position among them to
+    the dimensions traced as size symbols (NOTE [dynamic dimensions]).
     """
     trace, fn = Trace(), _traceable(fn)
+    sizes = Sizes() if dynamic else None
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     roots = (fn, *[x.value for x in leaves if isinstance(x, Static)
                    and isinstance(x.value, torch.nn.Module)]) if live else ()
@@ -236,7 +241,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
     given = [leaves[i] for i in tensor_pos] + [t for ts in state_tensors for t in ts]
     viewed = {i for i, x in enumerate(given) if live and not isinstance(x, TracerTensor)
               and passed(x) is not x}
-    with tracing(trace):
+    with tracing(trace), symbolic_sizes(sizes) if sizes else contextlib.nullcontext():
         inputs = []
         for x in given:
             where = "a function argument" if len(inputs) < len(tensor_pos) else \
@@ -248,6 +253,9 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             layout = _input_layout(x) if len(inputs) < len(tensor_pos) else (is_dense(x), None)
             if len(inputs) in viewed:
                 inputs.append(_strided_input(trace, x))
+            elif sizes is not None and len(inputs) in dynamic:
+                inputs.append(trace.new_input(sizes.symbolic(x, len(inputs),
+                                                             dynamic[len(inputs)]), *layout))
             else:
                 inputs.append(trace.new_input(TensorType.of(x), *layout))
         originals = [t._value for t in inputs]
@@ -303,7 +311,8 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
         for leaf in raw_leaves:
             if isinstance(leaf, torch.Tensor):
                 tracer = next(results)
-                order = _eager_order(tracer) if eager_layouts else None
+                # NOTE [dynamic dimensions]: eager's layouts are derived for concrete sizes
+                order = _eager_order(tracer) if eager_layouts and sizes is None else None
                 if order is None:
                     out_leaves.append(len(outputs))
                 else:
@@ -331,6 +340,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
                                                for key, t in trace.pinned.items()),
         *slot_guards(reachable.slots))
     return TracedFunction(graph, out_tree, tuple(out_leaves), tuple(mutated),
-                          tuple(trace.captured), state if live else None, tuple(trace.guards))
+                          tuple(trace.captured), state if live else None, tuple(trace.guards),
+                          sizes.check() if sizes is not None else None)
 
 

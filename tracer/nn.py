@@ -889,7 +889,7 @@ def _max_pool(x, tables):
     # to the windows' shape would be stored: K int64s per window)
     *outs, k = flat.shape
     entry = torch.arange(0, flat.numel(), k, device=flat.device).reshape(outs) + first
-    index = flat.flatten().index_select(0, entry.flatten()).reshape(type_of(first).shape)
+    index = flat.flatten().index_select(0, entry.flatten()).reshape(first.shape)
     if not dtype.is_floating_point:
         return values, index
     nd = len(tables)
@@ -1134,7 +1134,7 @@ def _fractional_max_handler(nd):
     def handler(x, kernel_size, output_size, random_samples):
         _, index = current_trace().opaque(
             op, (bind("stop_gradient", x), kernel_size, output_size, random_samples), {})
-        out = x.flatten(-nd).gather(-1, index.flatten(-nd)).view(type_of(index).shape)
+        out = x.flatten(-nd).gather(-1, index.flatten(-nd)).view(index.shape)
         return out, index
 
     return handler
@@ -1166,7 +1166,7 @@ def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
         out = out * weight.reshape(C, 1)
     if bias is not None:
         out = out + bias.reshape(C, 1)
-    return out.reshape(type_of(x).shape).to(dtype), mean.to(dtype), rstd.to(dtype)
+    return out.reshape(x.shape).to(dtype), mean.to(dtype), rstd.to(dtype)
 
 
 # PyTorch differentiates group norm's mean and rstd outputs (unlike layer norm's).
@@ -1265,7 +1265,7 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
             scale = scale / _lookup_frequency(flat, type_of(weight).shape[0])[flat].to(dtype)
         rows = bind("embedding_rows", rows, scale[:, None], torch.tensor(
             [[True]], device=type_of(weight).device), sparse=sparse)
-    return rows.reshape(type_of(indices).shape + type_of(weight).shape[1:])
+    return rows.reshape(*indices.shape, *weight.shape[1:])
 
 
 def _embedding_bag(forward_only: bool):

@@ -26,6 +26,7 @@ import torch
 from ..errors import CheckError, ShapeError, UnsupportedOpError
 from ..graph.types import TensorType
 from .registry import PRIMITIVES, OperandSlot, batch_rule, define, jvp_rule, vjp_rule
+from .sizes import holds
 from .trace import bind, current_trace
 
 prims = torch.ops.prims
@@ -500,9 +501,10 @@ vjp_rule("transpose")(lambda cts, x, *, outs, permutation: (
 
 def _slice_infer(x, *, start, limit, step):
     ok = len(start) == len(limit) == len(step) == x.ndim and all(
-        0 <= s <= l <= n and st >= 1 for s, l, n, st in zip(start, limit, x.shape, step))
+        holds(0 <= s) and holds(s <= l) and holds(l <= n) and st >= 1
+        for s, l, n, st in zip(start, limit, x.shape, step))
     _check(ok, "slice", f"bad slice start={list(start)} limit={list(limit)} step={list(step)}", x)
-    shape = [max(0, -(-(l - s) // st)) for s, l, st in zip(start, limit, step)]
+    shape = [-(-(l - s) // st) for s, l, st in zip(start, limit, step)]  # l >= s: checked
     return (TensorType(shape, x.dtype, x.device),)
 
 

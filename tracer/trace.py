@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import threading
+import types
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -41,6 +42,8 @@ from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, Trac
 from ..graph import Constant, Graph, GraphBuilder, Node, Provenance, TensorType, Value, rewrite
 from ..graph.types import contiguous_strides
 from .registry import OperandSlot, draws_random, get_primitive, is_effectful
+from .sizes import current as current_sizes
+from .sizes import params_dimensions, reported
 
 aten = torch.ops.aten
 
@@ -113,7 +116,7 @@ class TracerTensor(torch.Tensor):
     def __new__(cls, trace: "Trace", value: Value, layout: tuple | None = None):
         t = trace.builder.type_of(value)
         strides, offset = layout or (None, None)
-        self = torch.Tensor._make_wrapper_subclass(cls, t.shape, strides,
+        self = torch.Tensor._make_wrapper_subclass(cls, reported(t.shape), strides,
                                                    None if strides is None else offset or 0,
                                                    dtype=t.dtype,
                                                    device=torch.device(t.device),
@@ -435,6 +438,7 @@ class Trace:
         """Add one primitive node; return its result tracer(s)."""
         prim = get_primitive(prim_name)
         values = [self.value_of(x) for x in operands]
+        params = {k: params_dimensions(v) for k, v in params.items()}  # NOTE [dynamic dimensions]
         out_types = prim.infer(*[self.builder.type_of(v) for v in values], **params)
         outs = self.builder.add_node(prim_name, values, params, out_types, self._provenance)
         self._chain_effect()
@@ -535,9 +539,10 @@ class Trace:
                     out = pytree.tree_map_only(TracerTensor, self._without("no_grad"), out)
                 if not torch._C._is_fwd_grad_enabled():
                     out = pytree.tree_map_only(TracerTensor, self._without("no_fwd_grad"), out)
-                if func.is_view and isinstance(args[0], TracerTensor):
-                    out = self._reporting_views(func, args, kwargs, out)
-                Origin.record(func, args, kwargs, out)
+                if current_sizes() is None:  # eager's layouts: of concrete sizes only
+                    if func.is_view and isinstance(args[0], TracerTensor):
+                        out = self._reporting_views(func, args, kwargs, out)
+                    Origin.record(func, args, kwargs, out)
             if func.is_view and isinstance(base := args[0], TracerTensor):
                 if base._aliases is None:
                     base._aliases = weakref.WeakValueDictionary({id(base): base})
@@ -795,6 +800,8 @@ def no_dynamo_import():
 
 
 def _hashable(x):
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):  # a size (NOTE [dynamic dimensions])
+        return params_dimensions(x)
     if isinstance(x, list):
         return tuple(_hashable(v) for v in x)
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
@@ -807,7 +814,7 @@ def _hashable(x):
 
 
 def _meta(t: TensorType) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return torch.empty(reported(t.shape), dtype=t.dtype, device="meta")
 
 
 def _describe(args, kwargs) -> str:
@@ -1157,11 +1164,34 @@ FUNCTION_HANDLERS.update({
 })
 
 
+# NOTE [nested torch functions]
+# While a mode handles a torch function, the mode is off: the torch functions it calls
+# (``F.multi_head_attention_forward``'s ``F.linear`` and ``F.dropout``) reach ATen's C++
+# composites without FUNCTION_HANDLERS seeing them. With symbolic sizes some of those
+# composites ask for a size's value (a 3-d ``linear``, ``dropout``), so in a dynamic trace a
+# function of ``torch.nn.functional`` runs with the mode on, as a copy whose
+# ``has_torch_function*`` checks say no (it would route itself back to the mode forever).
+_FUNCTIONAL = "torch.nn.functional"
+@functools.lru_cache(maxsize=None)
+def _checking_no_overrides(func):
+    never = {name: (lambda *args, **kwargs: False) for name in (
+        "has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")}
+    copy = types.FunctionType(func.__code__, {**func.__globals__, **never}, func.__name__,
+                              func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
 class _FunctionCapture(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = FUNCTION_HANDLERS.get(func)
         out = handler(*args, **(kwargs or {})) if handler is not None else NotImplemented
-        return func(*args, **(kwargs or {})) if out is NotImplemented else out
+        if out is not NotImplemented:
+            return out
+        if current_sizes() is not None and getattr(func, "__module__", None) == _FUNCTIONAL:
+            with self:  # NOTE [nested torch functions]
+                return _checking_no_overrides(func)(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 class _Mode(TorchDispatchMode):
@@ -1188,7 +1218,8 @@ class _TraceMode(_Mode):
     used outside its trace, which raises). The decompositions an op runs come back here."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, TracerTensor) for t in types) or _reads_live(args, kwargs):
+        if any(issubclass(t, TracerTensor) for t in types) or _reads_live(args, kwargs) or \
+                current_sizes() is not None and _sized_by_symbols(args, kwargs):
             with self:
                 return current_trace(func).dispatch(func, args, kwargs or {})
         if torch.Tag.nondeterministic_seeded in func.tags:  # a random factory that a
@@ -1196,10 +1227,18 @@ class _TraceMode(_Mode):
                 raise _lost_draw(func)  # that a C++ composite made, which is never traced
             out = current_trace(func).opaque(func, args, kwargs or {})
             # eager lays the draw out as its operand (dropout's bernoulli of empty_like(x))
-            Origin.record(func, *pytree.tree_map_only(torch.Tensor, unwrap_functional,
-                                                      (args, kwargs or {})), out)
+            if current_sizes() is None:
+                Origin.record(func, *pytree.tree_map_only(torch.Tensor, unwrap_functional,
+                                                          (args, kwargs or {})), out)
             return out
         return func(*args, **(kwargs or {}))
+
+
+def _sized_by_symbols(args, kwargs) -> bool:
+    """Does an op take a symbolic size (a factory: ``torch.arange(x.shape[1])``)? It is
+    traced then, not run (NOTE [dynamic dimensions])."""
+    return any(isinstance(a, (torch.SymInt, torch.SymFloat)) and a.node.maybe_as_int() is None
+               for a in pytree.tree_leaves((args, kwargs)))
 
 
 def _lost_draw(func) -> UnsupportedOpError:

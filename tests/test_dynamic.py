@@ -1,0 +1,218 @@
+"""Dynamic dimensions: one compilation for the sizes an argument's dimension takes (NOTE
+[automatic dynamic] in api.py, NOTE [dynamic dimensions] in tracer/sizes.py), checked
+against eager at every size."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import plait
+
+
+def _grads(module, loss):
+    module.zero_grad()
+    loss.backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    return grads
+
+
+def test_a_batch_that_varies_compiles_once_more_for_every_size():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    f = plait.jit(m)
+    with torch.no_grad():
+        for b in range(1, 25):
+            x = torch.randn(b, 32)
+            assert_close(f(x), m(x))
+    # size 1 traces static (broadcasting branches on it), 2 makes dim 0 symbolic
+    assert f.jitted.trace_count == 2, f.jitted.dynamic_failure
+    assert f.jitted.dynamic_failure is None
+
+
+def test_a_row_length_that_varies_reduces_over_a_symbolic_size():
+    f = plait.jit(lambda x: F.layer_norm(x, x.shape[-1:]))
+    for n in range(8, 28):
+        x = torch.randn(4, n)
+        assert_close(f(x), F.layer_norm(x, x.shape[-1:]))
+    assert f.trace_count == 2, f.dynamic_failure
+
+
+def test_image_sizes_that_vary_share_a_convolution():
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                            torch.nn.AdaptiveAvgPool2d(1))
+    f = plait.jit(m)
+    with torch.no_grad():
+        for n in range(8, 17):
+            x = torch.randn(2, 3, n, n)
+            assert_close(f(x), m(x))
+    assert f.jitted.trace_count == 2, f.jitted.dynamic_failure
+
+
+def test_training_over_batches_of_every_size_compiles_twice():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    f = plait.jit(m)
+    for b in range(2, 31):
+        x = torch.randn(b, 16)
+        got = _grads(m, f(x).pow(2).mean())
+        want = _grads(m, m(x).pow(2).mean())
+        for g, w in zip(got, want):
+            assert_close(g, w)
+    assert f.jitted.trace_count == 2, f.jitted.dynamic_failure
+
+
+class _Attention(torch.nn.Module):
+    """A pre-norm causal attention block as transformers writes one (nn.Linear on [B, T, C],
+    views into heads, sdpa)."""
+
+    def __init__(self, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm, self.qkv = torch.nn.LayerNorm(width), torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(C, dim=-1)
+        q, k, v = [t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_sequence_lengths_that_vary_share_an_attention_block_in_inference_and_training():
+    torch.manual_seed(0)
+    m = _Attention()
+    f = plait.jit(m)
+    with torch.no_grad():
+        for t in (5, 7, 16, 33):
+            x = torch.randn(2, t, 32)
+            assert_close(f(x), m(x))
+    for t in (6, 9):
+        x = torch.randn(2, t, 32)
+        for g, w in zip(_grads(m, f(x).square().sum()), _grads(m, m(x).square().sum())):
+            assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert f.jitted.trace_count <= 3, f.jitted.dynamic_failure
+    assert f.jitted.dynamic_failure is None
+
+
+def test_a_branch_on_a_size_is_a_guard_and_each_side_compiles_once():
+    def fn(x):
+        return x.sin() if x.shape[0] > 8 else x.cos()
+
+    f = plait.jit(fn)
+    for b in (3, 4, 5, 12, 13, 6, 20):
+        x = torch.randn(b, 3)
+        assert_close(f(x), fn(x))
+    # 3 static; 4 symbolic with the guard s <= 8; 12 symbolic with s > 8
+    assert f.trace_count == 3, f.dynamic_failure
+
+
+def test_a_trace_that_decides_a_size_compiles_each_size_and_says_why():
+    def fn(x):
+        return x.view(4, -1).sum(0) if x.shape[0] == 8 else x.sum(1)
+
+    f = plait.jit(fn)
+    for b in (3, 8, 5, 8):
+        x = torch.randn(b, 6)
+        assert_close(f(x), fn(x))
+    assert f.dynamic_failure is not None
+
+
+def test_dynamic_false_compiles_each_size_and_true_every_size_from_the_first_call():
+    fn = lambda x: (x * 2).sum(-1)  # noqa: E731
+    static, dynamic = plait.jit(fn, dynamic=False), plait.jit(fn, dynamic=True)
+    for n in (3, 4, 5):
+        x = torch.randn(n, n + 1)
+        assert_close(static(x), fn(x))
+        assert_close(dynamic(x), fn(x))
+    assert static.trace_count == 3
+    assert dynamic.trace_count == 1, dynamic.dynamic_failure
+    with pytest.raises(plait.errors.TraceError, match="dynamic="):
+        plait.jit(fn, dynamic="yes")
+
+
+def test_mark_dynamic_makes_a_dimension_symbolic_before_it_varies():
+    f = plait.jit(lambda x: x.softmax(-1))
+    x = torch.randn(5, 7)
+    plait.mark_dynamic(x, 0)
+    assert_close(f(x), x.softmax(-1))
+    y = torch.randn(9, 7)
+    assert_close(f(y), y.softmax(-1))
+    assert f.trace_count == 1, f.dynamic_failure
+
+
+def test_a_symbolic_program_keeps_its_memory_plan_at_every_size():
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                            torch.nn.GELU(), torch.nn.Linear(64, 4))
+    f = plait.jit(m)
+    with plait.config.patch(check_memory_plan=True), torch.no_grad():
+        for b in (3, 4, 50, 7):
+            x = torch.randn(b, 16)
+            assert_close(f(x), m(x))
+    assert f.jitted.trace_count == 2, f.jitted.dynamic_failure
+
+
+def test_the_reference_backend_runs_a_symbolic_graph():
+    fn = lambda x, w: torch.tanh(x @ w).reshape(-1, 2).sum(1)  # noqa: E731
+    f = plait.jit(fn, backend="eager")
+    w = torch.randn(6, 4)
+    for b in (3, 4, 9):
+        x = torch.randn(b, 6)
+        assert_close(f(x, w), fn(x, w))
+    assert f.trace_count == 2, f.dynamic_failure
+
+
+def test_the_retrace_warning_names_the_dimension_and_why_it_is_not_symbolic(caplog):
+    f = plait.jit(lambda x: x + 1, dynamic=False)
+    with plait.config.patch(retrace_warning=2), caplog.at_level("WARNING", "plait.cache"):
+        for n in range(2, 6):
+            f(torch.randn(n))
+    assert "dim 0: 3, then 4" in caplog.text and "dynamic=False" in caplog.text
+
+
+def test_dynamic_true_keeps_symbolic_only_the_dimensions_that_vary_where_all_cannot_be():
+    m = torch.nn.Linear(8, 4)
+    f = plait.jit(m, dynamic=True)  # the product's inner dim must be 8: not every dim varies
+    with torch.no_grad():
+        for b in (3, 5, 9):
+            x = torch.randn(b, 8)
+            assert_close(f(x), m(x))
+    assert f.jitted.dynamic_failure is None
+    assert f.jitted.trace_count <= 3
+
+
+def test_dropout_over_batches_of_every_size_draws_as_eager_does():
+    d = torch.nn.Dropout(0.3)
+    f = plait.jit(d)
+    zeros, means = [], []
+    for b in (3, 4, 200, 301):
+        x = torch.ones(b, 64)
+        torch.manual_seed(b)
+        y = f(x)
+        torch.manual_seed(b)
+        assert_close(y, d(x))  # the same Bernoulli draws from the same generator state
+        zeros.append((y == 0).float().mean().item())
+        means.append(y.mean().item())
+    assert abs(sum(zeros) / 4 - 0.3) < 0.03 and abs(sum(means) / 4 - 1.0) < 0.05
+    assert f.jitted.trace_count == 2, f.jitted.dynamic_failure
+
+
+def test_a_transformer_encoder_layer_over_sequence_lengths_compiles_twice():
+    torch.manual_seed(0)
+    m = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    f = plait.jit(m)
+    m.eval()
+    with torch.no_grad():
+        for t in range(3, 19):
+            x = torch.randn(2, t, 32)
+            assert_close(f(x), m(x))
+    m.train()
+    for t in (5, 8):
+        x = torch.randn(2, t, 32)
+        for g, w in zip(_grads(m, f(x).square().sum()), _grads(m, m(x).square().sum())):
+            assert_close(g, w, rtol=1e-4, atol=1e-4)
+    # eval: a static trace and a symbolic one; train: one symbolic
+    assert f.jitted.trace_count == 3, f.jitted.dynamic_failure
