@@ -119,19 +119,26 @@ def _flatten(args: tuple, kwargs: dict, static_argnums: Sequence[int], floats: b
 
 
 def _sized(signature: tuple, dynamic: dict) -> tuple:
-    """``signature`` with the dynamic dimensions of its tensors' shapes left out (NOTE
-    [automatic dynamic]); sizes 0 and 1 stay: they trace static (NOTE [dynamic
-    dimensions])."""
+    """``signature`` with the dynamic dimensions of its dense tensors' shapes left out (NOTE
+    [automatic dynamic]); sizes 0 and 1 stay, and a tensor that is not dense (``tensor_key``:
+    strides, a view) keeps its sizes: they trace static (NOTE [dynamic dimensions])."""
     out, j = [], 0
     for e in signature:
         if isinstance(e, tuple) and e and isinstance(e[0], torch.Size):
-            dims = dynamic.get(j, ())
+            dims = dynamic.get(j, ()) if e[4] is True else ()
             if dims:
                 e = (tuple(None if d in dims and n >= 2 else n
                            for d, n in enumerate(e[0])), *e[1:])
             j += 1
         out.append(e)
     return tuple(out)
+
+
+def _erased(signature: tuple) -> set:
+    """The (tensor, dim) whose sizes ``_sized`` left out of ``signature``."""
+    tensors = [e for e in signature if isinstance(e, tuple) and e and isinstance(e[0], tuple)
+               and len(e) == 6]
+    return {(j, d) for j, e in enumerate(tensors) for d, n in enumerate(e[0]) if n is None}
 
 
 class _once:
@@ -639,12 +646,12 @@ class Jitted:
                              "symbolic from the first call) or False (one compilation per "
                              "size).")
         self.dynamic = dynamic
-        # NOTE [automatic dynamic]: tensor argument -> its dimensions traced as size symbols,
-        # and the shapes the arguments had at the first trace
+        # NOTE [automatic dynamic]: tensor argument -> its dimensions traced as size symbols
         self._dynamic: dict[int, frozenset[int]] = {}
         self._varied: dict[int, frozenset[int]] = {}  # the dimensions seen with two sizes
         self._forcing = True  # dynamic=True and mark_dynamic apply (until they fail)
-        self._first_shapes: dict[tuple, torch.Size] = {}  # (ranks, argument) -> first shape
+        # (the arguments' ranks, argument) -> its shape at the first call of those ranks
+        self._first_shapes: dict[tuple, torch.Size] = {}
         self.dynamic_failure: str | None = None  # why size symbols were given up, if they were
         self.eager_layouts = True  # NOTE [eager's layouts of results] (tracer/function.py)
         self._cache: collections.OrderedDict = collections.OrderedDict()
@@ -813,10 +820,17 @@ class Jitted:
             return None, None  # keyed again: its dims turned symbolic (here or in a thread)
         _cache_log.debug("%s %s for inputs %s", "retrace" if self.trace_count else "miss",
                          name, [str(TensorType.of(t)) for t in tensors])
-        dynamic = self._dynamic if get_backend(backend).symbolic_sizes else {}
+        # the dims the key leaves out, and no other (another thread may widen _dynamic)
+        dynamic: dict = {}
+        for j, d in _erased(key[0]):
+            dynamic[j] = dynamic.get(j, frozenset()) | {d}
         try:
             lowered = self._lower(leaves, tree, backend, self._donated(args), dynamic)
             if dynamic:
+                bound = lowered.sizes.bindings if lowered.sizes is not None else ()
+                if {(j, d) for j, d, _ in bound} != _erased(key[0]):  # the key's promise
+                    raise TraceError("the trace's size symbols are not the dimensions its "
+                                     "key leaves out")
                 compiled = _Compiled(lowered)  # where size symbols fail, static (below)
         except Exception as e:
             if self._floats_turn_static(args, kwargs):
@@ -868,8 +882,8 @@ class Jitted:
         changed = False
         ranks = tuple(t.dim() for t in tensors)  # argument j is the same argument
         for j, t in enumerate(tensors):
-            first = self._first_shapes.setdefault((ranks, j), t.shape)
             if observe:
+                first = self._first_shapes.setdefault((ranks, j), t.shape)
                 self._varied[j] = self._varied.get(j, frozenset()) | {
                     d for d, (a, b) in enumerate(zip(first, t.shape)) if a != b}
             dims = set(self._varied.get(j, ()))
@@ -878,7 +892,7 @@ class Jitted:
                 dims.update(range(t.dim()) if self.dynamic else ())
             dims = frozenset(dims) | self._dynamic.get(j, frozenset())
             if dims != self._dynamic.get(j, frozenset()):
-                self._dynamic[j] = dims
+                self._dynamic = {**self._dynamic, j: dims}  # replaced: read without the lock
                 changed = True
         if changed:
             _cache_log.info("%s: traced with symbolic sizes from now on: %s",
@@ -1013,7 +1027,8 @@ class JittedModule(torch.nn.Module):
         disk cache) after loading."""
         j = self.jitted
         return functools.partial(jit, static_argnums=j.static_argnums, backend=j.backend,
-                                 donate_argnums=j.donate_argnums), (self._orig_mod,)
+                                 donate_argnums=j.donate_argnums, dynamic=j.dynamic), \
+            (self._orig_mod,)
 
 
 class _JittedDDP(JittedModule):

@@ -20,7 +20,7 @@ from ..config import config
 from ..errors import BackendError, CheckError
 from ..graph.loops import Extern, Kernel, LoopProgram, Wait, walk
 from ..graph.types import (concrete, evaluated, is_symbolic, numeric, size_bindings,
-                          size_values)
+                          size_values, unbound_symbols)
 from ..tracer.collectives import COMM_BUFFER_TYPES
 
 
@@ -302,7 +302,8 @@ def extern_results(k: Extern, args: list, types: Sequence,
         raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
                            f"expected {len(k.outputs)}")
     for b, t, want in zip(k.outputs, result, types):
-        if tuple(t.shape) != concrete(tuple(want.shape), sizes or {}) or t.dtype != want.dtype:
+        shape = tuple(want.shape) if sizes is None else concrete(tuple(want.shape), sizes)
+        if tuple(t.shape) != shape or t.dtype != want.dtype:
             raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
                                f"for {b}, which is {want.dtype}{list(want.shape)}")
     return [own(t.contiguous(), args) for t in result]
@@ -476,6 +477,9 @@ class Wrapper:
             ("comm", j): len(slot) + len(plan.slots) + j for j in range(len(plan.comm_pools))}
         # NOTE [symbolic sizes]: a call's size symbols' values live in one more slot
         self._bindings = size_bindings(program.buffers[b].type for b in program.inputs)
+        if unbound := unbound_symbols(self._bindings, (b.type for b in program.buffers.values())):
+            raise BackendError(f"the program's sizes {sorted(map(str, unbound))} are no "
+                               "input's dimension: a call cannot read them")
         symbolic = any(map(is_symbolic, (b.type for b in program.buffers.values())))
         sizes = len(names) if symbolic else None
         if symbolic:

@@ -48,8 +48,8 @@ import torch
 from ..errors import BackendError
 from ..graph.loops import (Apply, Constant, IndexValue, Kernel, Load, Reduce, children,
                            column_wise, is_inner, levels, loop_vars, walk)
-from . import codegen, cpp_wrapper
 from ..graph.types import numel_hint
+from . import codegen, cpp_wrapper
 from .codegen import (INFIX, INT_DIVISIONS, KERNEL_NAME, IndexPrinter, kernel_error,
                       kernel_symbols, with_error_codes)
 from .toolchain import CPP_DTYPES, Library, build, ctype

@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..graph import Graph
-from ..graph.types import concrete, is_symbolic, size_bindings, size_values
+from ..errors import BackendError
+from ..graph.types import concrete, is_symbolic, size_bindings, size_values, unbound_symbols
 from ..tracer.registry import get_primitive
 
 
@@ -46,6 +47,9 @@ def compile_graph(graph: Graph) -> Callable[[Sequence[torch.Tensor]], list[torch
         program.append((prim.impl, ins, node.kwargs, is_symbolic(node.params), outs,
                         prim.multiple_results, dead))
     bindings = size_bindings(graph.input_types)
+    if unbound := unbound_symbols(bindings, (t for n in steps for t in graph.node(n).out_types)):
+        raise BackendError(f"the graph's sizes {sorted(map(str, unbound))} are no input's "
+                           "dimension: a call cannot read them")
 
     def run(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         env = [None] * size

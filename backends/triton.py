@@ -108,7 +108,6 @@ from ..graph.loops import (
     reduces,
     walk,
 )
-from ..graph.types import is_symbolic
 from . import codegen, compile_workers, cuda_graphs
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, cache_folder, kernel_error,
                       with_error_codes, write_atomically)
@@ -1184,9 +1183,6 @@ class CompiledProgram(codegen.CompiledProgram):
     (backends/codegen.py, NOTE [wrapper memory]), which allocates on the inputs' device."""
 
     def __init__(self, program: LoopProgram, plan, stages, bodies=None):
-        if any(is_symbolic(b.type) for b in program.buffers.values()):
-            raise BackendError("the triton backend compiles concrete sizes only: a dynamic "
-                               "compilation (NOTE [automatic dynamic]) compiles each size")
         self._types = {b: buf.type for b, buf in program.buffers.items()}
         self._on_device: dict = {}  # device -> constants there
         self._error_flags: dict = {}  # device -> the flag checking kernels set

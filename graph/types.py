@@ -52,8 +52,10 @@ def contiguous_strides(shape) -> tuple[int, ...]:
 # [dynamic dimensions] in tracer/sizes.py). A symbolic dimension compares by its expression,
 # and arithmetic on it stays symbolic; a question it cannot answer (``int()``, ``<`` with an
 # undecided result, ``range``) raises TypeError, so a stage that needs a number fails loudly
-# rather than deciding for one size. Heuristics read ``size_hint`` (the size it was traced
-# at), never correctness.
+# rather than deciding for one size. ``==`` is structural: unequal expressions may be equal
+# at some size, so a stage takes its general path on False (a tracer's SymInt sizes, and
+# ``tracer.sizes.holds``/``is_one``, decide such questions with a guard instead).
+# Heuristics read ``size_hint`` (the size it was traced at), never correctness.
 def dimension(d) -> "int | sympy.Expr":
     """An int, or the sympy expression of a symbolic size (a SymInt's or an expression)."""
     if isinstance(d, int):
@@ -62,8 +64,26 @@ def dimension(d) -> "int | sympy.Expr":
         n = d.node.maybe_as_int()
         return n if n is not None else dimension(d.node.expr)
     if isinstance(d, sympy.Basic):
-        return int(d) if d.is_Integer else d
+        return int(d) if d.is_Integer else standard(d)
     return int(d)
+
+
+# torch's own sympy functions of sizes (ShapeEnv's) -> sympy's: what the code generators and
+# ``concrete`` print. Any other (a bitwise op of sizes) stays, and fails to print: the dynamic
+# compilation falls back (NOTE [automatic dynamic]).
+_STANDARD = {
+    "FloorDiv": lambda a, b: sympy.floor(a / b), "CleanDiv": lambda a, b: sympy.floor(a / b),
+    "CeilDiv": lambda a, b: sympy.ceiling(a / b), "IntTrueDiv": lambda a, b: a / b,
+    "PythonMod": sympy.Mod, "Mod": sympy.Mod, "FloorToInt": sympy.floor,
+    "CeilToInt": sympy.ceiling, "PowByNatural": sympy.Pow, "Max": sympy.Max, "Min": sympy.Min,
+    "ModularIndexing": lambda a, b, n: sympy.Mod(sympy.floor(a / b), n),
+}
+
+
+def standard(expr):
+    """``expr`` in sympy's own functions (NOTE [symbolic sizes])."""
+    return expr.replace(lambda e: isinstance(e, sympy.Function) and type(e).__module__.startswith(
+        "torch") and type(e).__name__ in _STANDARD, lambda e: _STANDARD[type(e).__name__](*e.args))
 
 
 def is_static(shape) -> bool:
@@ -110,6 +130,13 @@ def size_bindings(input_types) -> tuple:
             if isinstance(n, sympy.Symbol):
                 seen.setdefault(n, (j, d, n))
     return tuple(seen.values())
+
+
+def unbound_symbols(bindings: tuple, types) -> set:
+    """The size symbols of ``types`` that no input binds (a backward program whose inputs
+    are a scalar's seed): such a program cannot read its sizes from a call."""
+    return {s for t in types for d in t.shape if isinstance(d, sympy.Basic)
+            for s in d.free_symbols} - {s for _, _, s in bindings}
 
 
 def size_values(bindings: tuple, tensors) -> dict:

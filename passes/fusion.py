@@ -56,9 +56,9 @@ from collections import Counter
 import attrs
 import sympy
 
-from ..graph.types import is_static
 from ..graph.loops import (Kernel, Load, LoopProgram, Store, children, loop_vars, reads_at,
                            with_children)
+from ..graph.types import is_static
 
 SIBLING_WINDOW = 8  # readers of one buffer paired with each reader: keeps candidates linear
 # An elementwise producer loading more than this many values per point (max pooling's

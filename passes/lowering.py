@@ -216,8 +216,9 @@ class _Lowering:
             return False
         if node.prim in ELEMENTWISE:
             return node.prim in self.ops
-        if node.prim == "gather":  # from no elements: the extern raises, as eager does
-            return types[0].ndim > 0 and types[0].numel > 0
+        if node.prim == "gather":  # from no elements: the extern raises, as eager does (a
+            # kernel's checked positions raise too, where a symbolic size turns out empty)
+            return types[0].ndim > 0 and types[0].numel_hint > 0
         if node.prim == "embedding_rows":
             return "where" in self.ops
         return node.prim in REDUCTIONS or node.prim in VIEWS or node.prim in ("full", "iota")

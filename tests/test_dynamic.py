@@ -216,3 +216,49 @@ def test_a_transformer_encoder_layer_over_sequence_lengths_compiles_twice():
             assert_close(g, w, rtol=1e-4, atol=1e-4)
     # eval: a static trace and a symbolic one; train: one symbolic
     assert f.jitted.trace_count == 3, f.jitted.dynamic_failure
+
+
+def test_arguments_that_are_not_dense_keep_their_sizes_in_the_key():
+    conv = torch.nn.Conv2d(3, 4, 3)
+    f = plait.jit(conv)
+    with torch.no_grad():
+        for n in (8, 16, 4):  # channels-last images: traced static, keyed by their sizes
+            x = torch.randn(n, 3, 10, 10).to(memory_format=torch.channels_last)
+            assert_close(f(x), conv(x))
+    g = plait.jit(lambda x: x.sum(0) * 2)
+    for n in (5, 7, 3):
+        a = torch.randn(n, 4)
+        assert_close(g(a.t()), a.t().sum(0) * 2)
+
+
+def test_sizes_decided_equal_and_size_arithmetic_are_guarded():
+    eq = plait.jit(lambda x, y: x.sum() if x.shape[0] == y.shape[0] else y.sum() * 10)
+    for a, b in ((3, 3), (4, 4), (4, 5), (6, 6), (7, 2)):
+        x, y = torch.randn(a), torch.randn(b)
+        assert_close(eq(x, y), x.sum() if a == b else y.sum() * 10)
+    half = plait.jit(lambda x: x.sin() if x.shape[0] // 2 > 3 else x.cos())
+    odd = plait.jit(lambda x: x.sin() if x.shape[0] % 2 == 0 else x.cos())
+    for n in (3, 4, 9, 10, 11, 5):
+        x = torch.randn(n)
+        assert_close(half(x), x.sin() if n // 2 > 3 else x.cos())
+        assert_close(odd(x), x.sin() if n % 2 == 0 else x.cos())
+    assert half.trace_count == 3 and odd.trace_count == 3, (half.dynamic_failure,
+                                                             odd.dynamic_failure)
+
+
+def test_a_size_that_may_be_one_is_squeezed_as_eager_squeezes_it():
+    f = plait.jit(lambda x: x[1:].squeeze(0))
+    for n in (5, 6, 2, 3):
+        x = torch.randn(n, 3)
+        got, want = f(x), x[1:].squeeze(0)
+        assert got.shape == want.shape
+        assert_close(got, want)
+
+
+def test_a_backward_whose_inputs_hold_no_size_compiles_each_size():
+    f = plait.jit(lambda x: (2 * x).sum())
+    for n in (3, 4, 6):
+        x = torch.randn(n, requires_grad=True)
+        f(x).backward()
+        assert_close(x.grad, torch.full((n,), 2.0))
+    assert "no input's dimension" in f.dynamic_failure

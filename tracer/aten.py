@@ -26,7 +26,7 @@ from ..graph.types import contiguous_strides, dimension
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
 from . import randomness as _randomness  # noqa: F401  (refuses seeding while tracing)
-from .sizes import params_dimensions, reported
+from .sizes import is_one, params_dimensions, reported
 from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback, _meta_with,
                     bind, current_trace, unwrap_functional)
 
@@ -93,10 +93,10 @@ def broadcast_shapes(*shapes) -> tuple[int, ...]:
     out = [1] * max(map(len, shapes), default=0)
     for shape in shapes:  # size expressions compare without guards (NOTE [symbolic sizes])
         for i, n in enumerate(map(dimension, shape), len(out) - len(shape)):
-            if n != out[i] and 1 not in (n, out[i]):
+            if n != out[i] and not is_one(n) and not is_one(out[i]):
                 raise ShapeError("shapes " + ", ".join(str(list(s)) for s in shapes) +
                                  " do not broadcast: sizes must match or be 1 in every dim")
-            out[i] = n if out[i] == 1 else out[i]
+            out[i] = n if is_one(out[i]) else out[i]
     return tuple(out)
 
 
@@ -785,7 +785,7 @@ def _squeeze(x, dim=None):
     t = type_of(x)
     dims = range(t.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
     dims = {d % max(t.ndim, 1) for d in dims}
-    shape = [n for i, n in enumerate(t.shape) if not (i in dims and n == 1)]
+    shape = [n for i, n in enumerate(t.shape) if not (i in dims and is_one(n))]
     return bind("reshape", x, shape=tuple(shape))
 
 
@@ -1055,7 +1055,7 @@ def _in_address_order(x, func: str, storage_offset):
             "Under vmap, as_strided reads each example's memory: map a dim that is outermost "
             "in memory (the batched tensor made contiguous with the batch dim first), or use "
             "logical ops (diagonal, unfold, reshape, slicing).")
-    return tuple(big) + tuple(d for d in range(t.ndim) if t.shape[d] == 1), \
+    return tuple(big) + tuple(d for d in range(t.ndim) if is_one(t.shape[d])), \
         0 if storage_offset is None else storage_offset - base
 
 

@@ -253,7 +253,7 @@ def trace_function(fn: Callable, leaves: Sequence[Any], in_tree: pytree.TreeSpec
             layout = _input_layout(x) if len(inputs) < len(tensor_pos) else (is_dense(x), None)
             if len(inputs) in viewed:
                 inputs.append(_strided_input(trace, x))
-            elif sizes is not None and len(inputs) in dynamic:
+            elif sizes is not None and len(inputs) in dynamic and layout[0] is True:
                 inputs.append(trace.new_input(sizes.symbolic(x, len(inputs),
                                                              dynamic[len(inputs)]), *layout))
             else:

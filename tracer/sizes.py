@@ -28,7 +28,7 @@ import sympy
 import torch
 
 from ..errors import PlaitError
-from ..graph.types import TensorType, dimension, set_size_hint, size_hint
+from ..graph.types import TensorType, dimension, set_size_hint, standard
 
 
 class Specialized(PlaitError):
@@ -70,7 +70,12 @@ class Sizes:
         """A graph dimension as a tracer reports it."""
         if isinstance(d, (int, torch.SymInt)):
             return d
-        return self.env.create_symintnode(d, hint=size_hint(d))
+        return self.env.create_symintnode(d, hint=self._hint(d))
+
+    def _hint(self, expr) -> int:
+        """``expr`` at the sizes of this trace (torch 2.13 renamed ShapeEnv's size_hint)."""
+        hint = getattr(self.env, "guarding_hint_or_throw", None) or self.env.size_hint
+        return int(hint(expr))
 
     def check(self) -> "Sizes":
         """Closes the trace: its guards are kept (raises ``Specialized`` where one fixed a
@@ -80,11 +85,29 @@ class Sizes:
                  and not self.env.replacements[s].free_symbols]
         if fixed:
             raise Specialized(f"the trace decided the size {fixed[0]} as a number")
-        guards = [self.env.simplify(g.expr) for g in self.env.guards]
-        self.guards = tuple(g for g in guards if g is not sympy.true)
+        # the guards as recorded (ShapeEnv's simplification would turn a decided equality of
+        # two sizes into true, having replaced one by the other), and those replacements
+        guards = [g.expr for g in self.env.guards] + [
+            sympy.Eq(s, self.env.replacements[s]) for s in symbols
+            if s in self.env.replacements and self.env.replacements[s] != s]
+        self.guards = tuple(g for g in map(standard, guards) if g is not sympy.true)
         self._closed_at = len(self.env.guards)
-        self._test = sympy.lambdify(symbols, sympy.And(*self.guards)) if self.guards else None
+        self._decided: dict = {}  # sizes -> do the guards hold (a few hundred at most)
+        hints = tuple(map(self._hint, symbols))
+        if self.values_hold(hints) is not True:  # evaluates at all: else it falls back here
+            raise Specialized(f"the trace's guards {self.guards} fail at its own sizes")
         return self
+
+    def values_hold(self, sizes: tuple) -> bool:
+        """Do the guards hold at these sizes of the symbols? (Substituted: ShapeEnv's guards
+        use torch's own sympy functions, which evaluate on numbers.)"""
+        held = self._decided.get(sizes)
+        if held is None:
+            at = dict(zip(self.symbols, map(sympy.Integer, sizes)))
+            held = all(bool(g.xreplace(at)) for g in self.guards)
+            if len(self._decided) < 512:
+                self._decided[sizes] = held
+        return held
 
     @property
     def symbols(self) -> tuple:
@@ -106,9 +129,7 @@ class Sizes:
         sizes = tuple(tensors[i].shape[d] for i, d, _ in self.bindings)
         if any(n < 2 for n in sizes):
             return None
-        if self._test is not None and not self._test(*sizes):
-            return None
-        return sizes
+        return sizes if self.values_hold(sizes) else None
 
     def __str__(self) -> str:
         return ", ".join(f"{s} = input {i}'s dim {d}" for i, d, s in self.bindings) + (
@@ -160,6 +181,15 @@ def holds(relation) -> bool:
     if sizes is None:
         raise TypeError(f"cannot decide {relation} outside the trace of its size symbols")
     return bool(sizes.env.evaluate_expr(decided))
+
+
+def is_one(n) -> bool:
+    """Is a dimension 1? A graph dimension's expression (``s0 - 1``) may be at some sizes: it
+    is decided by the trace's guards, as a tracer's SymInt size is (NOTE [dynamic
+    dimensions])."""
+    if isinstance(n, (int, torch.SymInt)):
+        return n == 1
+    return holds(sympy.Eq(n, 1))
 
 
 def current() -> Sizes | None:
