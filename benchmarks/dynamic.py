@@ -7,9 +7,12 @@ length up to the config's sequence length, compilations included) and the compil
 took; then, at ``--sizes``, the median step of plait's dynamic program against a static
 compilation of that size (plait.jit(dynamic=False)), after warm-up. Every compiled result is
 checked against eager. ``--device cuda`` runs the suite's full configurations there (plait's
-Triton backend compiles each size: its dynamic column is the static one).
+Triton backend compiles each size: its dynamic column is the static one). ``--coverage``
+instead runs every transformers model of the suite (or ``--models``) at three lengths and
+says which compile once for all of them.
 
     python benchmarks/dynamic.py [--models GPT2LMHeadModel,BertForMaskedLM] [--calls 200]
+    python benchmarks/dynamic.py --coverage
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ def _sync(device: str) -> None:
 
 def _check(got, want, what: str) -> None:
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3, equal_nan=True,
+                                   msg=lambda m: f"{what}: {m}")
 
 
 def _workload(fn, batches, reference, device: str) -> float:
@@ -74,6 +78,25 @@ def _step(fn, args, device: str, repeat: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
+def coverage(names: list, device: str) -> None:
+    """Each model at three lengths: does one compilation serve them all (NOTE [automatic
+    dynamic]), and why not where it does not."""
+    once = 0
+    for name in names:
+        spec = SUITE[name]
+        torch.manual_seed(0)
+        model = spec.build(device == "cpu").to(device).eval()
+        jitted = plait.jit(model)
+        for n in (8, 13, 21):
+            args = _batch(spec, model, device == "cpu", device, n, n)
+            _check(jitted(**args), model(**args), name)
+        failure = jitted.jitted.dynamic_failure
+        once += failure is None
+        print(f"{name}: {jitted.jitted.trace_count} compilations"
+              + (f", each size: {failure[:160]}" if failure else ""), flush=True)
+    print(f"{once} of {len(names)} compile once for every length")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=MODELS)
@@ -81,9 +104,14 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--sizes", default="")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--coverage", action="store_true")
     a = p.parse_args()
     tiny = a.device == "cpu"
     torch.set_grad_enabled(False)
+    if a.coverage:
+        models = a.models if a.models != MODELS else ",".join(
+            n for n, s in SUITE.items() if s.source == "transformers")
+        return coverage(models.split(","), a.device)
     print(f"# torch {torch.__version__}, {a.device}, {torch.get_num_threads()} threads, "
           f"{a.calls} calls of random lengths")
     print("| model | lengths | eager s | torch.compile s (compiles) | plait s (compiles) | "
