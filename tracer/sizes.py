@@ -174,6 +174,8 @@ def _source(input_index: int, dim: int):
 def holds(relation) -> bool:
     """A comparison of sizes, decided by their expressions, else by the trace's guards (a
     guard made now if need be: NOTE [dynamic dimensions]); TypeError outside a trace."""
+    if isinstance(relation, bool):  # of numbers: every slice a static trace makes
+        return relation
     decided = sympy.sympify(relation)
     if decided is sympy.true or decided is sympy.false:
         return bool(decided)
