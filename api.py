@@ -904,9 +904,9 @@ class Jitted:
     def _sizes_static(self, backend: str) -> str:
         """Why a tensor argument's sizes compile one at a time, and what to do about it."""
         if not get_backend(backend).symbolic_sizes:
-            return (f"the {backend} backend compiles each size once (one program for every "
-                    "size is built on the CPU backend only so far). Pad the varying dims to "
-                    "a few sizes and mask the padding.")
+            return (f"the {backend} backend compiles each size once (the cpp and triton "
+                    "backends compile one program for every size). Pad the varying dims to "
+                    "a few sizes and mask the padding, or use one of those backends.")
         if self.dynamic is False:
             return ("plait.jit(..., dynamic=False) compiles each size once. Leave dynamic unset "
                     "to compile one program for every size of a dimension that varies.")

@@ -75,7 +75,8 @@ register_backend("eager", eager.compile_graph, symbolic_sizes=True)
 register_backend("cpp", cpp.CompiledProgram, keeps_programs=True, target=cpp.target,
                  reads=cpp.READS, symbolic_sizes=True)
 register_backend("loops", loopeval.Interpreted, target=loopeval.target)  # the reference
-register_backend("triton", triton.generate, target=triton.target, reads=triton.READS)
+register_backend("triton", triton.generate, target=triton.target, reads=triton.READS,
+                 symbolic_sizes=True)
 
 __all__ = ["Backend", "Target", "available_backends", "get_backend", "register_backend",
            "resolve_backend"]

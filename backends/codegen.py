@@ -103,7 +103,7 @@ class IndexPrinter:
 
 KERNEL_NAME = "KERNEL_NAME"  # where a generated kernel's text names the kernel
 SIZES = "<sizes>"  # the wrapper's slot holding a call's size symbols' values (by symbol name)
-_LOOP_VARIABLE = re.compile(r"[xri]\d+")
+LOOP_VARIABLE = re.compile(r"[xri]\d+")
 
 
 def kernel_symbols(k: Kernel) -> tuple[sympy.Symbol, ...]:
@@ -116,7 +116,7 @@ def kernel_symbols(k: Kernel) -> tuple[sympy.Symbol, ...]:
             exprs += [getattr(e, "index", 0), getattr(e, "expr", 0),
                       *(n for _, n in getattr(e, "indirect", ()))]
     symbols = {s for e in exprs if isinstance(e, sympy.Basic) for s in e.free_symbols}
-    return tuple(sorted((s for s in symbols if not _LOOP_VARIABLE.fullmatch(s.name)),
+    return tuple(sorted((s for s in symbols if not LOOP_VARIABLE.fullmatch(s.name)),
                         key=str))
 
 
@@ -663,7 +663,7 @@ class _Tracker:
     def __init__(self, wrapper: Wrapper, env: list):
         self.wrapper, self.refs = wrapper, {}
         self.entry = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                      for t in env if t is not None}  # inputs and constants
+                      for t in env if isinstance(t, torch.Tensor)}  # inputs and constants
         wrapper.measured_peak_bytes = sum(self.entry.values())
 
     def allocated(self, slot: int, t: torch.Tensor) -> None:

@@ -47,6 +47,11 @@ overwritten), and a forward's graph captured again goes to a pool of its own: ca
 after the backward's, its outputs could take memory the backward writes. The two share one
 lock and one event, so their replays never overlap.
 
+Sizes. A program of symbolic sizes (NOTE [symbolic sizes] in graph/types.py) runs at
+whatever sizes its inputs have; a graph replays one call's sizes. So each shape of the
+inputs has its own graph, warmed and captured as above, and only the SHAPES_KEPT most
+recently used are kept: a size seen once runs launch by launch, a size that recurs replays.
+
 Randomness. torch registers its CUDA generator with each capture: a replay draws the
 numbers eager would draw from the generator's state at that call, and advances it as eager.
 
@@ -55,6 +60,7 @@ same graph, or of the one it shares memory with, by an event, under a lock.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import operator
 import threading
@@ -71,6 +77,7 @@ _log = logging.getLogger("plait.kernels")
 WARM_CALLS = 2     # calls before the capture: compilation and library warm-up, then addresses
 MAX_CAPTURES = 6   # captures per device before a program stays uncaptured there
 STEADY_CALLS = 2   # calls a dynamic input stays put before it is read in place
+SHAPES_KEPT = 4    # a program of symbolic sizes: the shapes of inputs whose graphs are kept
 
 _live: weakref.WeakSet = weakref.WeakSet()  # every _Capture not yet released
 
@@ -224,7 +231,9 @@ class Graphed:
     def __init__(self, run: Callable[[Sequence[torch.Tensor], torch.device], list],
                  constants: Callable, recorder=_CudaRecorder):
         self._run, self._constants, self._recorder = run, constants, recorder
-        self._state: dict = {}  # device -> _DeviceState
+        # (device, the inputs' shapes) -> _DeviceState, the most recently used last
+        self._state: collections.OrderedDict = collections.OrderedDict()
+        self._latest: dict = {}  # device -> its state of the last call
         self._after: Graphed | None = None
         self._turns = _Turns()
 
@@ -236,7 +245,7 @@ class Graphed:
 
     def _pool(self, device):
         """The pool this program's next capture on ``device`` goes to (None: a new one)."""
-        before = self._after._state.get(device) if self._after is not None else None
+        before = self._after._latest.get(device) if self._after is not None else None
         capture = before.capture if before is not None else None
         # (the forward's own pool: never one it shares, as a forward captured again would)
         return capture.pool if capture is not None and not capture.shared else None
@@ -245,11 +254,18 @@ class Graphed:
         if not config.cuda_graphs or (device.type == "cuda"
                                       and torch.cuda.is_current_stream_capturing()):
             return self._run(inputs, device)
-        state = self._state.setdefault(device, _DeviceState())
-        if state.refused:
-            return self._run(inputs, device)
         with self._turns.lock:
-            return state.call(self, inputs, device)
+            key = device, tuple(t.shape for t in inputs)
+            state = self._state.get(key)
+            if state is None:
+                state = self._state[key] = _DeviceState()
+                if len(self._state) > SHAPES_KEPT:  # sizes that vary: the oldest's graph goes
+                    self._state.popitem(last=False)
+            self._state.move_to_end(key)
+            self._latest[device] = state
+            if not state.refused:
+                return state.call(self, inputs, device)
+        return self._run(inputs, device)
 
 
 class _Turns:

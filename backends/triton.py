@@ -61,7 +61,20 @@ untouched (the copies cost memory once).
 Choices are kept per kernel and device name in ``<module>.tune.json`` beside the generated
 module (the module's name is the hash of its source), so a later process launches the tuned
 configuration without timing. A candidate that does not compile (too many resources) is
-skipped. Tuning changes no generated code, so it is not in the cache key.
+skipped. Tuning changes no generated code, so it is not in the cache key. A kernel of
+symbolic sizes is not tuned: it launches the heuristic's blocks at every size.
+
+Symbolic sizes (NOTE [symbolic sizes] in graph/types.py). A kernel's size symbols are
+``int`` parameters after its buffers, and its masks, index arithmetic and loop bounds read
+them; Triton specializes an int argument on its divisibility by 16 (aligned, vectorized
+accesses where the sizes allow), so a kernel compiles at most twice per launch
+configuration, and the first call compiles both variants at once. What shapes the code is
+chosen at the traced sizes: 2-D tiling, column-wise reductions, int32 or int64 indices
+(int64 from ``WIDE_SYMBOLIC`` points, checked against 2**31 per launch). The blocks are
+the same at every size (those over a symbolic extent chosen as for a large one:
+``_planned``), so no size compiles another variant; only the grid follows each call's
+sizes. Rows of a symbolic length are looped, never one persistent tile: a tile would have
+to hold the longest row there will be.
 
 Math functions. ``tl.exp``, ``tl.log``, ``tl.sqrt``, ... (``tl.math``) run everywhere;
 libdevice functions (tanh, expm1, atan2, pow, ...) exist only when compiling for a GPU: the
@@ -109,8 +122,10 @@ from ..graph.loops import (
     walk,
 )
 from . import codegen, compile_workers, cuda_graphs
-from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, cache_folder, kernel_error,
-                      with_error_codes, write_atomically)
+from ..graph.types import concrete, is_symbolic, size_hint
+from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, LOOP_VARIABLE,
+                      cache_folder, kernel_error, kernel_symbols, with_error_codes,
+                      write_atomically)
 
 _log = logging.getLogger("plait.kernels")
 
@@ -171,6 +186,10 @@ WORKERS_FROM = 8        # kernels to compile at least for worker processes to pa
                         # [compile workers]): a worker's first job costs 0.4-0.7 s
 TILE_EDGE = 64          # a 2-D tile is TILE_EDGE x TILE_EDGE points (TILE_EDGE**2 if one side
                         # is short)
+WIDE_SYMBOLIC = 2 ** 27  # a symbolic kernel this large at its traced sizes indexes with int64
+                        # (one 16x larger at a call would reach 2**31: checked per launch)
+LAUNCHES_KEPT = 256     # a symbolic kernel's grids kept, by sizes
+PLANNED_EXTENT = 1 << 20  # a symbolic extent, for choosing block sizes
 
 _PRELUDE = '''"""plait Triton kernels: elementwise semantics follow eager PyTorch (see
 backends/triton.py)."""
@@ -458,6 +477,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _planned(n) -> int:
+    """An extent as block sizes are chosen for it: a symbolic one as a large one, so that a
+    kernel compiles once for all sizes (NOTE [symbolic sizes])."""
+    return PLANNED_EXTENT if is_symbolic(n) else n
+
+
+def _at_least_one(n):
+    """A loop's extent, 1 for an empty one (a symbolic size is at least 2)."""
+    return n if is_symbolic(n) else max(1, n)
+
+
 # ---------------------------------------------------------------------------------------
 # Printing expressions
 # ---------------------------------------------------------------------------------------
@@ -485,7 +515,8 @@ def _literal(value, dtype: torch.dtype) -> str:
 
 
 def _symbols(e) -> set[str]:
-    return {s.name for s in sympy.sympify(e).free_symbols}
+    """The loop variables ``e`` uses (not the size symbols, NOTE [symbolic sizes])."""
+    return {s.name for s in sympy.sympify(e).free_symbols if LOOP_VARIABLE.fullmatch(s.name)}
 
 
 def _stride(e, v: sympy.Symbol) -> int | None:
@@ -499,7 +530,7 @@ def _transposed_loop(kernel: Kernel) -> int | None:
     """NOTE [Triton code generation], 2-D tiles: the outer loop along which most of a
     pointwise kernel's transposed accesses (strided along the innermost loop) are contiguous,
     the innermost of the ties; None if it has none."""
-    sizes = kernel.sizes
+    sizes = tuple(map(size_hint, kernel.sizes))
     if kernel.reduction_sizes or len(sizes) < 2 or sizes[-1] < 2:
         return None
     xs = loop_vars("x", len(sizes))
@@ -651,7 +682,7 @@ class _Scope:
         """An indirect load's position, checked into range (NOTE [kernel errors])."""
         self.writer.checks_error = True
         name = self.writer.local("t")
-        self.emit(f"{name} = _position(err, {p}, {n}, {self.mask})")
+        self.emit(f"{name} = _position(err, {p}, {_index(n)}, {self.mask})")
         return name
 
     def emit(self, line: str) -> None:
@@ -675,6 +706,11 @@ class _KernelWriter:
         self.params = {b: f"ptr{n}" for n, b in enumerate(self.buffers)}
         self._rows: dict = {}
         k = kernel
+        # NOTE [symbolic sizes]: the size symbols the kernel's loops and indices use are int
+        # parameters after its buffers (Triton specializes each on divisibility by 16); its
+        # structure (tiling, persistent rows, index width) and blocks are chosen once, its
+        # grid at each launch
+        self.symbols = kernel_symbols(kernel)
         self.numel = math.prod(k.sizes)
         self.rnumel = math.prod(k.reduction_sizes)
         self.row_kernel = bool(k.reduction_sizes)
@@ -683,54 +719,68 @@ class _KernelWriter:
         self.branches = _branch_conditions(values, nodes)
         indices = [s.index for s in k.stores] + [e.index for e in nodes if isinstance(e, Load)] \
             + [e.expr for e in nodes if isinstance(e, IndexValue)]
-        biggest = max([self.numel * max(1, self.rnumel)]
-                      + [buffer_types[b].numel for b in self.buffers]
+        # the symbolic extents a launch checks against int32 index arithmetic
+        self._checked = tuple(e for e in [self.numel * self.rnumel] + [
+            buffer_types[b].numel for b in self.buffers] if is_symbolic(e))
+        biggest = max([size_hint(self.numel) * max(1, size_hint(self.rnumel))]
+                      + [buffer_types[b].numel_hint for b in self.buffers]
                       + [abs(int(a)) for ix in indices
                          for a in sympy.sympify(ix).atoms(sympy.Integer)])
-        self.wide = biggest >= 2 ** 31  # int64 index arithmetic
-        # The default block sizes (the kernel's constexpr parameters, in order) and the points
-        # each block walks (no block is longer, rounded up to a power of 2).
+        # int64 index arithmetic; a symbolic kernel's int32 arithmetic is checked per launch
+        self.wide = biggest >= (WIDE_SYMBOLIC if self.symbols else 2 ** 31)
+        # the extents of the grid's blocks, in order; the block sizes (the kernel's constexpr
+        # parameters, in order) follow from them
         self.tiled = None if self.row_kernel else _transposed_loop(k)
-        self.columns = False
+        self.columns = self.persistent = False
         self.extents = {"XBLOCK": self.numel}
         if self.tiled is not None:  # 2-D tiles: y the other outer loops, tiled loop last
             self.yloops = [i for i in range(len(k.sizes) - 1) if i != self.tiled] + [self.tiled]
-            ny, nx = self.numel // k.sizes[-1], k.sizes[-1]
-            y = min(_pow2(ny), TILE_EDGE)
-            x = min(_pow2(nx), TILE_EDGE ** 2 // y)  # a short side lends its points
-            self.extents = {"YBLOCK": ny, "XBLOCK": nx}
-            self.blocks = {"YBLOCK": min(_pow2(ny), TILE_EDGE ** 2 // x), "XBLOCK": x}
+            self.extents = {"YBLOCK": self.numel // k.sizes[-1], "XBLOCK": k.sizes[-1]}
             # the longer axis walks program-id axis 0: CUDA allows axis 1 only 65535 programs
-            self.y_first = ny >= nx
+            self.y_first = size_hint(self.extents["YBLOCK"]) >= size_hint(k.sizes[-1])
         elif self.row_kernel:
             # a column sum keeps COLUMNS_XBLOCK neighbouring columns per tile however long or
             # short its rows, looping over them in chunks: a persistent tile has too few (a
             # [4, 1024] tile of a split bias gradient ran 5x slower on an H100 than [8, 512]
-            # chunks; a [8, 512] tile of a split's 394 rows, 155 us on an H200, [64, 32] 125)
-            self.columns = columns = column_wise(k, mixed=True)
-            self.persistent = not columns and self.rnumel <= PERSISTENT_MAX
-            if self.persistent:
-                rblock = _pow2(self.rnumel)
-                rows = max(1, PERSISTENT_TILE // rblock)
-            elif columns:
-                rows, rblock = (COLUMNS_STORING_XBLOCK, COLUMNS_STORING_RBLOCK) \
-                    if any(is_inner(s) for s in k.stores) else (COLUMNS_XBLOCK, COLUMNS_RBLOCK)
-                rblock = min(TILE_MAX // rows if self._few_rows() else rblock,
-                             _pow2(self.rnumel))
-            else:
-                rows = LOOPED_XBLOCK
-                rblock = min(TILE_MAX // rows, _pow2(self.rnumel)) if self._few_rows() \
-                    else LOOPED_RBLOCK
-            self.blocks = {"XBLOCK": min(_pow2(self.numel), rows), "RBLOCK": rblock}
-        else:
-            self.blocks = {"XBLOCK": min(_pow2(self.numel), POINTWISE_XBLOCK), "RBLOCK": 1}
+            # chunks; a [8, 512] tile of a split's 394 rows, 155 us on an H200, [64, 32] 125).
+            # Rows of a symbolic length are looped: a tile holds a row at every length
+            self.columns = column_wise(k, mixed=True)
+            self.persistent = not self.columns and not is_symbolic(self.rnumel) \
+                and self.rnumel <= PERSISTENT_MAX
+        self.blocks = self._blocks({b: _planned(n) for b, n in self.extents.items()},
+                                   _planned(self.rnumel))
+        self._launches: dict = {}  # a symbolic kernel's sizes -> its grid and options
 
-    def _few_rows(self) -> bool:
+    def _blocks(self, extents: dict, rnumel: int) -> dict:
+        """The heuristic block sizes at the grid's ``extents`` and the rows' length."""
+        if self.tiled is not None:
+            ny, nx = extents["YBLOCK"], extents["XBLOCK"]
+            y = min(_pow2(ny), TILE_EDGE)
+            x = min(_pow2(nx), TILE_EDGE ** 2 // y)  # a short side lends its points
+            return {"YBLOCK": min(_pow2(ny), TILE_EDGE ** 2 // x), "XBLOCK": x}
+        numel = extents["XBLOCK"]
+        if not self.row_kernel:
+            return {"XBLOCK": min(_pow2(numel), POINTWISE_XBLOCK), "RBLOCK": 1}
+        if self.persistent:
+            rblock = _pow2(rnumel)
+            rows = max(1, PERSISTENT_TILE // rblock)
+        elif self.columns:
+            rows, rblock = (COLUMNS_STORING_XBLOCK, COLUMNS_STORING_RBLOCK) \
+                if any(is_inner(s) for s in self.kernel.stores) \
+                else (COLUMNS_XBLOCK, COLUMNS_RBLOCK)
+            rblock = min(TILE_MAX // rows if self._few_rows(numel) else rblock, _pow2(rnumel))
+        else:
+            rows = LOOPED_XBLOCK
+            rblock = min(TILE_MAX // rows, _pow2(rnumel)) if self._few_rows(numel) \
+                else LOOPED_RBLOCK
+        return {"XBLOCK": min(_pow2(numel), rows), "RBLOCK": rblock}
+
+    def _few_rows(self, numel: int) -> bool:
         """Long rows too few to fill a GPU with programs (the mean of cross-entropy's
         losses: one row of 8192): each program waits on its loads step by step, so it takes
         the biggest chunks and FEW_ROWS_WARPS warps to keep more loads in flight (13 us
         after cross-entropy's main kernel on an H200, 34 at the default)."""
-        return self.row_kernel and not self.persistent and self.numel < FEW_ROWS
+        return self.row_kernel and not self.persistent and numel < FEW_ROWS
 
     def local(self, prefix: str) -> str:
         self.count += 1
@@ -782,6 +832,8 @@ class _KernelWriter:
     def index_value(self, e: IndexValue) -> str:
         if not _symbols(e.expr):
             value = e.expr
+            if is_symbolic(value):  # a size: a 0-d tensor of it, as a literal is
+                return f"(tl.zeros([], tl.int64) + {_index(value)}).to({_tl(e.dtype)})"
             return _literal(float(value) if e.dtype.is_floating_point else
                             bool(value) if e.dtype == torch.bool else int(value), e.dtype)
         names = ({s: f"{s}.to({_tl(e.dtype)})" for s in _symbols(e.expr)}
@@ -807,8 +859,8 @@ class _KernelWriter:
         sizes = list(loops.values())
         for i, name in enumerate(loops):
             inner = math.prod(sizes[i + 1:])
-            v = f"({flat} // {inner})" if inner > 1 else flat
-            v = f"{v} % {sizes[i]}" if i else v
+            v = f"({flat} // {_index(inner)})" if inner != 1 else flat
+            v = f"{v} % {_index(sizes[i])}" if i else v
             lines.append(f"{indent}{name} = {v}")
 
     def _outer_index(self, lines, ind) -> None:
@@ -818,14 +870,14 @@ class _KernelWriter:
         if self.tiled is None:
             arange = "tl.arange(0, XBLOCK)" + ("[:, None]" if self.row_kernel else "")
             lines += [f"{ind}xindex = {pids[0]} * XBLOCK + {arange}",
-                      f"{ind}xmask = xindex < {max(1, self.numel)}"]
+                      f"{ind}xmask = xindex < {_index(_at_least_one(self.numel))}"]
             self._split("xindex", {f"x{i}": n for i, n in enumerate(k.sizes)}, lines, ind)
             return
         py, px = pids if self.y_first else pids[::-1]
         lines += [f"{ind}yindex = {py} * YBLOCK + tl.arange(0, YBLOCK)[:, None]",
                   f"{ind}xindex = {px} * XBLOCK + tl.arange(0, XBLOCK)[None, :]",
-                  f"{ind}xmask = (yindex < {self.extents['YBLOCK']}) & "
-                  f"(xindex < {self.extents['XBLOCK']})"]
+                  f"{ind}xmask = (yindex < {_index(self.extents['YBLOCK'])}) & "
+                  f"(xindex < {_index(self.extents['XBLOCK'])})"]
         self._split("yindex", {f"x{i}": k.sizes[i] for i in self.yloops}, lines, ind)
         lines.append(f"{ind}x{len(k.sizes) - 1} = xindex")
 
@@ -845,7 +897,8 @@ class _KernelWriter:
         for s in k.stores:
             if not is_inner(s):
                 self.store(top, s)
-        params = [self.params[b] for b in self.buffers] + ["err"] * self.checks_error
+        params = [self.params[b] for b in self.buffers] + ["err"] * self.checks_error + [
+            s.name for s in self.symbols]
         blocks = ", ".join(f"{b}: tl.constexpr" for b in self.blocks)
         head = f"@triton.jit\ndef {self.name}({', '.join(params)}, {blocks}):"
         return "\n".join([head, *lines])
@@ -853,7 +906,7 @@ class _KernelWriter:
     def _rindex(self, base: str, lines, indent) -> None:
         arange = "tl.arange(0, RBLOCK)" + (".to(tl.int64)" if self.wide else "")
         lines += [f"{indent}rindex = {base}{arange}[None, :]",
-                  f"{indent}rmask = rindex < {self.rnumel}",
+                  f"{indent}rmask = rindex < {_index(self.rnumel)}",
                   f"{indent}xrmask = xmask & rmask"]
         self._split("rindex", {f"r{i}": n for i, n in enumerate(self.kernel.reduction_sizes)},
                     lines, indent)
@@ -934,7 +987,7 @@ class _KernelWriter:
         """The loop over the rows, ``chunks`` chunks of RBLOCK points a step: a scope per
         chunk, its ``rindex`` (and masks) bound as the caller reaches it."""
         step = "RBLOCK" if chunks == 1 else f"{chunks} * RBLOCK"
-        body.append(f"{ind}for roff in range(0, {self.rnumel}, {step}):")
+        body.append(f"{ind}for roff in range(0, {_index(self.rnumel)}, {step}):")
         for j in range(chunks):
             self._rindex(f"roff + {j} * RBLOCK + " if j else "roff + ", body, ind + "    ")
             yield _Scope(self, body, ind + "    ", "xrmask", parent=top)
@@ -1027,13 +1080,40 @@ class _KernelWriter:
     # -- launching -------------------------------------------------------------------------
     def launch_options(self) -> dict:
         """The heuristic launch configuration."""
-        warps = FEW_ROWS_WARPS if self._few_rows() else \
+        warps = FEW_ROWS_WARPS if self._few_rows(_planned(self.numel)) else \
             8 if math.prod(self.blocks.values()) >= 2048 else 4
         return _options(self.blocks, warps)
 
-    def grid(self, options: dict) -> tuple[int, ...]:
-        counts = tuple(math.ceil(n / options[b]) for b, n in self.extents.items())
+    def grid(self, options: dict, extents: dict | None = None) -> tuple[int, ...]:
+        """The grid at the extents of a call (the traced sizes' where not given)."""
+        extents = extents or {b: size_hint(n) for b, n in self.extents.items()}
+        counts = tuple(-(-n // options[b]) for b, n in extents.items())
         return counts if self.tiled is None or self.y_first else counts[::-1]
+
+    def at(self, sizes: dict) -> tuple[tuple, dict, list]:
+        """A symbolic kernel's grid, launch options and size arguments at a call's ``sizes``
+        (NOTE [symbolic sizes]), checked against int32 index arithmetic. Its blocks are
+        the same at every size: one compiled kernel (per divisibility) serves them all."""
+        key = tuple(sizes[s] for s in self.symbols)
+        found = self._launches.get(key)
+        if found is None:
+            values = dict(zip(self.symbols, key))
+            if not self.wide and any(concrete(e, values) >= 2 ** 31 for e in self._checked):
+                raise BackendError(
+                    f"kernel {self.kernel.name} indexes with int32 arithmetic (its sizes at "
+                    f"the trace were far below 2**31 points), and a call's sizes {values} "
+                    "reach 2**31: compile with plait.jit(..., dynamic=False) for sizes this "
+                    "large")
+            options = self.launch_options()
+            grid = self.grid(options, {b: concrete(n, values) for b, n in self.extents.items()})
+            if grid[1:] and max(grid[1:]) > 65535:
+                raise BackendError(f"kernel {self.kernel.name}: grid {grid} at sizes {values} "
+                                   "exceeds CUDA's 65535 programs on axis 1; compile with "
+                                   "plait.jit(..., dynamic=False) for sizes this large")
+            if len(self._launches) >= LAUNCHES_KEPT:
+                self._launches.clear()
+            found = self._launches[key] = grid, options, list(key)
+        return found
 
     def candidates(self) -> list[dict]:
         """The launch configurations autotuning times (NOTE [autotuning]): the heuristic's
@@ -1061,7 +1141,8 @@ class _KernelWriter:
         found = [self.launch_options()]
         for shape in shapes:
             for w in warps:
-                option = _options({b: min(n, _pow2(self.extents[b])) if b in self.extents
+                option = _options({b: min(n, _pow2(_planned(self.extents[b])))
+                                   if b in self.extents
                                    else n for b, n in zip(self.blocks, shape)}, w)
                 if option not in found:
                     found.append(option)
@@ -1212,12 +1293,27 @@ class CompiledProgram(codegen.CompiledProgram):
 
     def launch(self, i: int, k: Kernel, slot: dict):
         w = self.writers[i]
+        fn, args = getattr(self._module, w.name), tuple(slot[b] for b in w.buffers)
+        written = tuple(b in k.writes for b in w.buffers)
+        sizes = slot.get(codegen.SIZES) if w.symbols else None
+        if sizes is not None:  # NOTE [symbolic sizes]: the grid at each call's sizes
+            extents = ", ".join(map(_index, w.extents.values()))
+            params = (*w.buffers, *["err"] * w.checks_error, *map(str, w.symbols))
+            text = f"{w.name}[grid({extents})]({', '.join(params)})"
+
+            def run(env, device):
+                tensors = [env[s] for s in args]
+                if w.checks_error:  # NOTE [kernel errors]
+                    tensors.append(self._error_flag(device))
+                grid, options, values = w.at(env[sizes])
+                fn[grid](*tensors, *values, **options)
+                self._raise_error(w, tensors, device)
+
+            return run, text
         options = w.launch_options()
         grid = w.grid(options)
-        fn, args = getattr(self._module, w.name), tuple(slot[b] for b in w.buffers)
         opts = ", ".join(f"{n}={v}" for n, v in options.items())
         text = f"{w.name}[{grid}]({', '.join(w.buffers)}{', err' * w.checks_error}, {opts})"
-        written = tuple(b in k.writes for b in w.buffers)
         tuned: dict = {}  # device -> (grid, options), found at the first tuned launch there
 
         def run(env, device):
@@ -1232,11 +1328,17 @@ class CompiledProgram(codegen.CompiledProgram):
                     tuned[device] = w.grid(best), best
                 tuned_grid, tuned_options = tuned[device]
                 fn[tuned_grid](*tensors, **tuned_options)
-            if w.checks_error and device.type == "cpu" and (code := tensors[-1].item()):
-                tensors[-1].zero_()
-                raise kernel_error(code)
+            self._raise_error(w, tensors, device)
 
-        return (run if w.numel else lambda env, device: None), text
+        return (run if w.numel != 0 else lambda env, device: None), text
+
+    @staticmethod
+    def _raise_error(w, tensors: list, device) -> None:
+        """NOTE [kernel errors]: on the CPU (the interpreter) a launch's error is raised at
+        once; on a GPU the wrapper reads the flag after the program."""
+        if w.checks_error and device.type == "cpu" and (code := tensors[-1].item()):
+            tensors[-1].zero_()
+            raise kernel_error(code)
 
     @staticmethod
     def listing(wrapper_source: str) -> str:
@@ -1302,44 +1404,53 @@ class CompiledProgram(codegen.CompiledProgram):
         4-block GPT step's first call spent 4 s on them one by one). Stand-in arguments are
         fresh allocations, aligned as the buffers are, so the launches find these compiled
         variants."""
-        writers = list({w.name: w for w in self.writers.values() if w.numel}.values())
+        writers = list({w.name: w for w in self.writers.values() if w.numel != 0}.values())
         if len(writers) < 2 or interpreting():
             return
-        stand_ins = {w.name: [torch.empty(1, dtype=self._types[b].dtype, device=device)
-                              for b in w.buffers] + [self._error_flag(device)] * w.checks_error
-                     for w in writers}
+        # (writer, stand-in arguments): a symbolic kernel twice, its sizes at the trace and
+        # with their divisibility by 16 flipped, the two variants Triton specializes it into
+        variants = []
+        for w in writers:
+            buffers = [torch.empty(1, dtype=self._types[b].dtype, device=device)
+                       for b in w.buffers] + [self._error_flag(device)] * w.checks_error
+            hints = [size_hint(s) for s in w.symbols]
+            variants.append((w, buffers + hints))
+            if w.symbols:
+                variants.append((w, buffers + [n + 1 if n % 16 == 0 else -(-n // 16) * 16
+                                               for n in hints]))
         workers = compile_workers.pool(config.compile_workers) \
-            if config.compile_workers and len(writers) >= WORKERS_FROM else None
+            if config.compile_workers and len(variants) >= WORKERS_FROM else None
         jobs = {}
         if workers is not None:
             import triton
 
             with torch.cuda.device(device):
                 target = triton.runtime.driver.active.get_current_target()
-                for w in writers:
-                    if data := _specialization(getattr(self._module, w.name), stand_ins[w.name],
+                for j, (w, stand_ins) in enumerate(variants):
+                    if data := _specialization(getattr(self._module, w.name), stand_ins,
                                                w.launch_options()):
-                        jobs[w.name] = {
+                        jobs[j] = {
                             "path": self._module.__file__, "module": self._module.__name__,
                             "kernel": w.name, "specialization": data, "target": {
                                 "backend": target.backend, "arch": target.arch,
                                 "warp_size": target.warp_size}}
 
-        def warm_up(w, in_worker):
-            if in_worker is not None:
-                in_worker.result()  # then found in Triton's disk cache
+        def warm_up(j):
+            w, stand_ins = variants[j]
+            if j in in_workers:
+                in_workers[j].result()  # then found in Triton's disk cache
             options = w.launch_options()
             with torch.cuda.device(device):
                 compiled = getattr(self._module, w.name).warmup(
-                    *stand_ins[w.name], grid=w.grid(options), **options)
+                    *stand_ins, grid=w.grid(options), **options)
                 with _LAUNCHERS:  # NOTE [loading launchers]
                     getattr(compiled, "_init_handles", lambda: None)()
 
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs),
                                                               config.compile_workers))) as remote:
-            in_workers = {name: remote.submit(workers.compile, job) for name, job in jobs.items()}
-            with concurrent.futures.ThreadPoolExecutor(min(len(writers), 8)) as local:
-                list(local.map(lambda w: warm_up(w, in_workers.get(w.name)), writers))
+            in_workers = {j: remote.submit(workers.compile, job) for j, job in jobs.items()}
+            with concurrent.futures.ThreadPoolExecutor(min(len(variants), 8)) as local:
+                list(local.map(warm_up, range(len(variants))))
 
     def _run(self, inputs: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         return self._wrapper(inputs, device, self._on_device[device])

@@ -49,7 +49,7 @@ import sympy
 import torch
 
 from .printer import format_param
-from .types import TensorType, dtype_name
+from .types import TensorType, dtype_name, hinted, size_hint
 
 
 def loop_vars(prefix: str, n: int) -> tuple[sympy.Symbol, ...]:
@@ -314,7 +314,9 @@ def column_wise(kernel: Kernel, mixed: bool = False) -> bool:
         return False
     x = loop_vars("x", len(kernel.sizes))[-1]
     r = loop_vars("r", len(kernel.reduction_sizes))[-1]
-    strides = [_strides(e.index, x, r, kernel.sizes[-1], kernel.reduction_sizes[-1], mixed)
+    # (a heuristic: at the traced sizes where they are symbolic)
+    strides = [_strides(hinted(e.index), x, r, size_hint(kernel.sizes[-1]),
+                        size_hint(kernel.reduction_sizes[-1]), mixed)
                for e in walk(*body) if isinstance(e, Load) and not e.indirect]
     if not strides or None in strides:
         return False

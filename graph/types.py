@@ -117,6 +117,21 @@ def hints(value) -> dict:
     return {}
 
 
+def equal_sizes(a, b) -> bool:
+    """Are two sizes (ints or expressions) equal at every size? Structurally, or once
+    expanded: ``(2*s - 1)*8*s`` is ``16*s**2 - 8*s``."""
+    return a == b or (isinstance(a, sympy.Expr) or isinstance(b, sympy.Expr)) \
+        and sympy.expand(a - b) == 0
+
+
+def hinted(index):
+    """An index expression with its size symbols at their hints and its loop variables left
+    (NOTE [symbolic sizes]): for heuristics that sample or compare strides."""
+    if not isinstance(index, sympy.Basic):
+        return index
+    return index.xreplace({s: _HINTS[s] for s in index.free_symbols if s in _HINTS})
+
+
 def numel_hint(shape) -> int:
     return math.prod(map(size_hint, shape))
 

@@ -138,6 +138,22 @@ def test_lent_outputs_are_the_graphs_memory():
     assert recorder.replays == 4 and len(set(pointers[2:])) == 1
 
 
+def test_each_shape_of_the_inputs_replays_its_own_graph():
+    """A program of symbolic sizes: inputs of another shape never replay a graph captured at
+    one shape; each recurring shape gets its own, the least recently used dropped."""
+    recorder = _Rerun()
+    graphed, calls = _graphed(lambda x: x * 2, recorder)
+    shapes = [3, 5, 3, 5, 3, 5, 3, 5] + list(range(6, 6 + cuda_graphs.SHAPES_KEPT)) + [3, 3, 3]
+    for n in shapes:
+        x = torch.randn(n)
+        out = graphed([x], CPU)[0]
+        assert torch.equal(out, x * 2)
+        del out
+    # 3 and 5: two warm calls, a capture at the third (replayed at the fourth); the new
+    # shapes pushed 3's graph out: its next three calls warm and capture again
+    assert recorder.captures == 3 and len(graphed._state) == cuda_graphs.SHAPES_KEPT
+
+
 def test_an_output_on_a_static_input_is_lent():
     """A view of a parameter (read where it is, never written by a replay) is returned as a
     view of it, and sees the caller's in-place updates."""
@@ -166,7 +182,7 @@ def test_moved_static_inputs_are_copied_in_after_a_new_capture():
     # captured at the third call; again when w moved (read at its new address), again when
     # it moved a second time (copied in from then on), and again when x moved (read in place
     # at its new address, where it stays)
-    assert recorder.captures == 4 and graphed._state[CPU].dynamic == {0}
+    assert recorder.captures == 4 and graphed._latest[CPU].dynamic == {0}
 
 
 def test_a_residual_lent_by_one_graph_is_read_in_place_by_the_next():
@@ -180,7 +196,7 @@ def test_a_residual_lent_by_one_graph_is_read_in_place_by_the_next():
         r = forward([x], CPU)[0]
         assert torch.equal(backward([r, g], CPU)[0], x.exp() * g)
         del r
-    assert backward._state[CPU].dynamic == {1}
+    assert backward._latest[CPU].dynamic == {1}
 
 
 def test_a_backward_viewing_its_residual_leaves_the_forward_graph_alone():
@@ -196,8 +212,8 @@ def test_a_backward_viewing_its_residual_leaves_the_forward_graph_alone():
         grad = backward([r, torch.randn(4)], CPU)[0]
         assert torch.equal(grad, x.exp().view(2, 2))
         del r, grad
-    assert forward_recorder.captures == 1 and not forward._state[CPU].copied
-    assert 0 not in backward._state[CPU].dynamic
+    assert forward_recorder.captures == 1 and not forward._latest[CPU].copied
+    assert 0 not in backward._latest[CPU].dynamic
 
 
 def test_a_backward_shares_its_forwards_memory_and_lends_none_of_it():
@@ -217,8 +233,8 @@ def test_a_backward_shares_its_forwards_memory_and_lends_none_of_it():
         r = forward([w, x], CPU)[0]
         kept.append((backward([r, g], CPU)[0], (w * x).exp() * g))
         del r
-        if backward._state[CPU].capture is not None:
-            pools.append((forward._state[CPU].capture.pool, backward._state[CPU].capture.pool))
+        if backward._latest[CPU].capture is not None:
+            pools.append((forward._latest[CPU].capture.pool, backward._latest[CPU].capture.pool))
     for got, want in kept:
         assert torch.equal(got, want)
     assert pools and all(f == b for f, b in pools)
@@ -251,7 +267,7 @@ def test_an_input_that_settles_and_moves_by_turns_is_copied_for_good():
         g = places[(step // 4) % 3]  # 4 calls at one address, then the next
         g.fill_(float(step))
         assert torch.equal(graphed([w, g], CPU)[0], w * step)
-    state = graphed._state[CPU]
+    state = graphed._latest[CPU]
     assert not state.refused and recorder.captures <= 4 and state.dynamic == {1}
 
 
@@ -265,7 +281,7 @@ def test_inputs_that_keep_moving_give_up_graphs():
         out = graphed(ws, CPU)[0]
         assert torch.allclose(out, sum(ws))
         del out
-    assert recorder.captures == cuda_graphs.MAX_CAPTURES and graphed._state[CPU].refused
+    assert recorder.captures == cuda_graphs.MAX_CAPTURES and graphed._latest[CPU].refused
 
 
 @pytest.mark.parametrize("why", ["synchronizes", "capture fails"])
@@ -275,7 +291,7 @@ def test_a_refused_capture_runs_launch_by_launch(why):
     for _ in range(5):
         x = torch.randn(2)
         assert torch.equal(graphed([x], CPU)[0], x * 3)
-    assert graphed._state[CPU].refused and len(calls) == 5 and recorder.captures == 0
+    assert graphed._latest[CPU].refused and len(calls) == 5 and recorder.captures == 0
 
 
 def test_a_call_that_raises_is_no_answer_to_the_synchronization_check():
