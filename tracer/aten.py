@@ -22,11 +22,11 @@ import torch._refs.nn.functional
 
 from ..errors import OpError, ShapeError, UnsupportedOpError
 from ..graph import TensorType
-from ..graph.types import contiguous_strides, dimension
+from ..graph.types import contiguous_strides, dimension, equal_sizes, is_symbolic
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
 from . import randomness as _randomness  # noqa: F401  (refuses seeding while tracing)
-from .sizes import is_one, params_dimensions, reported
+from .sizes import Specialized, is_one, params_dimensions, reported
 from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback, _meta_with,
                     bind, current_trace, unwrap_functional)
 
@@ -456,8 +456,8 @@ def _promoted(operands, kind, body):
         # a 0-dim CPU tensor is left to the prim to broadcast, as in the references
         operands = [x if not isinstance(x, torch.Tensor) or
                     torch._prims_common.is_cpu_scalar_tensor(x) else
-                    broadcast_to(x, shape) if isinstance(x, TracerTensor) else
-                    x.expand(shape) if x.shape != shape else x for x in operands]
+                    broadcast_to(x, shape) if isinstance(x, TracerTensor) or is_symbolic(shape)
+                    else x.expand(shape) if x.shape != shape else x for x in operands]
     return convert(HANDLERS.get(body, body)(*operands), result)
 
 
@@ -698,15 +698,33 @@ def _clone(x, *, memory_format=None):
     return out
 
 
-# A tracer of symbolic sizes is asked its sizes through dispatch (NOTE [dynamic dimensions])
-@handles(aten.size.default, aten.sym_size.default)
+# A tracer of symbolic sizes is asked its sizes through dispatch (NOTE [dynamic dimensions]).
+# ``aten.size`` promises numbers: C++ code that asks it (torch 2.11's matmul) would get each
+# symbol's hint, silently (no guard), so a symbolic size there fails the dynamic trace.
+def _numbers(sizes, op: str):
+    if any(isinstance(n, torch.SymInt) and n.node.expr.free_symbols for n in sizes):
+        raise Specialized(f"torch's C++ code asked {op} for numbers, of symbolic sizes")
+    return sizes
+
+
+@handles(aten.sym_size.default)
 def _size(x):
     return x.shape
 
 
-@handles(aten.size.int, aten.sym_size.int)
+@handles(aten.size.default)
+def _size_numbers(x):
+    return _numbers(x.shape, "aten.size")
+
+
+@handles(aten.sym_size.int)
 def _size_of(x, dim):
     return x.shape[dim]
+
+
+@handles(aten.size.int)
+def _size_of_number(x, dim):
+    return _numbers((x.shape[dim],), "aten.size.int")[0]
 
 
 @handles(aten.stride.default, aten.sym_stride.default)
@@ -719,9 +737,14 @@ def _stride_of(x, dim):
     return x.stride()[dim]
 
 
-@handles(aten.numel.default, aten.sym_numel.default)
+@handles(aten.sym_numel.default)
 def _numel(x):
     return math.prod(x.shape)
+
+
+@handles(aten.numel.default)
+def _numel_number(x):
+    return _numbers((math.prod(x.shape),), "aten.numel")[0]
 
 
 @handles(aten.dim.default)
@@ -741,7 +764,7 @@ def _view(x, shape):
     if -1 in shape:
         known = math.prod(n for n in shape if n != -1)
         shape[shape.index(-1)] = t.numel // known if known else 0
-    if math.prod(shape) != t.numel:
+    if not equal_sizes(math.prod(shape), t.numel):
         raise ShapeError(f"shape {list(shape)} is invalid for input of size {t.numel} ({t})")
     return bind("reshape", x, shape=tuple(shape))
 
@@ -1651,6 +1674,30 @@ def _linear(x, weight, bias=None):
 
 
 FUNCTION_HANDLERS[torch.nn.functional.linear] = _linear
+
+
+def _matmul(a, b):
+    """``@`` of operands of 3 and more dims with symbolic sizes: a batched product over the
+    broadcast batch dims, as ATen's C++ composite computes it (whose torch 2.11 form asks
+    for the sizes' values)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) \
+            or min(a.dim(), b.dim()) < 2 or max(a.dim(), b.dim()) < 3 \
+            or not any(isinstance(n, torch.SymInt) for n in (*a.shape, *b.shape)):
+        return NotImplemented
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return torch.bmm(a3, b3).reshape(*batch, a.shape[-2], b.shape[-1])
+
+
+FUNCTION_HANDLERS.update(dict.fromkeys(
+    (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), _matmul))
+
+
+def matmul(a, b):
+    """``a @ b`` for a handler (inside one, torch functions skip FUNCTION_HANDLERS)."""
+    out = _matmul(a, b)
+    return a @ b if out is NotImplemented else out
 
 
 def _dropout(x, p=0.5, training=True, inplace=False):

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..graph import TensorType
-from .aten import handles, type_of
+from .aten import handles, matmul, type_of
 from .primitives import _check, pad_dim, spread_strided
 from .registry import define, vjp_rule
 from ..config import config
@@ -262,7 +262,7 @@ def _four_d_bias(bias, q, k):
 
 def attention_scores(q, k, scale: float, causal: bool, bias=None):
     """q @ kᵀ * scale + bias, causally masked where ``causal``: the written-out form's."""
-    s = q @ k.mT * scale
+    s = matmul(q, k.mT) * scale
     if bias is not None:
         s = s + bias
     if causal:
@@ -551,6 +551,16 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
                            or attn_mask.ndim > query.ndim):
         if masked and attn_mask.dtype == torch.bool:  # as the call converts it
             attn_mask = _additive(attn_mask, query)
+        if not dropout_p and query.ndim >= 3 and any(
+                isinstance(n, torch.SymInt) for x in tensors for n in x.shape):
+            # ATen's math form asks for sizes as numbers (torch 2.11's matmul): the same
+            # ops, written here, keep them symbolic
+            if enable_gqa and query.shape[-3] != key.shape[-3]:
+                key, value = (x.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+                              for x in (key, value))
+            scores = attention_scores(query, key, scale if scale is not None else
+                                      1 / math.sqrt(query.shape[-1]), is_causal, attn_mask)
+            return matmul(torch.ops.aten._safe_softmax(scores, -1), value)
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
             enable_gqa=enable_gqa)[0]

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from ..errors import CheckError, ShapeError, UnsupportedOpError
-from ..graph.types import TensorType
+from ..graph.types import TensorType, equal_sizes
 from .registry import PRIMITIVES, OperandSlot, batch_rule, define, jvp_rule, vjp_rule
 from .sizes import holds
 from .trace import bind, current_trace
@@ -478,7 +478,8 @@ def _broadcast_vjp(cts, x, *, outs, shape, broadcast_dimensions):
 
 
 def _reshape_infer(x, *, shape):
-    _check(math.prod(shape) == x.numel, "reshape", f"cannot reshape to {list(shape)}", x)
+    _check(equal_sizes(math.prod(shape), x.numel), "reshape", f"cannot reshape to {list(shape)}",
+           x)
     return (TensorType(shape, x.dtype, x.device),)
 
 

@@ -43,7 +43,7 @@ from ..graph import Constant, Graph, GraphBuilder, Node, Provenance, TensorType,
 from ..graph.types import contiguous_strides
 from .registry import OperandSlot, draws_random, get_primitive, is_effectful
 from .sizes import current as current_sizes
-from .sizes import params_dimensions, reported
+from .sizes import Specialized, params_dimensions, reported
 
 aten = torch.ops.aten
 
@@ -1188,10 +1188,17 @@ class _FunctionCapture(TorchFunctionMode):
         out = handler(*args, **(kwargs or {})) if handler is not None else NotImplemented
         if out is not NotImplemented:
             return out
-        if current_sizes() is not None and getattr(func, "__module__", None) == _FUNCTIONAL:
-            with self:  # NOTE [nested torch functions]
-                return _checking_no_overrides(func)(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        if current_sizes() is None:
+            return func(*args, **(kwargs or {}))
+        try:
+            if getattr(func, "__module__", None) == _FUNCTIONAL:
+                with self:  # NOTE [nested torch functions]
+                    return _checking_no_overrides(func)(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+        except Specialized as e:  # named by the innermost torch function, for the report
+            if not getattr(e, "named", False):
+                e.args, e.named = (f"{getattr(func, '__qualname__', func)}: {e}",), True
+            raise
 
 
 class _Mode(TorchDispatchMode):
