@@ -6,8 +6,8 @@ For each model: the workload's wall time end to end (``--calls`` batches, each o
 length up to the config's sequence length, compilations included) and the compilations it
 took; then, at ``--sizes``, the median step of plait's dynamic program against a static
 compilation of that size (plait.jit(dynamic=False)), after warm-up. Every compiled result is
-checked against eager. ``--device cuda`` runs the suite's full configurations there (plait's
-Triton backend compiles each size: its dynamic column is the static one). ``--coverage``
+checked against eager. ``--device cuda`` runs the suite's full configurations there
+(plait's Triton kernels; ``--tiny`` the tiny ones). ``--coverage``
 instead runs every transformers model of the suite (or ``--models``) at three lengths and
 says which compile once for all of them.
 
@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch._dynamo
+import torch.utils._pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -49,19 +50,33 @@ def _sync(device: str) -> None:
 
 
 def _check(got, want, what: str) -> None:
+    got, want = pytree.tree_leaves(got), pytree.tree_leaves(want)
+    assert len(got) == len(want), f"{what}: {len(got)} results, eager {len(want)}"
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3, equal_nan=True,
                                    msg=lambda m: f"{what}: {m}")
 
 
-def _workload(fn, batches, reference, device: str) -> float:
+CHECK_EVERY = 25  # the workload's calls whose results are checked against eager's
+
+
+def _workload(fn, batches, device: str) -> tuple[float, dict]:
+    """Seconds for the calls, and the results of every CHECK_EVERY-th (kept, not all: a
+    large model's logits at 200 calls would not fit)."""
+    kept = {}
     start = time.perf_counter()
     with torch.no_grad():
-        for args, want in zip(batches, reference):
+        for i, args in enumerate(batches):
             out = fn(**args)
-            _check(out, want, "workload")
+            if i % CHECK_EVERY == 0:
+                kept[i] = out
     _sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, kept
+
+
+def _check_all(got: dict, want: dict, what: str) -> None:
+    for i, out in got.items():
+        _check(out, want[i], f"{what}, call {i}")
 
 
 def _step(fn, args, device: str, repeat: int = 20) -> float:
@@ -78,17 +93,17 @@ def _step(fn, args, device: str, repeat: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
-def coverage(names: list, device: str) -> None:
+def coverage(names: list, device: str, tiny: bool) -> None:
     """Each model at three lengths: does one compilation serve them all (NOTE [automatic
     dynamic]), and why not where it does not."""
     once = 0
     for name in names:
         spec = SUITE[name]
         torch.manual_seed(0)
-        model = spec.build(device == "cpu").to(device).eval()
+        model = spec.build(tiny).to(device).eval()
         jitted = plait.jit(model)
         for n in (8, 13, 21):
-            args = _batch(spec, model, device == "cpu", device, n, n)
+            args = _batch(spec, model, tiny, device, n, n)
             _check(jitted(**args), model(**args), name)
         failure = jitted.jitted.dynamic_failure
         once += failure is None
@@ -105,13 +120,14 @@ def main() -> None:
     p.add_argument("--sizes", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--coverage", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="tiny configurations on cuda too")
     a = p.parse_args()
-    tiny = a.device == "cpu"
+    tiny = a.device == "cpu" or a.tiny
     torch.set_grad_enabled(False)
     if a.coverage:
         models = a.models if a.models != MODELS else ",".join(
             n for n, s in SUITE.items() if s.source == "transformers")
-        return coverage(models.split(","), a.device)
+        return coverage(models.split(","), a.device, tiny)
     print(f"# torch {torch.__version__}, {a.device}, {torch.get_num_threads()} threads, "
           f"{a.calls} calls of random lengths")
     print("| model | lengths | eager s | torch.compile s (compiles) | plait s (compiles) | "
@@ -125,15 +141,18 @@ def main() -> None:
         rng = random.Random(a.seed)
         lengths = [rng.randint(2, longest) for _ in range(a.calls)]
         batches = [_batch(spec, model, tiny, a.device, n, i) for i, n in enumerate(lengths)]
-        reference = [model(**b) for b in batches]
-        eager = _workload(model, batches, reference, a.device)
+        eager, reference = _workload(model, batches, a.device)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         compiled = torch.compile(model)
-        tc = _workload(compiled, batches, reference, a.device)
+        tc, got = _workload(compiled, batches, a.device)
+        _check_all(got, reference, "torch.compile")
+        del got
         tc_compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         jitted = plait.jit(model)
-        pl = _workload(jitted, batches, reference, a.device)
+        pl, got = _workload(jitted, batches, a.device)
+        _check_all(got, reference, "plait")
+        del got, reference
         sizes = [int(s) for s in a.sizes.split(",") if s] or sorted({longest // 4, longest})
         steps = []
         for n in sizes:
