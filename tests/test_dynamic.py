@@ -41,7 +41,8 @@ def test_a_batch_that_varies_compiles_once_more_for_every_size(backend):
 
 def test_a_row_length_that_varies_reduces_over_a_symbolic_size(backend):
     f = plait.jit(lambda x: F.layer_norm(x, x.shape[-1:]), backend=backend)
-    for n in range(8, 28):
+    # (Triton's interpreter runs every lane of a looped row's chunks: fewer lengths there)
+    for n in range(8, 28, 1 if backend == "cpp" else 5):
         x = torch.randn(4, n)
         assert_close(f(x), F.layer_norm(x, x.shape[-1:]))
     assert f.trace_count == 2, f.dynamic_failure

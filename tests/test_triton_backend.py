@@ -22,6 +22,8 @@ from plait.backends import available_backends
 from plait.backends import triton as triton_backend
 from plait.backends.triton import TRITON_DTYPES, TRITON_OPS, supported_ops
 from plait.compiler import generated
+from plait.errors import BackendError
+from plait.graph.types import set_size_hint
 from plait.graph.loops import Extern, IndexValue, Kernel, Reduce, Store, loop_vars
 from plait.passes import split
 from test_cpp_backend import _check, ap, const, load, per_op_program, program
@@ -796,3 +798,24 @@ def test_the_specialization_hook_skips_compiles_only_in_threads_that_collect():
     assert results == {"a": (True, ["a"]), "b": (True, ["b"]), "plain": "theirs",
                        "a after": "theirs", "b after": "theirs"}
     assert hook(compile={"specialization_data": "main"}) == "theirs"
+
+
+def test_a_kernel_of_symbolic_size_runs_at_every_size_and_checks_its_indices():
+    """NOTE [symbolic sizes]: the size is an int argument, the grid follows each call's
+    size, and a size whose points reach 2**31 is refused rather than indexed in int32."""
+    s = sympy.Symbol("s_kernel", integer=True, positive=True)
+    set_size_hint(s, 64)
+    value = ap("mul", ap("exp", load("x", 24 * x0 + x1)), const(2.0))
+    k = Kernel("scaled", (s, 24), (), (Store("y", 24 * x0 + x1, value),))
+    run = compile_program(program({"x": ((s, 24), F32), "y": ((s, 24), F32)}, ["x"], [k],
+                                  ["y"]))
+    for n in (3, 50, 1000):
+        x = torch.randn(n, 24)
+        torch.testing.assert_close(run([x])[0], torch.exp(x) * 2)
+    source = run.kernels[0].source
+    assert "s_kernel, XBLOCK" in source and "xmask = xindex < (24 * s_kernel)" in source
+    writer = next(iter(run.writers.values()))
+    grid, _, args = writer.at({s: 1000})
+    assert args == [1000] and grid == (-(-24000 // writer.blocks["XBLOCK"]),)
+    with pytest.raises(BackendError, match="2\\*\\*31"):
+        writer.at({s: 2 ** 27})
