@@ -476,8 +476,8 @@ class Wrapper:
         block = {("slot", j): len(slot) + j for j in range(len(plan.slots))} | {
             ("comm", j): len(slot) + len(plan.slots) + j for j in range(len(plan.comm_pools))}
         # NOTE [symbolic sizes]: a call's size symbols' values live in one more slot
-        self._bindings = size_bindings(program.buffers[b].type for b in program.inputs)
-        if unbound := unbound_symbols(self._bindings, (b.type for b in program.buffers.values())):
+        self.bindings = size_bindings(program.buffers[b].type for b in program.inputs)
+        if unbound := unbound_symbols(self.bindings, (b.type for b in program.buffers.values())):
             raise BackendError(f"the program's sizes {sorted(map(str, unbound))} are no "
                                "input's dimension: a call cannot read them")
         symbolic = any(map(is_symbolic, (b.type for b in program.buffers.values())))
@@ -578,7 +578,7 @@ class Wrapper:
         if self._sizes is not None:
             if self._evaluate is None:
                 self._evaluate = evaluated(self._exprs)
-            env[self._sizes] = self._evaluate(size_values(self._bindings, inputs))
+            env[self._sizes] = self._evaluate(size_values(self.bindings, inputs))
         tracker = _Tracker(self, env) if config.check_memory_plan else None
         for i, step in enumerate(self._steps):
             for b in step.bind:

@@ -3,7 +3,7 @@
 NOTE [C++ wrapper]
 The Python wrapper (codegen.Wrapper) steps through a program, one ctypes call per kernel; on a
 small training step that stepping is most of the time (tens of microseconds a step). Here the
-wrapper is generated as one C++ function, ``plait_program(args, table, results)``, compiled
+wrapper is generated as one C++ function, ``plait_program(args, table, results, S)``, compiled
 into the program's first kernel library, that follows the same memory plan (NOTE [wrapper
 memory]) with pointers:
 
@@ -35,6 +35,13 @@ memory]) with pointers:
 * The compiled source carries no provenance, so a program traced from other lines builds the
   same library; the listing (``wrapper_source``) has each step's user lines above it.
 
+* A program of symbolic sizes (NOTE [symbolic sizes]) reads each number that depends on them
+  from ``S``, a fourth argument: allocation sizes, results' shapes, kernels' size
+  parameters, and the sizes, strides and offsets of native externs' operand views. Python
+  fills ``S`` from the inputs' shapes once per distinct sizes (``_size_array``, kept); a
+  Python step sees its types at the call's sizes. Such a program with control flow keeps
+  the Python wrapper (its sub-programs are called with concrete sizes).
+
 A program with collectives keeps the Python wrapper (its comm pools and waits are Python's),
 as does every call under ``config.check_memory_plan`` (its tracker follows the Python
 wrapper's tensors). ``config.cpp_wrapper = False`` turns the C++ wrapper off.
@@ -52,12 +59,13 @@ import warnings
 from collections.abc import Sequence
 
 import attrs
+import sympy
 import torch
 
 from ..config import config
 from ..errors import BackendError
 from ..graph.loops import Extern, Kernel, Wait
-from ..graph.types import TensorType, is_symbolic
+from ..graph.types import TensorType, concrete, hints, is_symbolic, size_values
 from ..tracer.registry import Impl
 from .codegen import entry_pointers, extern_results, extern_text, kernel_error
 from .toolchain import CPP_DTYPES, build, ctype
@@ -455,7 +463,7 @@ NATIVE = {
 
 def _native_params(k) -> tuple | None:
     """The runtime's params for extern ``k``, or None: a Python step."""
-    if k.fenced or (prim := _prim(k)) not in NATIVE:
+    if k.fenced or (prim := _prim(k)) not in NATIVE or is_symbolic(tuple(v for _, v in k.params)):
         return None
     return NATIVE[prim](dict(k.params), len(k.inputs))
 
@@ -482,11 +490,14 @@ def _sub_programs(k, buffers, compile_body) -> list | None:
 
 def applies(program, plan) -> bool:
     """Is ``program`` run by the C++ wrapper (NOTE [C++ wrapper])? Not one with symbolic
-    sizes (NOTE [symbolic sizes]): the Python wrapper evaluates them per call."""
+    sizes and control flow (NOTE [native loops] call sub-programs of concrete sizes)."""
+    symbolic = any(is_symbolic(b.type) for b in program.buffers.values())
     return config.cpp_wrapper and not plan.comm_pools and not any(
-        is_symbolic(b.type) for b in program.buffers.values()) and not any(
-        isinstance(k, Wait) or isinstance(k, Extern) and k.collective for k in program.kernels)
+        isinstance(k, Wait) or isinstance(k, Extern) and (
+            k.collective or symbolic and _prim(k) in BODIES) for k in program.kernels)
 
+
+SIZE_ARRAYS = 256  # a symbolic program's ``S`` kept, by the sizes of its calls
 
 # ---------------------------------------------------------------------------------------
 # Generating the wrapper
@@ -501,19 +512,42 @@ class _Table:
         return self.entries.setdefault((kind, what), len(self.entries))
 
 
-def _view_of(k: Extern, j: int | None, t) -> tuple[tuple, tuple, int]:
+def _view_of(k: Extern, j: int | None, t, sizes: dict | None = None) -> tuple[tuple, tuple, int]:
     """The sizes, strides and element offset of extern ``k``'s operand ``j`` (a buffer of type
     ``t``) as its implementation views it (``Impl.views``); of an output (``j`` None), its
-    buffer's."""
-    x = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-    for method, *args in (k.fn.views[j] if j is not None and k.fn.views else ()):
+    buffer's. ``sizes``: the size symbols' values, for a symbolic type or view."""
+    steps = k.fn.views[j] if j is not None and k.fn.views else ()
+    if sizes is None and is_symbolic((t.shape, steps)):  # its structure: at the hints
+        sizes = hints((t.shape, steps))
+    shape, steps = (t.shape, steps) if sizes is None else concrete((t.shape, steps), sizes)
+    x = torch.empty(tuple(shape), dtype=t.dtype, device="meta")
+    for method, *args in steps:
         x = getattr(x, method)(*args)
     return tuple(x.shape), tuple(x.stride()), x.storage_offset()
 
 
-def _array(lines: list, name: str, values) -> str:
-    values = list(values) or [0]
-    lines.append(f"    static const int64_t {name}[] = {{{', '.join(map(str, values))}}};")
+class _SizeArgs:
+    """NOTE [symbolic sizes]: the numbers a symbolic program's wrapper reads at each call,
+    ``S[k]``: size expressions, and the sizes, strides and element offsets of native externs'
+    operand views (``("view", step, operand, field, dim)``), evaluated in Python once per
+    distinct sizes (``NativeWrapper._size_array``)."""
+
+    def __init__(self):
+        self.items: dict = {}
+
+    def __call__(self, v) -> str:
+        """``v`` as C++: a number as itself, a size expression (or a view's item) as
+        ``S[k]``."""
+        if isinstance(v, int) or isinstance(v, sympy.Basic) and not v.free_symbols:
+            return str(int(v))
+        return f"S[{self.items.setdefault(v, len(self.items))}]"
+
+
+def _array(lines: list, name: str, values, size=None) -> str:
+    """A named int64 array; of ``size`` items (a symbolic program's), read from ``S``."""
+    values = [size(v) if size else str(v) for v in values] or ["0"]
+    static = "" if any(v.startswith("S[") for v in values) else "static "  # per call
+    lines.append(f"    {static}const int64_t {name}[] = {{{', '.join(values)}}};")
     return name
 
 
@@ -531,6 +565,8 @@ class Generated:
     python_steps: tuple
     bodies: tuple
     n_entry: int
+    sizes: tuple = ()  # what ``S`` holds, in order (_SizeArgs)
+    views: tuple = ()  # ((step, operand), (extern, its operand or None, buffer type))
 
     @property
     def uses_runtime(self) -> bool:
@@ -543,6 +579,7 @@ def generate(program, plan, writers: dict, compile_body=None) -> Generated:
     ``_sub_programs`` takes it."""
     lv, kernels, buffers = plan.liveness, program.kernels, program.buffers
     table, lines, python_steps, bodies = _Table(), [], [], []
+    size, views = _SizeArgs(), {}
     shapes: list[str] = []  # each result's shape, for its DLPack tensor
     var = {b: f"{b}_" if b.isidentifier() else f"b{i}_" for i, b in enumerate(buffers)}
     entry = [*program.inputs, *program.constants]
@@ -566,7 +603,8 @@ def generate(program, plan, writers: dict, compile_body=None) -> Generated:
                                          if isinstance(k, Kernel) else extern_text(k)))
         for j, slot in enumerate(plan.slots):
             if slot.first == i:
-                lines.append(f"    if (!(pool{j} = alloc({slot.nbytes}))) {{ rc = -3; goto done; }}")
+                lines.append(f"    if (!(pool{j} = alloc({size(slot.nbytes)}))) "
+                             "{ rc = -3; goto done; }")
         for b in dict.fromkeys((*k.reads, *k.writes)):
             if lv.uses[b][0] != i or b in args:
                 continue
@@ -580,26 +618,33 @@ def generate(program, plan, writers: dict, compile_body=None) -> Generated:
                 # (a dtype outside _DLPACK goes as bytes, which Python views as its dtype)
                 dims, (code, bits) = (t.shape, _DLPACK[t.dtype]) if t.dtype in _DLPACK else \
                     ((lv.nbytes[s],), (1, 8))
-                shapes.append(f"static const int64_t shape{h}[] = {{{', '.join(map(str, dims))}}};"
-                              if dims else f"static const int64_t* const shape{h} = nullptr;")
-                lines.append(f"    if (!({var[b]} = results ? alloc_result({lv.nbytes[s]}, "
-                             f"&results[{h}], {len(dims)}, shape{h}, {code}, {bits}) : "
-                             f"(char*)args[{len(entry) + h}])) {{ rc = -3; goto done; }}")
+                dims = [size(n) for n in dims]
+                declared = f"const int64_t shape{h}[] = {{{', '.join(dims)}}};" \
+                    if dims else f"const int64_t* const shape{h} = nullptr;"
+                symbolic = any(n.startswith("S[") for n in dims)  # (a block: goto skips it)
+                if not symbolic:
+                    shapes.append("static " + declared)
+                lines.append(("    { " + declared if symbolic else "") +
+                             f"    if (!({var[b]} = results ? alloc_result("
+                             f"{size(lv.nbytes[s])}, &results[{h}], {len(dims)}, shape{h}, "
+                             f"{code}, {bits}) : (char*)args[{len(entry) + h}])) "
+                             "{ rc = -3; goto done; }" + (" }" if symbolic else ""))
             else:  # a storage of its own
-                lines.append(f"    if (!({var[b]} = alloc({lv.nbytes[s]}))) "
+                lines.append(f"    if (!({var[b]} = alloc({size(lv.nbytes[s])}))) "
                              "{ rc = -3; goto done; }")
         lines.append("    {")
         if isinstance(k, Kernel):
             w = writers[i]
-            sig = ", ".join(["void*"] * len(w.buffers))
+            symbols = getattr(w, "symbols", ())  # its size parameters, after the buffers
+            sig = ", ".join(["void*"] * len(w.buffers) + ["int64_t"] * len(symbols))
             lines.append(f"    ((void (*)({sig}))table[{table('kernel', w.name)}])"
-                         f"({', '.join(var[b] for b in w.buffers)});")
+                         f"({', '.join([var[b] for b in w.buffers] + list(map(size, symbols)))});")
             if w.checks_error:
                 lines.append(f"    if ((rc = ((int (*)())table[{table('error', w.name)}])())) "
                              "goto done;")
         elif (params := _native_params(k)) is not None and all(
                 buffers[b].type.dtype in _SCALAR_TYPES for b in (*k.inputs, *k.outputs)):
-            _native_call(k, params, buffers, var, table, lines)
+            _native_call(i, k, params, buffers, var, table, lines, size, views)
         elif (runners := _sub_programs(k, buffers, compile_body)) is not None:
             calls = [_Call(f"a{j}", len(bodies) + j, r, table, lines)
                      for j, r in enumerate(runners)]
@@ -626,7 +671,8 @@ def generate(program, plan, writers: dict, compile_body=None) -> Generated:
         "// Compiled unoptimized: it only calls, and -O3 on one function of a few thousand",
         "// steps takes seconds (a 12-block training step: 12.9 s at -O3, 0.3 s at -O0).",
         "#pragma GCC push_options", '#pragma GCC optimize ("O0")', *shapes,
-        'extern "C" int plait_program(void** args, void** table, void** results) {',
+        'extern "C" int plait_program(void** args, void** table, void** results, '
+        'const int64_t* S) {',
         "    int rc = 0;",
         "    auto alloc = (char* (*)(int64_t))table[0];",
         "    auto release = (void (*)(void*))table[1];",
@@ -639,21 +685,28 @@ def generate(program, plan, writers: dict, compile_body=None) -> Generated:
     return Generated(text([x for x in lines if isinstance(x, str)]),
                      text([x if isinstance(x, str) else x[0] for x in lines]),
                      tuple(table.entries), handed, tuple(python_steps), tuple(bodies),
-                     len(entry))
+                     len(entry), tuple(size.items), tuple(views.items()))
 
 
-def _native_call(k: Extern, params: tuple, buffers, var: dict, table: _Table,
-                 lines: list) -> None:
-    """An extern through the runtime, on views of its buffers."""
-    views = []
+def _native_call(i: int, k: Extern, params: tuple, buffers, var: dict, table: _Table,
+                 lines: list, size: _SizeArgs, views: dict) -> None:
+    """An extern through the runtime, on views of its buffers; a symbolic operand's view is
+    read from ``S`` (``views``: (step, operand) -> what computes it at a call's sizes)."""
+    described = []
     for j, b in enumerate((*k.inputs, *k.outputs)):
-        t = buffers[b].type
-        sizes, strides, offset = _view_of(k, j if j < len(k.inputs) else None, t)
-        sz, st = _array(lines, f"sizes{j}", sizes), _array(lines, f"strides{j}", strides)
-        views.append(f"{{{var[b]} + {offset * t.dtype.itemsize}, {len(sizes)}, {sz}, {st}, "
-                     f"{_SCALAR_TYPES[t.dtype]}}}")
-    lines.append(f"    const plait_view views[] = {{{', '.join(views)}}};")
-    _array(lines, "ints", params[0])
+        t, operand = buffers[b].type, j if j < len(k.inputs) else None
+        shape, strides, offset = _view_of(k, operand, t)
+        if is_symbolic((t, k.fn.views[operand] if operand is not None and k.fn.views else ())):
+            views[i, j] = (k, operand, t)
+            shape, strides = (tuple(("view", i, j, f, d) for d in range(len(shape)))
+                              for f in (0, 1))
+            offset = ("view", i, j, 2, 0)
+        sz = _array(lines, f"sizes{j}", shape, size)
+        st = _array(lines, f"strides{j}", strides, size)
+        described.append(f"{{{var[b]} + {size(offset)} * {t.dtype.itemsize}, {len(shape)}, "
+                         f"{sz}, {st}, {_SCALAR_TYPES[t.dtype]}}}")
+    lines.append(f"    const plait_view views[] = {{{', '.join(described)}}};")
+    _array(lines, "ints", params[0], size)
     lines.append(f"    static const double floats[] = {{{', '.join(map(repr, params[1])) or 0}}};")
     lines.append(f"    if ((rc = ((int (*)(const plait_view*, const int64_t*, const double*))"
                  f"table[{table('runtime', f'plait_{_prim(k)}')}])(views, ints, floats))) "
@@ -680,7 +733,8 @@ class _Call:
     def __init__(self, name: str, index: int, runner, table: _Table, lines: list):
         self.name, self.wrapper = name, runner.wrapper
         self.n_in = self.wrapper.n_entry - len(runner.constants)
-        self.fn = f"((int (*)(void**, void**, void**))table[{table('body', index)}])"
+        self.fn = f"((int (*)(void**, void**, void**, const int64_t*))" \
+            f"table[{table('body', index)}])"
         self.table = f"(void**)table[{table('body_table', index)}]"
         lines.append(f"    void* {name}[{self.wrapper.n_entry + len(self.wrapper.handed_types)}];")
         for c in range(len(runner.constants)):
@@ -701,7 +755,8 @@ class _Call:
             else:  # an input, a constant or an output again: copied there
                 copies.append(f"{indent}if (!rc) std::memcpy({target}, {self.name}[{p}], "
                               f"{t.nbytes});")
-        return [*lines, f"{indent}rc = {self.fn}({self.name}, {self.table}, nullptr);", *copies]
+        return [*lines, f"{indent}rc = {self.fn}({self.name}, {self.table}, nullptr, nullptr);",
+                *copies]
 
 
 def _carries(outs, buffers, lines: list) -> list[int]:
@@ -804,8 +859,13 @@ class NativeWrapper:
     plan. It pickles as what it was built from (NOTE [program cache])."""
 
     def __init__(self, library, entries: tuple, steps: dict, bodies: tuple, layout: tuple,
-                 fallback):
-        self._state = (library, entries, steps, bodies, layout, fallback)
+                 fallback, sizes: tuple = ()):
+        self._state = (library, entries, steps, bodies, layout, fallback, sizes)
+        # NOTE [symbolic sizes]: what S holds, the views it reads, and S by the call's sizes
+        self._size_items, self._views = sizes[0] if sizes else (), dict(sizes[1]) if sizes else {}
+        self._bindings = fallback.bindings if sizes else ()  # the inputs' dims -> symbols
+        self._size_arrays: dict = {}
+        self._calling = threading.local()  # ``values``: the sizes of this thread's call
         self.source = None
         self.fallback, self._steps, self._bodies = fallback, steps, bodies
         self.n_entry, self.handed_types, self._outputs, self._order = layout
@@ -817,7 +877,7 @@ class NativeWrapper:
         self._entries, self._table, self._off = entries, None, False
         memory()  # built with the kernels; a failure here turns the wrapper off at once
         self._run = library.cdll.plait_program
-        self._run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._run.argtypes = [ctypes.c_void_p] * 4
         self._run.restype = ctypes.c_int
 
     def _ready(self) -> bool:
@@ -884,8 +944,9 @@ class NativeWrapper:
                        for s in generated.handed)
         layout = (generated.n_entry, handed, outputs,
                   tuple(unique.index(b) for b in program.outputs))
+        symbolic = any(is_symbolic(b.type) for b in buffers.values())
         wrapper = cls(library_of["plait_program"], tuple(entries), steps, generated.bodies,
-                      layout, fallback)
+                      layout, fallback, (generated.sizes, generated.views) if symbolic else ())
         wrapper.source = generated.listing  # for reading; not pickled
         return wrapper
 
@@ -912,8 +973,12 @@ class NativeWrapper:
         outputs. An exception is kept for the caller (ctypes would only print it)."""
         try:
             k, in_types, out_types = self._steps[step]
+            values = getattr(self._calling, "values", None)
+            if values is not None:  # the types at this call's sizes
+                in_types, out_types = ([TensorType(concrete(t.shape, values), t.dtype, t.device)
+                                        for t in ts] for ts in (in_types, out_types))
             args = [_at(pointers[j], t) for j, t in enumerate(in_types)]
-            results = extern_results(k, args, out_types)
+            results = extern_results(k, args, out_types, values)
             for j, (t, r) in enumerate(zip(out_types, results)):
                 if t.nbytes:
                     _at(pointers[len(in_types) + j], t).copy_(r)
@@ -933,16 +998,47 @@ class NativeWrapper:
             [t.data_ptr() for _, t in constants]
         pointers = (ctypes.c_void_p * max(1, len(tensors)))(*addresses)
         results = (ctypes.c_void_p * max(1, len(self.handed_types)))()
-        rc = self._run(pointers, self._table, results)
+        values = size_values(self._bindings, inputs) if self._bindings else None
+        self._calling.values = values
+        try:
+            rc = self._run(pointers, self._table, results,
+                           None if values is None else self._size_array(values))
+        finally:
+            self._calling.values = None
         if rc:
             _fail(rc)
+        at = (lambda shape: shape) if values is None else \
+            (lambda shape: concrete(shape, values))  # noqa: E731
         for (shape, dtype), handle in zip(self.handed_types, results):
             data = _from_capsule(_capsule(handle, _DLTENSOR, None))
-            tensors.append(data if dtype in _DLPACK else data.view(dtype).view(shape))
-        unique = [torch.empty(shape, dtype=dtype) if j is None else
-                  tensors[j] if same else tensors[j].view(shape)
+            tensors.append(data if dtype in _DLPACK else data.view(dtype).view(at(shape)))
+        unique = [torch.empty(at(shape), dtype=dtype) if j is None else
+                  tensors[j] if same else tensors[j].view(at(shape))
                   for j, same, shape, dtype in self._outputs]
         return [unique[u] for u in self._order]
+
+    def _size_array(self, values: dict):
+        """``S`` at a call's sizes (NOTE [symbolic sizes]): evaluated once per distinct
+        sizes, the last SIZE_ARRAYS kept."""
+        key = tuple(values.values())
+        found = self._size_arrays.get(key)
+        if found is None:
+            views: dict = {}
+
+            def value(item) -> int:
+                if not isinstance(item, tuple):
+                    return concrete(item, values)
+                _, i, j, field, d = item
+                if (i, j) not in views:
+                    views[i, j] = _view_of(*self._views[i, j], values)
+                return views[i, j][field] if field == 2 else views[i, j][field][d]
+
+            found = (ctypes.c_int64 * max(1, len(self._size_items)))(
+                *map(value, self._size_items))
+            if len(self._size_arrays) >= SIZE_ARRAYS:
+                self._size_arrays.clear()
+            self._size_arrays[key] = found
+        return found
 
 
 def _fail(rc: int):

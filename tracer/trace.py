@@ -40,7 +40,7 @@ from ..config import config
 from ..errors import (ConcretizationError, OpError, PlaitError, ShapeError, TraceError,
                       TransformError, UnsupportedDtypeError, UnsupportedOpError)
 from ..graph import Constant, Graph, GraphBuilder, Node, Provenance, TensorType, Value, rewrite
-from ..graph.types import contiguous_strides
+from ..graph.types import contiguous_strides, is_symbolic
 from .registry import OperandSlot, draws_random, get_primitive, is_effectful
 from .sizes import current as current_sizes
 from .sizes import Specialized, params_dimensions, reported
@@ -660,14 +660,22 @@ class Trace:
         template = pytree.tree_unflatten(
             [OperandSlot(next(slots)) if isinstance(x, torch.Tensor) else x for x in flat], spec)
         try:
-            meta_args, meta_kwargs = pytree.tree_map(
-                lambda x: _meta(self.type_of(x)) if isinstance(x, torch.Tensor) else
-                (torch.device("meta") if isinstance(x, torch.device) else x), (args, kwargs))
-            if "device" in meta_kwargs:
-                meta_kwargs["device"] = torch.device("meta")
-            # no mode sees the meta call: one tracing random draws (an enclosing trace's)
-            # would record it as a draw of its own, on the meta device
-            with _disable_current_modes():
+            types = pytree.tree_map(
+                lambda x: self.type_of(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            # no mode of the trace sees the meta tensors made or the meta call: one tracing
+            # random draws (an enclosing trace's) would record it as a draw of its own, and a
+            # factory of symbolic sizes as a node, on the meta device. Symbolic sizes (NOTE
+            # [dynamic dimensions]) go through fake tensors of the trace's ShapeEnv, whose
+            # meta kernels take them (guarding what they compare); ATen's C++ ones do not
+            sizes = current_sizes()
+            fake = FakeTensorMode(shape_env=sizes.env) if sizes is not None and any(
+                is_symbolic(t) for t in pytree.tree_leaves(types)) else contextlib.nullcontext()
+            with _disable_current_modes(), fake:
+                meta_args, meta_kwargs = pytree.tree_map(
+                    lambda x: _meta(x) if isinstance(x, TensorType) else
+                    (torch.device("meta") if isinstance(x, torch.device) else x), types)
+                if "device" in meta_kwargs:
+                    meta_kwargs["device"] = torch.device("meta")
                 out = func(*meta_args, **meta_kwargs)
         except Exception as e:
             raise UnsupportedOpError(f"{func}: plait has no decomposition for it and cannot "
