@@ -722,6 +722,9 @@ class _KernelWriter:
         # the symbolic extents a launch checks against int32 index arithmetic
         self._checked = tuple(e for e in [self.numel * self.rnumel] + [
             buffer_types[b].numel for b in self.buffers] if is_symbolic(e))
+        # (a buffer's size may hold symbols the kernel's loops do not)
+        self._key_symbols = tuple(sorted({*self.symbols, *(
+            s for e in self._checked for s in e.free_symbols)}, key=str))
         biggest = max([size_hint(self.numel) * max(1, size_hint(self.rnumel))]
                       + [buffer_types[b].numel_hint for b in self.buffers]
                       + [abs(int(a)) for ix in indices
@@ -1094,10 +1097,10 @@ class _KernelWriter:
         """A symbolic kernel's grid, launch options and size arguments at a call's ``sizes``
         (NOTE [symbolic sizes]), checked against int32 index arithmetic. Its blocks are
         the same at every size: one compiled kernel (per divisibility) serves them all."""
-        key = tuple(sizes[s] for s in self.symbols)
+        key = tuple(sizes[s] for s in self._key_symbols)
         found = self._launches.get(key)
         if found is None:
-            values = dict(zip(self.symbols, key))
+            values = dict(zip(self._key_symbols, key))
             if not self.wide and any(concrete(e, values) >= 2 ** 31 for e in self._checked):
                 raise BackendError(
                     f"kernel {self.kernel.name} indexes with int32 arithmetic (its sizes at "
@@ -1112,7 +1115,7 @@ class _KernelWriter:
                                    "plait.jit(..., dynamic=False) for sizes this large")
             if len(self._launches) >= LAUNCHES_KEPT:
                 self._launches.clear()
-            found = self._launches[key] = grid, options, list(key)
+            found = self._launches[key] = grid, options, [values[s] for s in self.symbols]
         return found
 
     def candidates(self) -> list[dict]:

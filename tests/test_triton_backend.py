@@ -819,3 +819,18 @@ def test_a_kernel_of_symbolic_size_runs_at_every_size_and_checks_its_indices():
     assert args == [1000] and grid == (-(-24000 // writer.blocks["XBLOCK"]),)
     with pytest.raises(BackendError, match="2\\*\\*31"):
         writer.at({s: 2 ** 27})
+
+
+def test_a_symbolic_kernel_reading_a_buffer_of_more_symbols_than_its_loops():
+    """Its int32 check reads the buffer's size, whose symbols its launch is keyed by too."""
+    s, t = (sympy.Symbol(n, integer=True, positive=True) for n in ("s_rows", "s_cols"))
+    set_size_hint(s, 8), set_size_hint(t, 8)
+    k = Kernel("first", (s,), (), (Store("y", x0, ap("neg", load("x", x0))),))
+    run = compile_program(program({"x": ((s, t), F32), "y": ((s,), F32)}, ["x"], [k], ["y"]))
+    for rows, cols in ((3, 5), (3, 9), (7, 2)):
+        x = torch.randn(rows, cols)
+        torch.testing.assert_close(run([x])[0], -x.flatten()[:rows])
+    writer = next(iter(run.writers.values()))
+    assert writer.symbols == (s,) and writer.at({s: 2, t: 2})[2] == [2]
+    with pytest.raises(BackendError, match="2\\*\\*31"):
+        writer.at({s: 2, t: 2 ** 31})
