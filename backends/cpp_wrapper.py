@@ -998,23 +998,25 @@ class NativeWrapper:
             [t.data_ptr() for _, t in constants]
         pointers = (ctypes.c_void_p * max(1, len(tensors)))(*addresses)
         results = (ctypes.c_void_p * max(1, len(self.handed_types)))()
-        values = size_values(self._bindings, inputs) if self._bindings else None
-        self._calling.values = values
-        try:
-            rc = self._run(pointers, self._table, results,
-                           None if values is None else self._size_array(values))
-        finally:
-            self._calling.values = None
+        if self._bindings:  # NOTE [symbolic sizes]: S, and the types at these sizes
+            values = size_values(self._bindings, inputs)
+            self._calling.values = values
+            try:
+                rc = self._run(pointers, self._table, results, self._size_array(values))
+            finally:
+                self._calling.values = None
+            handed, outputs = concrete((self.handed_types, self._outputs), values)
+        else:
+            rc = self._run(pointers, self._table, results, None)
+            handed, outputs = self.handed_types, self._outputs
         if rc:
             _fail(rc)
-        at = (lambda shape: shape) if values is None else \
-            (lambda shape: concrete(shape, values))  # noqa: E731
-        for (shape, dtype), handle in zip(self.handed_types, results):
+        for (shape, dtype), handle in zip(handed, results):
             data = _from_capsule(_capsule(handle, _DLTENSOR, None))
-            tensors.append(data if dtype in _DLPACK else data.view(dtype).view(at(shape)))
-        unique = [torch.empty(at(shape), dtype=dtype) if j is None else
-                  tensors[j] if same else tensors[j].view(at(shape))
-                  for j, same, shape, dtype in self._outputs]
+            tensors.append(data if dtype in _DLPACK else data.view(dtype).view(shape))
+        unique = [torch.empty(shape, dtype=dtype) if j is None else
+                  tensors[j] if same else tensors[j].view(shape)
+                  for j, same, shape, dtype in outputs]
         return [unique[u] for u in self._order]
 
     def _size_array(self, values: dict):

@@ -229,9 +229,10 @@ class Graphed:
     ``recorder`` captures and replays (torch.cuda's graphs; the tests give one that reruns)."""
 
     def __init__(self, run: Callable[[Sequence[torch.Tensor], torch.device], list],
-                 constants: Callable, recorder=_CudaRecorder):
+                 constants: Callable, recorder=_CudaRecorder, sized: bool = False):
         self._run, self._constants, self._recorder = run, constants, recorder
-        # (device, the inputs' shapes) -> _DeviceState, the most recently used last
+        self._sized = sized  # a program of symbolic sizes: a graph per shape of its inputs
+        # device (and with ``sized`` the inputs' shapes) -> _DeviceState, the most recent last
         self._state: collections.OrderedDict = collections.OrderedDict()
         self._latest: dict = {}  # device -> its state of the last call
         self._after: Graphed | None = None
@@ -255,7 +256,7 @@ class Graphed:
                                       and torch.cuda.is_current_stream_capturing()):
             return self._run(inputs, device)
         with self._turns.lock:
-            key = device, tuple(t.shape for t in inputs)
+            key = (device, tuple(t.shape for t in inputs)) if self._sized else device
             state = self._state.get(key)
             if state is None:
                 state = self._state[key] = _DeviceState()

@@ -65,14 +65,14 @@ class _Rerun:
                 o.copy_(n)
 
 
-def _graphed(fn, recorder, constants=()):
+def _graphed(fn, recorder, constants=(), sized=False):
     calls = []
 
     def run(inputs, device):
         calls.append(1)
         return [fn(*inputs)]
 
-    return cuda_graphs.Graphed(run, lambda device: list(constants), recorder), calls
+    return cuda_graphs.Graphed(run, lambda device: list(constants), recorder, sized), calls
 
 
 def test_static_inputs_are_read_in_place_and_dynamic_ones_copied():
@@ -142,7 +142,7 @@ def test_each_shape_of_the_inputs_replays_its_own_graph():
     """A program of symbolic sizes: inputs of another shape never replay a graph captured at
     one shape; each recurring shape gets its own, the least recently used dropped."""
     recorder = _Rerun()
-    graphed, calls = _graphed(lambda x: x * 2, recorder)
+    graphed, calls = _graphed(lambda x: x * 2, recorder, sized=True)
     shapes = [3, 5, 3, 5, 3, 5, 3, 5] + list(range(6, 6 + cuda_graphs.SHAPES_KEPT)) + [3, 3, 3]
     for n in shapes:
         x = torch.randn(n)
