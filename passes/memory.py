@@ -64,7 +64,9 @@ functional collectives return a pending result at once) and a ``Wait`` completes
 start moves up, past compute it does not depend on, to just after the last step it must
 follow: a writer of its operands, the collective before it, a barrier; one whose operand is
 another collective's result stays where it is (moving it up would pull that one's wait up
-with it). The wait goes just before the first step that reads a result, or the next barrier,
+with it). A kernel whose only reader is the collective (the join of a bucket of gradients:
+NOTE [gradients averaged in the backward] in distributed.py), which memory-aware order
+leaves late, moves up first, to just after the writers of what it reads. The wait goes just before the first step that reads a result, or the next barrier,
 or the end. Compute in between runs while the collective communicates (NCCL on its own
 stream, gloo on its threads). The wait also reads the collective's operands, so liveness
 keeps them alive, unwritten and out of reused slots until the collective is done.
@@ -419,18 +421,38 @@ def _overlap_windows(program: LoopProgram) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------
 # Communication overlap
 # ---------------------------------------------------------------------------------------
+def _hoist_operands(kernels: list, needs: set, taking: set) -> None:
+    """Move each kernel that computes a collective's operands (``needs``) and nothing any
+    placed kernel reads (a bucket's gradients joined into one) up to just after the last
+    step it must follow, so the collective can start there too (NOTE [overlap]); one that
+    writes into a buffer it took over (``taking``) stays."""
+    for j in reversed(range(len(kernels))):
+        k = kernels[j]
+        writes = set(k.writes)
+        if (not isinstance(k, Kernel) or _barrier(k) or not needs & writes or writes & taking
+                or any(writes & set(q.reads) for q in kernels[j + 1:])):
+            continue
+        reads, i = set(k.reads), j
+        while i and not (_barrier(kernels[i - 1]) or reads & set(kernels[i - 1].writes)
+                         or writes & set(kernels[i - 1].reads)):
+            i -= 1
+        kernels.insert(i, kernels.pop(j))
+
+
 def overlap(program: LoopProgram) -> LoopProgram:
     """Each collective that can be waited for apart starts right after the last step it must
     follow and is waited for right before the first step that needs it (NOTE [overlap])."""
     if not any(isinstance(k, Extern) and k.split for k in program.kernels):
         return program  # the common case, and reorder settles every order it tries
     kernels: list = []
+    taking = set(program.aliases)
     for k in program.kernels:
         i, needs = len(kernels), set(k.reads)
         # an operand that another collective computes is ready at that one's wait, which
         # comes as late as it can: here
         if isinstance(k, Extern) and k.split and not any(
                 _collective(p) and needs & set(p.writes) for p in kernels):
+            _hoist_operands(kernels, needs, taking)
             while i and not (_barrier(kernels[i - 1]) or _collective(kernels[i - 1])
                              or needs & set(kernels[i - 1].writes)):
                 i -= 1

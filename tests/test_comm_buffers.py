@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import plait
 import pytest
 import torch
@@ -167,18 +168,33 @@ def test_intermediates_may_use_a_pools_free_ranges(fake_types):
 # ---------------------------------------------------------------------------------------
 def test_the_memory_order_keeps_what_a_collective_overlaps():
     """Measured before the overlap, running b2 right after b0 (its producer, 4x bigger)
-    lowers the peak and moves no collective; after the overlap it would leave nothing
-    between the start of c_b3 and its wait. reorder measures each order after the pass that
-    follows it."""
+    lowers the peak and moves no collective; after the overlap it would leave only b4
+    between the start of c_b3 and its wait (b1, which b4 reads too, cannot move up to start
+    it earlier). reorder measures each order after the pass that follows it."""
     split = {"split": (lambda t: t * 2, lambda t: t)}
     given = program([exp("b0", "x"), exp("b1", "x"), exp("b2", "b0"),
-                     coll("b3", "b1", **split)], ["b2", "b3"], sizes={"b0": 4 * N})
+                     coll("b3", "b1", **split), exp("b4", "b1")], ["b2", "b3", "b4"],
+                    sizes={"b0": 4 * N})
     names = lambda p: [k.name for k in p.kernels]  # noqa: E731
     unaware = memory.reorder(given)
-    assert names(unaware) == ["k_b0", "k_b2", "k_b1", "c_b3"]
-    assert names(memory.overlap(unaware))[-2:] == ["c_b3", "wait_c_b3"]  # overlaps nothing
+    assert names(unaware) == ["k_b0", "k_b2", "k_b1", "k_b4", "c_b3"]
+    assert names(memory.overlap(unaware))[-3:] == ["c_b3", "k_b4", "wait_c_b3"]
     aware = memory.reorder(given, overlapped=True)
-    assert names(memory.overlap(aware)) == ["k_b0", "k_b1", "c_b3", "k_b2", "wait_c_b3"]
+    assert names(memory.overlap(aware)) == ["k_b1", "c_b3", "k_b0", "k_b2", "k_b4",
+                                            "wait_c_b3"]
+
+
+def test_the_kernel_computing_only_a_collectives_operand_moves_up_to_start_it():
+    """b1 feeds the collective alone (a bucket's gradients joined): the overlap moves it up
+    to just after what it reads, and the collective starts there, before b0 and b2."""
+    split = {"split": (lambda t: t * 2, lambda t: t)}
+    late = program([exp("b0", "x"), exp("b2", "b0"), exp("b1", "x"),
+                    coll("b3", "b1", **split)], ["b2", "b3"])
+    assert [k.name for k in memory.overlap(late).kernels] == [
+        "k_b1", "c_b3", "k_b0", "k_b2", "wait_c_b3"]
+    # one that writes into a buffer it took over stays: what it jumps could read that buffer
+    taking = attrs.evolve(late, aliases={"b1": "x"})
+    assert [k.name for k in memory.overlap(taking).kernels][:3] == ["k_b0", "k_b2", "k_b1"]
 
 
 def test_collectives_keep_program_order():
