@@ -27,7 +27,7 @@ from . import debug
 from .backends import get_backend, program_cache, resolve_backend
 from .backends.eager import compile_graph as eager_program
 from .config import config
-from .distributed import ddp_call
+from .distributed import GradientSync, averaged, ddp_call
 from .errors import TraceError
 from .graph import Graph, TensorType
 from .compiler import pipeline
@@ -35,8 +35,8 @@ from .compiler.stages import Stages, collector_paused
 from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.sizes import reopened
+from .tracer.state import STATE_LOCK, hook_module, tensor_key
 from .tracer.strided import passed
-from .tracer.state import STATE_LOCK, tensor_key
 from .tracer.trace import foreign_mode_active, no_dynamo_import, tracing_active
 
 _cache_log = logging.getLogger("plait.cache")
@@ -325,7 +325,8 @@ class _Compiled:
         # the arguments the compiled code writes, and why (checked for aliasing per call)
         self._written = {i: "is donated (donate_argnums)" for i in donated} | {
             i: "is mutated by the function" for i in self._mutated}
-        self._programs: dict[tuple[int, ...], _Differentiable] = {}
+        # (differentiated inputs, their buckets averaged) -> the programs
+        self._programs: dict[tuple, _Differentiable] = {}
         self._lock = threading.Lock()  # one thread makes a set of inputs' programs
         # the inputs each result depends on through floating-point values: those
         # torch.autograd may want gradients of (one no result reaches gets none, as in eager)
@@ -351,28 +352,32 @@ class _Compiled:
         """The compilation of this signature whose branches ``tensors`` take, if any."""
         return next((c for c in self.variants if c.holds(tensors)), None)
 
-    def _differentiable(self, wrt) -> "_Differentiable":
+    def _differentiable(self, wrt, averaging) -> "_Differentiable":
         try:
-            return _Differentiable(self.lowered, wrt, self._reaches)
+            return _Differentiable(self.lowered, wrt, self._reaches, averaging)
         except Exception as e:
             if self.sizes is None:
                 raise
             raise _DynamicFailed(e) from e
 
-    def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False):
+    def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False,
+                 sync: GradientSync | None = None):
         """``interpreted``: the program runs torch's ops (the eager backend) under a mode or
-        transform that records them, torch.autograd's own recording included."""
+        transform that records them, torch.autograd's own recording included; ``sync``:
+        the gradients the backward averages (NOTE [gradients averaged in the backward])."""
         if self._written and not interpreted:
             _check_not_aliased(tensors, self._written)
         wrt = tuple(itertools.compress(itertools.count(), map(
             operator.and_, map(_requires_grad, tensors), self._read))) \
             if torch.is_grad_enabled() and not interpreted else ()
         if wrt:
-            program = self._programs.get(wrt)
+            averaging = sync and (sync.positions(tensors, wrt), sync.group)
+            key = wrt, averaging and averaging[0]
+            program = self._programs.get(key)
             if program is None:
                 with self._lock:
-                    program = self._programs.get(wrt) or self._differentiable(wrt)
-                    self._programs[wrt] = program
+                    program = self._programs.get(key) or self._differentiable(wrt, averaging)
+                    self._programs[key] = program
             results = _Node.apply(program, len(tensors), *tensors)
         else:
             kept = [t for i, t in enumerate(tensors) if i not in self._donated] \
@@ -398,9 +403,12 @@ class _Compiled:
 # derivative needs plait's own transforms.
 class _Differentiable:
     """The forward and backward programs of one compilation, for the inputs ``wrt``;
-    ``reaches``: the bit set of the inputs each result depends on."""
+    ``reaches``: the bit set of the inputs each result depends on; ``averaging``: the
+    buckets of gradients (positions among ``wrt``) the backward averages, and the process
+    group's params (NOTE [gradients averaged in the backward])."""
 
-    def __init__(self, lowered: Lowered, wrt: tuple[int, ...], reaches: list[int]):
+    def __init__(self, lowered: Lowered, wrt: tuple[int, ...], reaches: list[int],
+                 averaging: tuple | None = None):
         traced, self.wrt, self.reaches = lowered.traced, wrt, reaches
         self.sizes = lowered.sizes
         graph = traced.graph
@@ -418,6 +426,8 @@ class _Differentiable:
             forward, backward, self.read = pipeline.training(
                 graph, wrt, self.seeded, frozenset(range(len(graph.inputs))) - set(self.mutated),
                 lowered._settings, stages)
+            if averaging and averaging[0]:
+                backward = averaged(backward, *averaging)
         backward_stages = Stages(f"{name} (backward)")
         backward_stages.record("backward", backward, 0.0)
         self._forward = Lowered(_program(forward.updating(self.mutated, self.n_results),
@@ -738,6 +748,11 @@ class Jitted:
         return lowered
 
     def __call__(self, *args, **kwargs):
+        return self.call(args, kwargs)
+
+    def call(self, args: tuple, kwargs: dict, sync: GradientSync | None = None):
+        """The call ``fn(*args, **kwargs)``, compiled; ``sync``: the gradients its backward
+        averages (NOTE [gradients averaged in the backward])."""
         if tracing_active():  # inside another jit or a transform: traced into its graph, as
             return self.fn(*args, **kwargs)  # JAX inlines a nested jit (its kernels ran on tracers)
         if foreign_mode_active():
@@ -754,16 +769,16 @@ class Jitted:
                     compiled, read = self._compile(args, kwargs, leaves, tree, tensors, key,
                                                    backend, state, read)
             if compiled is None:  # its floats turned static: another key
-                return self(*args, **kwargs)
+                return self.call(args, kwargs, sync)
         elif _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
             _cache_log.debug("hit %s", debug.function_name(self.fn))
         self._latest = key, read[0], compiled
         try:
-            return compiled(tensors + read[1])
+            return compiled(tensors + read[1], sync=sync)
         except _DynamicFailed as e:
             self._give_up_dynamic(e.__cause__)
             self.clear_cache()
-            return self(*args, **kwargs)
+            return self.call(args, kwargs, sync)
 
     def last_call(self) -> tuple | None:
         """The traced function the last call ran and the tensors it read besides its
@@ -993,8 +1008,12 @@ class Jitted:
 class JittedModule(torch.nn.Module):
     """``plait.jit(module)``: the module, compiled, as ``torch.compile(module)`` returns it.
     Its parameters, buffers, ``state_dict``, ``train()``/``eval()`` and hooks are the
-    original module's (``_orig_mod``), read at each call (NOTE [live state]); ``jitted`` is
-    the ``Jitted`` of the module's call, for ``lower`` and ``trace_count``."""
+    original module's (``_orig_mod``), read at each call (NOTE [live state]), under the
+    original names (no ``_orig_mod.`` in them, here or in a module holding this one);
+    ``jitted`` is the ``Jitted`` of the module's call, for ``lower`` and ``trace_count``.
+    Forward hooks of torch.distributed (FSDP's, registered by ``fully_shard(jitted)``) stay
+    on this wrapper and run around each compiled call (NOTE [distributed wrappers] in
+    tracer/state.py)."""
 
     def __init__(self, module: torch.nn.Module, jitted: Jitted):
         super().__init__()
@@ -1004,6 +1023,8 @@ class JittedModule(torch.nn.Module):
     def __call__(self, *args, **kwargs):
         # the module's own call, its hooks and torch's global ones, is what is traced; this
         # wrapper's, nn.Module's, would run the global hooks a second time
+        if self._forward_pre_hooks or self._forward_hooks:
+            return _around_hooks(self, self.jitted, args, kwargs)
         return self.jitted(*args, **kwargs)
 
     forward = __call__
@@ -1013,6 +1034,23 @@ class JittedModule(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._orig_mod, name)
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        """This wrapper, then the original module's tree under the same names (so every
+        parameter's and buffer's name is the original one)."""
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if self in memo:
+                return
+            memo.add(self)
+        yield prefix, self
+        yield from self._orig_mod.named_modules(memo, prefix, remove_duplicate)
+
+    def register_forward_pre_hook(self, hook, **options):
+        return _hooked(self, "register_forward_pre_hook", hook, options)
+
+    def register_forward_hook(self, hook, **options):
+        return _hooked(self, "register_forward_hook", hook, options)
 
     @property
     def trace_count(self) -> int:
@@ -1031,19 +1069,48 @@ class JittedModule(torch.nn.Module):
             (self._orig_mod,)
 
 
+def _hooked(wrapper: JittedModule, register: str, hook, options: dict):
+    """A forward hook registered on ``wrapper``: on the original module, traced with its
+    call, unless torch.distributed's (NOTE [distributed wrappers] in tracer/state.py)."""
+    owner = wrapper if hook_module(hook).startswith("torch.distributed") else wrapper._orig_mod
+    return getattr(torch.nn.Module, register)(owner, hook, **options)
+
+
+def _around_hooks(module: torch.nn.Module, call: Callable, args: tuple, kwargs: dict):
+    """``call`` with ``module``'s own forward hooks (torch.distributed's) run around it, as
+    ``nn.Module.__call__`` runs them (``with_kwargs`` among their options)."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if key in module._forward_pre_hooks_with_kwargs:
+            if (result := hook(module, args, kwargs)) is not None:
+                args, kwargs = result
+        elif (result := hook(module, args)) is not None:
+            args = result if isinstance(result, tuple) else (result,)
+    out = call(*args, **kwargs)
+    for key, hook in list(module._forward_hooks.items()):
+        result = hook(module, args, kwargs, out) if key in module._forward_hooks_with_kwargs \
+            else hook(module, args, out)
+        out = out if result is None else result
+    return out
+
+
 class _JittedDDP(JittedModule):
     """``plait.jit(DistributedDataParallel(model))``: the wrapped model compiled (``jitted``),
     DDP's bookkeeping run around each compiled call (NOTE [jit of DDP] in distributed.py)."""
 
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, jitted: Jitted):
+        super().__init__(ddp, jitted)
+        self.__dict__["_sync"] = GradientSync.of(ddp)
+
     def __call__(self, *args, **kwargs):
-        return ddp_call(self._orig_mod, self.jitted, args, kwargs)
+        sync = None if foreign_mode_active() else self._sync
+        return ddp_call(self._orig_mod, self.jitted, sync, args, kwargs)
 
     forward = __call__
 
 
 def _original_modules(name: str):
-    """``JittedModule``'s method ``name``: the original module's (hooks registered on the
-    wrapper are the module's, and traced with its call)."""
+    """``JittedModule``'s method ``name``: the original module's (backward hooks registered
+    on the wrapper are the module's, and traced with its call)."""
 
     def method(self, *args, **kwargs):
         return getattr(self._orig_mod, name)(*args, **kwargs)
@@ -1052,10 +1119,8 @@ def _original_modules(name: str):
     return method
 
 
-for _name in ("state_dict", "load_state_dict", "named_parameters", "named_buffers",
-              "register_forward_pre_hook", "register_forward_hook",
-              "register_full_backward_pre_hook", "register_full_backward_hook",
-              "register_backward_hook"):
+for _name in ("state_dict", "load_state_dict", "register_full_backward_pre_hook",
+              "register_full_backward_hook", "register_backward_hook"):
     setattr(JittedModule, _name, _original_modules(_name))
 del _name
 

@@ -19,8 +19,10 @@ move on (dynamic, for good: a scalar seed of ``loss.backward()`` sits where the 
 allocator puts it, the same address for a few steps, then another after other work ran
 between them, and settling it each time would spend every capture), up to ``MAX_CAPTURES``
 times, after which the program runs launch by launch on that device. Anything a capture
-refuses (a host synchronisation in an extern, a collective) leaves the program uncaptured
-for good.
+refuses (a host synchronisation in an extern, a collective of a backend NCCL's graphs cannot
+hold) leaves the program uncaptured for good. NCCL's collectives are captured with the
+kernels around them, start and wait (NOTE [overlap] in passes/memory.py): every rank
+replays one program, so each issues its collectives in the order the others do.
 
 Outputs. A replay writes the same memory every time, so an output handed to the caller
 must be dead before the next replay writes over it. Outputs are *lent* as new tensors on the
@@ -375,7 +377,7 @@ class _DeviceState:
             self.capture = _Capture(owner._run, inputs, static, self.copied,
                                     owner._constants(device), device, owner._recorder,
                                     owner._pool(device))
-        except Exception as e:  # a host synchronisation, a collective: no graph here
+        except Exception as e:  # a host synchronisation, gloo's collective: no graph here
             _log.debug("CUDA graph: capture failed, running launch by launch: %s", e)
             self.refused = True
             return False

@@ -112,7 +112,6 @@ from ..graph.loops import (
     Load,
     LoopProgram,
     Reduce,
-    Wait,
     children,
     column_wise,
     is_inner,
@@ -1271,11 +1270,9 @@ class CompiledProgram(codegen.CompiledProgram):
         self._on_device: dict = {}  # device -> constants there
         self._error_flags: dict = {}  # device -> the flag checking kernels set
         super().__init__(program, plan, stages, bodies)
-        # NOTE [CUDA graphs]: not a program that communicates (every rank must issue its
-        # collectives itself, in one order)
-        self._graphed = None if self.plan.comm_pools or any(
-            isinstance(k, Wait) or getattr(k, "collective", False) for k in program.kernels) \
-            else cuda_graphs.Graphed(self._run, lambda d: [t for _, t in self._on_device[d]],
+        # NOTE [CUDA graphs]: not a program with comm pools (their memory is handed back
+        # after each call)
+        self._graphed = None if self.plan.comm_pools else cuda_graphs.Graphed(self._run, lambda d: [t for _, t in self._on_device[d]],
                                      sized=any(is_symbolic(b.type)
                                                for b in program.buffers.values()))
 

@@ -322,9 +322,12 @@ def _filled(cell) -> bool:
 # each error naming the order that works: ``plait.jit(ddp)`` (``api.py`` compiles the
 # module DDP wraps and runs DDP's bookkeeping around each compiled call),
 # ``DistributedDataParallel(plait.jit(model))``, ``FullyShardedDataParallel(plait.jit(
-# model))``, and under ``fully_shard`` a block whose forward calls a jitted inner
-# computation: the block's hooks run around that call, which sees the gathered parameters
-# as plain tensors. Whether a tensor's class dispatches its ops itself (a DTensor, unlike a
+# model))``, ``fully_shard(plait.jit(block))`` (the hooks FSDP registers on the jitted
+# block stay on the wrapper, which runs them around each compiled call, and FSDP finds each
+# parameter on the module that holds it: ``JittedModule`` in api.py), and under
+# ``fully_shard`` a block whose forward calls a jitted inner computation: the block's hooks
+# run around that call. Either way the compiled call sees the gathered parameters as plain
+# tensors, and its gradients reach them, whence FSDP reduce-scatters them. Whether a tensor's class dispatches its ops itself (a DTensor, unlike a
 # Parameter) is part of its key, so a DTensor where a plain tensor was traced retraces, and
 # is refused.
 _SHARD_LOCALLY = ("plait traces plain tensors: compute on each rank's shards "
@@ -340,7 +343,7 @@ def _distributed() -> tuple:
     return getattr(tensor, "DTensor", None), getattr(composable, "_get_module_state", None)
 
 
-def _origin(hook) -> str:
+def hook_module(hook) -> str:
     """The Python module that defines ``hook`` (a function, bound method or partial)."""
     while isinstance(hook, functools.partial):
         hook = hook.func
@@ -365,7 +368,7 @@ def refuse_distributed(name: str, module: torch.nn.Module) -> None:
             "readied only while tracing. Compile the DDP module itself, plait.jit(ddp_model), "
             "or wrap the compiled model: DistributedDataParallel(plait.jit(model)).")
     dtensor, managing = _distributed()
-    hooks = [h for h in map(_origin, itertools.chain(
+    hooks = [h for h in map(hook_module, itertools.chain(
         vars(module)["_forward_pre_hooks"].values(), vars(module)["_forward_hooks"].values()))
              if h.startswith("torch.distributed")]
     state = managing(module) if managing is not None else None
@@ -374,9 +377,8 @@ def refuse_distributed(name: str, module: torch.nn.Module) -> None:
             f"{where} is managed by FSDP ({type(state).__name__ if state else hooks[0]}), "
             "whose hooks gather and free its parameters around each call of it; traced, "
             "they would act only while tracing. Put plait.jit inside the wrapper: "
-            "FullyShardedDataParallel(plait.jit(model)), or with fully_shard, shard blocks "
-            "whose forward calls a plait.jit of their inner computation (a submodule the "
-            "block holds).")
+            "fully_shard(plait.jit(block)) for each block (and fully_shard(model) around "
+            "them), or FullyShardedDataParallel(plait.jit(model)).")
     for kind in ("_parameters", "_buffers") if dtensor is not None else ():
         for key, t in vars(module)[kind].items():
             if isinstance(t, dtensor):
