@@ -17,8 +17,11 @@ contiguous, captures again, reading it at its new address the first time it move
 backward's residuals, once the forward was captured again) and copying it in from its second
 move on (dynamic, for good: a scalar seed of ``loss.backward()`` sits where the caching
 allocator puts it, the same address for a few steps, then another after other work ran
-between them, and settling it each time would spend every capture), up to ``MAX_CAPTURES``
-times, after which the program runs launch by launch on that device. Anything a capture
+between them, and settling it each time would spend every capture). After ``MAX_CAPTURES``
+captures on a device nothing is read in place any more once it has moved: an input that
+moves is copied in from then on and none settles, so each later capture copies one more
+input or output, and the captures end (chained programs, each block of a model compiled
+alone, move each other's inputs by turns as each is captured again). Anything a capture
 refuses (a host synchronisation in an extern, a collective of a backend NCCL's graphs cannot
 hold) leaves the program uncaptured for good. NCCL's collectives are captured with the
 kernels around them, start and wait (NOTE [overlap] in passes/memory.py): every rank
@@ -77,7 +80,7 @@ from ..config import config
 _log = logging.getLogger("plait.kernels")
 
 WARM_CALLS = 2     # calls before the capture: compilation and library warm-up, then addresses
-MAX_CAPTURES = 6   # captures per device before a program stays uncaptured there
+MAX_CAPTURES = 6   # captures per device before every input that moves is copied in
 STEADY_CALLS = 2   # calls a dynamic input stays put before it is read in place
 SHAPES_KEPT = 4    # a program of symbolic sizes: the shapes of inputs whose graphs are kept
 
@@ -323,9 +326,11 @@ class _DeviceState:
                            for i in self.dynamic}
             moved, alive = self.capture.moved(inputs, addresses), self.capture.alive()
             # a dynamic input that stays put (a residual of a program whose graph now lends
-            # it) is read in place, once it has for STEADY_CALLS calls
-            settled = {i for i, n in self.steady.items() if n >= STEADY_CALLS
-                       and inputs[i].is_contiguous() and i not in self.unsteady}
+            # it) is read in place, once it has for STEADY_CALLS calls (until the limit)
+            limited = self.captures >= MAX_CAPTURES
+            settled = set() if limited else {
+                i for i, n in self.steady.items() if n >= STEADY_CALLS
+                and inputs[i].is_contiguous() and i not in self.unsteady}
             if moved or alive or settled:
                 # a static input moved, the caller still holds results of the last replay
                 # (left to it, with the graph's memory under them), or a dynamic input
@@ -333,7 +338,7 @@ class _DeviceState:
                 # those outputs copied out from now on. A static input that moves for the
                 # first time is read in place at its new address (a residual of a program
                 # captured again, which stays there); one that moves again is copied in.
-                again = set(moved) & self.moved_once
+                again = set(moved) if limited else set(moved) & self.moved_once
                 self.moved_once |= set(moved)
                 self.unsteady |= again
                 self.dynamic = (self.dynamic | again) - settled
@@ -365,9 +370,8 @@ class _DeviceState:
 
     def _capture(self, owner: Graphed, inputs, device) -> bool:
         """Capture the program (NOTE [CUDA graphs]); False where it cannot be."""
-        if self.captures >= MAX_CAPTURES or any(t.device != device for t in inputs):
-            _log.debug("CUDA graph: %d captures, or inputs on other devices: not captured "
-                       "again", self.captures)
+        if any(t.device != device for t in inputs):
+            _log.debug("CUDA graph: inputs on other devices: not captured")
             self.refused = True
             return False
         self.captures += 1

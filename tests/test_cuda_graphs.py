@@ -271,17 +271,26 @@ def test_an_input_that_settles_and_moves_by_turns_is_copied_for_good():
     assert not state.refused and recorder.captures <= 4 and state.dynamic == {1}
 
 
-def test_inputs_that_keep_moving_give_up_graphs():
+def test_inputs_that_keep_moving_are_copied_in_once_the_captures_reach_their_limit():
+    """Each input moves every 5 calls (chained programs capturing again by turns): past
+    MAX_CAPTURES every input that moves is copied in, and the captures end."""
     recorder = _Rerun()
-    graphed, calls = _graphed(lambda *ws: sum(ws), recorder)
+    graphed, _ = _graphed(lambda *ws: sum(ws), recorder)
     ws = [torch.randn(2) for _ in range(5)]
-    for step in range(16):
+    for step in range(40):
         if step >= 3:
             ws[step % 5] = torch.randn(2)  # an input moves at each call, each every 5 calls
         out = graphed(ws, CPU)[0]
         assert torch.allclose(out, sum(ws))
         del out
-    assert recorder.captures == cuda_graphs.MAX_CAPTURES and graphed._latest[CPU].refused
+    state = graphed._latest[CPU]
+    assert not state.refused and state.dynamic == set(range(5))
+    captures, replays = recorder.captures, recorder.replays
+    assert captures <= cuda_graphs.MAX_CAPTURES + 5
+    for step in range(5):  # replayed, each input copied in
+        ws[step] = torch.randn(2)
+        assert torch.allclose(graphed(ws, CPU)[0], sum(ws))
+    assert (recorder.captures, recorder.replays) == (captures, replays + 5)
 
 
 @pytest.mark.parametrize("why", ["synchronizes", "capture fails"])
