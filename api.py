@@ -27,7 +27,7 @@ from . import debug
 from .backends import get_backend, program_cache, resolve_backend
 from .backends.eager import compile_graph as eager_program
 from .config import config
-from .distributed import GradientSync, averaged, ddp_call
+from .distributed import ddp_call
 from .errors import TraceError
 from .graph import Graph, TensorType
 from .compiler import pipeline
@@ -325,8 +325,7 @@ class _Compiled:
         # the arguments the compiled code writes, and why (checked for aliasing per call)
         self._written = {i: "is donated (donate_argnums)" for i in donated} | {
             i: "is mutated by the function" for i in self._mutated}
-        # (differentiated inputs, their buckets averaged) -> the programs
-        self._programs: dict[tuple, _Differentiable] = {}
+        self._programs: dict[tuple[int, ...], _Differentiable] = {}
         self._lock = threading.Lock()  # one thread makes a set of inputs' programs
         # the inputs each result depends on through floating-point values: those
         # torch.autograd may want gradients of (one no result reaches gets none, as in eager)
@@ -352,32 +351,28 @@ class _Compiled:
         """The compilation of this signature whose branches ``tensors`` take, if any."""
         return next((c for c in self.variants if c.holds(tensors)), None)
 
-    def _differentiable(self, wrt, averaging) -> "_Differentiable":
+    def _differentiable(self, wrt) -> "_Differentiable":
         try:
-            return _Differentiable(self.lowered, wrt, self._reaches, averaging)
+            return _Differentiable(self.lowered, wrt, self._reaches)
         except Exception as e:
             if self.sizes is None:
                 raise
             raise _DynamicFailed(e) from e
 
-    def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False,
-                 sync: GradientSync | None = None):
+    def __call__(self, tensors: list[torch.Tensor], interpreted: bool = False):
         """``interpreted``: the program runs torch's ops (the eager backend) under a mode or
-        transform that records them, torch.autograd's own recording included; ``sync``:
-        the gradients the backward averages (NOTE [gradients averaged in the backward])."""
+        transform that records them, torch.autograd's own recording included."""
         if self._written and not interpreted:
             _check_not_aliased(tensors, self._written)
         wrt = tuple(itertools.compress(itertools.count(), map(
             operator.and_, map(_requires_grad, tensors), self._read))) \
             if torch.is_grad_enabled() and not interpreted else ()
         if wrt:
-            averaging = sync and (sync.positions(tensors, wrt), sync.group)
-            key = wrt, averaging and averaging[0]
-            program = self._programs.get(key)
+            program = self._programs.get(wrt)
             if program is None:
                 with self._lock:
-                    program = self._programs.get(key) or self._differentiable(wrt, averaging)
-                    self._programs[key] = program
+                    program = self._programs.get(wrt) or self._differentiable(wrt)
+                    self._programs[wrt] = program
             results = _Node.apply(program, len(tensors), *tensors)
         else:
             kept = [t for i, t in enumerate(tensors) if i not in self._donated] \
@@ -403,12 +398,9 @@ class _Compiled:
 # derivative needs plait's own transforms.
 class _Differentiable:
     """The forward and backward programs of one compilation, for the inputs ``wrt``;
-    ``reaches``: the bit set of the inputs each result depends on; ``averaging``: the
-    buckets of gradients (positions among ``wrt``) the backward averages, and the process
-    group's params (NOTE [gradients averaged in the backward])."""
+    ``reaches``: the bit set of the inputs each result depends on."""
 
-    def __init__(self, lowered: Lowered, wrt: tuple[int, ...], reaches: list[int],
-                 averaging: tuple | None = None):
+    def __init__(self, lowered: Lowered, wrt: tuple[int, ...], reaches: list[int]):
         traced, self.wrt, self.reaches = lowered.traced, wrt, reaches
         self.sizes = lowered.sizes
         graph = traced.graph
@@ -426,8 +418,6 @@ class _Differentiable:
             forward, backward, self.read = pipeline.training(
                 graph, wrt, self.seeded, frozenset(range(len(graph.inputs))) - set(self.mutated),
                 lowered._settings, stages)
-            if averaging and averaging[0]:
-                backward = averaged(backward, *averaging)
         backward_stages = Stages(f"{name} (backward)")
         backward_stages.record("backward", backward, 0.0)
         self._forward = Lowered(_program(forward.updating(self.mutated, self.n_results),
@@ -748,11 +738,6 @@ class Jitted:
         return lowered
 
     def __call__(self, *args, **kwargs):
-        return self.call(args, kwargs)
-
-    def call(self, args: tuple, kwargs: dict, sync: GradientSync | None = None):
-        """The call ``fn(*args, **kwargs)``, compiled; ``sync``: the gradients its backward
-        averages (NOTE [gradients averaged in the backward])."""
         if tracing_active():  # inside another jit or a transform: traced into its graph, as
             return self.fn(*args, **kwargs)  # JAX inlines a nested jit (its kernels ran on tracers)
         if foreign_mode_active():
@@ -769,16 +754,16 @@ class Jitted:
                     compiled, read = self._compile(args, kwargs, leaves, tree, tensors, key,
                                                    backend, state, read)
             if compiled is None:  # its floats turned static: another key
-                return self.call(args, kwargs, sync)
+                return self(*args, **kwargs)
         elif _cache_log.isEnabledFor(logging.DEBUG):  # the name costs more than the hit
             _cache_log.debug("hit %s", debug.function_name(self.fn))
         self._latest = key, read[0], compiled
         try:
-            return compiled(tensors + read[1], sync=sync)
+            return compiled(tensors + read[1])
         except _DynamicFailed as e:
             self._give_up_dynamic(e.__cause__)
             self.clear_cache()
-            return self.call(args, kwargs, sync)
+            return self(*args, **kwargs)
 
     def last_call(self) -> tuple | None:
         """The traced function the last call ran and the tensors it read besides its
@@ -1019,6 +1004,7 @@ class JittedModule(torch.nn.Module):
         super().__init__()
         self._orig_mod = module
         self.__dict__["jitted"] = jitted
+        self.register_load_state_dict_pre_hook(_into_original)
 
     def __call__(self, *args, **kwargs):
         # the module's own call, its hooks and torch's global ones, is what is traced; this
@@ -1037,7 +1023,8 @@ class JittedModule(torch.nn.Module):
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
         """This wrapper, then the original module's tree under the same names (so every
-        parameter's and buffer's name is the original one)."""
+        parameter's and buffer's name is the original one; the wrapper and the original
+        module share theirs)."""
         memo = set() if memo is None else memo
         if remove_duplicate:
             if self in memo:
@@ -1078,32 +1065,46 @@ def _hooked(wrapper: JittedModule, register: str, hook, options: dict):
 
 def _around_hooks(module: torch.nn.Module, call: Callable, args: tuple, kwargs: dict):
     """``call`` with ``module``'s own forward hooks (torch.distributed's) run around it, as
-    ``nn.Module.__call__`` runs them (``with_kwargs`` among their options)."""
+    ``nn.Module.__call__`` runs them (``with_kwargs`` and ``always_call`` among their
+    options)."""
     for key, hook in list(module._forward_pre_hooks.items()):
         if key in module._forward_pre_hooks_with_kwargs:
             if (result := hook(module, args, kwargs)) is not None:
                 args, kwargs = result
         elif (result := hook(module, args)) is not None:
             args = result if isinstance(result, tuple) else (result,)
-    out = call(*args, **kwargs)
+    try:
+        out = call(*args, **kwargs)
+    except Exception:
+        for key, hook in list(module._forward_hooks.items()):
+            if key in module._forward_hooks_always_called:
+                _forward_hook(module, key, hook, args, kwargs, None)
+        raise
     for key, hook in list(module._forward_hooks.items()):
-        result = hook(module, args, kwargs, out) if key in module._forward_hooks_with_kwargs \
-            else hook(module, args, out)
+        result = _forward_hook(module, key, hook, args, kwargs, out)
         out = out if result is None else result
     return out
+
+
+def _forward_hook(module: torch.nn.Module, key: int, hook, args, kwargs, out):
+    return hook(module, args, kwargs, out) if key in module._forward_hooks_with_kwargs \
+        else hook(module, args, out)
+
+
+def _into_original(module: JittedModule, state_dict: dict, prefix: str, *_) -> None:
+    """A ``load_state_dict`` of a module holding ``module``: its entries, named as the
+    original module's (``JittedModule.state_dict``), go to that module (``_orig_mod``)."""
+    inner = prefix + "_orig_mod."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 class _JittedDDP(JittedModule):
     """``plait.jit(DistributedDataParallel(model))``: the wrapped model compiled (``jitted``),
     DDP's bookkeeping run around each compiled call (NOTE [jit of DDP] in distributed.py)."""
 
-    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, jitted: Jitted):
-        super().__init__(ddp, jitted)
-        self.__dict__["_sync"] = GradientSync.of(ddp)
-
     def __call__(self, *args, **kwargs):
-        sync = None if foreign_mode_active() else self._sync
-        return ddp_call(self._orig_mod, self.jitted, sync, args, kwargs)
+        return ddp_call(self._orig_mod, self.jitted, args, kwargs)
 
     forward = __call__
 

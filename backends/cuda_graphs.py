@@ -22,10 +22,11 @@ captures on a device nothing is read in place any more once it has moved: an inp
 moves is copied in from then on and none settles, so each later capture copies one more
 input or output, and the captures end (chained programs, each block of a model compiled
 alone, move each other's inputs by turns as each is captured again). Anything a capture
-refuses (a host synchronisation in an extern, a collective of a backend NCCL's graphs cannot
-hold) leaves the program uncaptured for good. NCCL's collectives are captured with the
-kernels around them, start and wait (NOTE [overlap] in passes/memory.py): every rank
-replays one program, so each issues its collectives in the order the others do.
+refuses (a host synchronisation in an extern) leaves the program uncaptured for good. NCCL's
+collectives are captured with the kernels around them, start and wait (NOTE [overlap] in
+passes/memory.py): every rank replays one program, so each issues its collectives in the
+order the others do; a program with another backend's (gloo's) is never captured
+(``graphable``).
 
 Outputs. A replay writes the same memory every time, so an output handed to the caller
 must be dead before the next replay writes over it. Outputs are *lent* as new tensors on the
@@ -381,7 +382,7 @@ class _DeviceState:
             self.capture = _Capture(owner._run, inputs, static, self.copied,
                                     owner._constants(device), device, owner._recorder,
                                     owner._pool(device))
-        except Exception as e:  # a host synchronisation, gloo's collective: no graph here
+        except Exception as e:  # a host synchronisation: no graph here
             _log.debug("CUDA graph: capture failed, running launch by launch: %s", e)
             self.refused = True
             return False

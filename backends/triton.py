@@ -122,6 +122,7 @@ from ..graph.loops import (
 )
 from . import codegen, compile_workers, cuda_graphs
 from ..graph.types import concrete, is_symbolic, size_hint
+from ..tracer.collectives import graphable
 from .codegen import (INFIX, INT_DIVISIONS, IndexPrinter, KERNEL_NAME, LOOP_VARIABLE,
                       cache_folder, kernel_error, kernel_symbols, with_error_codes,
                       write_atomically)
@@ -1271,8 +1272,10 @@ class CompiledProgram(codegen.CompiledProgram):
         self._error_flags: dict = {}  # device -> the flag checking kernels set
         super().__init__(program, plan, stages, bodies)
         # NOTE [CUDA graphs]: not a program with comm pools (their memory is handed back
-        # after each call)
-        self._graphed = None if self.plan.comm_pools else cuda_graphs.Graphed(self._run, lambda d: [t for _, t in self._on_device[d]],
+        # after each call) or collectives a graph cannot hold
+        self._graphed = None if self.plan.comm_pools or any(
+            getattr(k, "collective", False) and not graphable(dict(k.params)["group_name"])
+            for k in program.kernels) else cuda_graphs.Graphed(self._run, lambda d: [t for _, t in self._on_device[d]],
                                      sized=any(is_symbolic(b.type)
                                                for b in program.buffers.values()))
 

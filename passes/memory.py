@@ -425,14 +425,18 @@ def _hoist_operands(kernels: list, needs: set, taking: set) -> None:
     """Move each kernel that computes a collective's operands (``needs``) and nothing any
     placed kernel reads (a bucket's gradients joined into one) up to just after the last
     step it must follow, so the collective can start there too (NOTE [overlap]); one that
-    writes into a buffer it took over (``taking``) stays."""
-    for j in reversed(range(len(kernels))):
-        k = kernels[j]
-        writes = set(k.writes)
-        if (not isinstance(k, Kernel) or _barrier(k) or not needs & writes or writes & taking
-                or any(writes & set(q.reads) for q in kernels[j + 1:])):
+    writes into a buffer it took over (``taking``), or reads another collective's result
+    (whose wait it would pull up), stays."""
+    results = {b for k in kernels if _collective(k) for b in k.writes}
+    movable = [k for k in kernels if isinstance(k, Kernel) and not _barrier(k)
+               and needs & set(k.writes) and not set(k.writes) & taking
+               and not set(k.reads) & results]
+    for k in reversed(movable):
+        j = next(i for i in reversed(range(len(kernels))) if kernels[i] is k)
+        reads, writes = set(k.reads), set(k.writes)
+        if any(writes & set(q.reads) for q in kernels[j + 1:]):
             continue
-        reads, i = set(k.reads), j
+        i = j
         while i and not (_barrier(kernels[i - 1]) or reads & set(kernels[i - 1].writes)
                          or writes & set(kernels[i - 1].reads)):
             i -= 1

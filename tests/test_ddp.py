@@ -63,15 +63,14 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).sum() * dist.get_world_size() / Y.numel()
 
 
-def train(model, parameters, micro_batches: int = 1, no_sync=None,
-          set_to_none: bool = True) -> None:
+def train(model, parameters, micro_batches: int = 1, no_sync=None) -> None:
     """STEPS SGD steps on this rank's half of the batch, in ``micro_batches`` (all but the
     last under ``no_sync``, DDP's gradient accumulation)."""
     rank = dist.get_rank()
     x, y = X.chunk(W)[rank], Y.chunk(W)[rank]
     optimizer = torch.optim.SGD(list(parameters), lr=LR)
     for _ in range(STEPS):
-        optimizer.zero_grad(set_to_none=set_to_none)
+        optimizer.zero_grad()
         for k, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
             with no_sync() if k < micro_batches - 1 else contextlib.nullcontext():
                 loss_of(model(xs.clone()), ys).backward()  # dense: one compilation
@@ -118,45 +117,6 @@ def jit_of_ddp():
     train(jitted, jitted.parameters())
     assert jitted.trace_count == 1
     assert_trained(model.parameters())
-
-
-def backward_programs(jitted) -> list:
-    """The loop programs (as scheduled) of the backwards of ``jitted``'s last compilation."""
-    return [p._backward.scheduled[0] for p in jitted.jitted._latest[2]._programs.values()]
-
-
-def collectives(program) -> list[int]:
-    """The positions of the collectives' starts among ``program``'s steps."""
-    return [i for i, k in enumerate(program.kernels) if getattr(k, "collective", False)]
-
-
-@check("fast")
-def jit_of_ddp_averages_in_its_backward():
-    """plait.jit(DDP(model)) with several buckets: the compiled backward averages each
-    bucket's gradients, starting its all-reduce before the computation of the next bucket's
-    gradients (NOTE [gradients averaged in the backward]); the model trains as one process."""
-    model = mlp()
-    ddp = DDP(model, bucket_cap_mb=1e-4)  # about 100 bytes: a bucket for each weight
-    jitted = plait.jit(ddp, backend="cpp")
-    train(jitted, jitted.parameters())
-    assert_trained(model.parameters())
-    [backward] = backward_programs(jitted)
-    starts = collectives(backward)
-    assert len(starts) == len(jitted._sync.buckets) > 1
-    assert starts[0] < max(i for i, k in enumerate(backward.kernels)
-                           if type(k).__name__ == "Kernel")
-
-
-@check("fast")
-def jit_of_ddp_with_gradients_held():
-    """Gradients zeroed, not set to None (and so averaged by eager DDP together with the
-    backward's): after the first step, whose parameters hold none, DDP's reducer averages
-    them, as in eager."""
-    model = mlp()
-    jitted = plait.jit(DDP(model), backend="cpp")
-    train(jitted, jitted.parameters(), set_to_none=False)
-    assert_trained(model.parameters())
-    assert sorted(map(bool, map(collectives, backward_programs(jitted)))) == [False, True]
 
 
 @check("fast")
@@ -272,6 +232,20 @@ def fully_shard_of_jitted_blocks():
     train(blocks, blocks.parameters())
     assert_trained(model.parameters())
     assert [block.trace_count for block in blocks] == [1, 1, 1]
+
+
+@check("slow")
+def fully_shard_of_jitted_blocks_together():
+    """fully_shard([a, b]) of two jitted blocks: one group, its hooks (always_call among
+    their options) run around each block's compiled call."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    blocks = torch.nn.Sequential(*[plait.jit(layer, backend="cpp") for layer in model])
+    fully_shard([blocks[0], blocks[2]])
+    fully_shard(blocks)
+    train(blocks, blocks.parameters())
+    assert_trained(model.parameters())
 
 
 @check("slow")

@@ -299,6 +299,22 @@ def test_jitted_module_passes_its_state_through():
     assert jitted.note == "kept"  # attributes reach the original module
 
 
+def test_a_module_holding_a_jitted_one_names_its_state_as_the_original():
+    """The names of a module holding jitted blocks are the original model's, with no
+    ``_orig_mod`` in them; a state dict saved from one loads into the other, both ways."""
+    model = torch.nn.Sequential(_mlp(), torch.nn.Linear(3, 2))
+    holder = torch.nn.Sequential(plait.jit(_mlp()), model[1])
+    assert [n for n, _ in holder.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(holder.state_dict()) == list(model.state_dict())
+    holder.load_state_dict(model.state_dict())
+    x = torch.randn(5, 6)
+    assert_close(holder(x), model(x))
+    with torch.no_grad():
+        holder[0]._orig_mod[0].weight.mul_(2)
+    model.load_state_dict(holder.state_dict())
+    assert_close(model(x), holder(x))
+
+
 def test_train_eval_switching_with_dropout():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5))

@@ -112,6 +112,11 @@ def group_params(group=None, size: int | None = None) -> dict:
     return {"group_name": pg.group_name, "group_size": pg.size()}
 
 
+def graphable(group_name: str) -> bool:
+    """Can a CUDA graph hold this group's collectives (NCCL's can: NOTE [CUDA graphs])?"""
+    return dist.get_backend(process_group(group_name)) == "nccl"
+
+
 def normalize_dim(name: str, dim: int, ndim: int) -> int:
     """``dim`` counted from 0 (the form the primitives' params take)."""
     if not -ndim <= dim < ndim:
