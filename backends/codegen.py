@@ -291,12 +291,9 @@ def extern_results(k: Extern, args: list, types: Sequence,
     ``types``, contiguous, and never sharing memory with an argument (a later in-place write
     or a reused slot must not change them). ``sizes``: the size symbols' values, for a
     program with symbolic sizes (NOTE [symbolic sizes])."""
-    fn, params = k.fn, dict(k.params)
     if sizes is not None:
-        params = {n: concrete(v, sizes) for n, v in params.items()}
-        if is_symbolic(getattr(fn, "views", ())):  # an Impl's views of its operands
-            fn = attrs.evolve(fn, views=concrete(fn.views, sizes))
-    result = fn(*args, **params)
+        k = extern_at(k, sizes)
+    result = k.fn(*args, **dict(k.params))
     result = (result,) if isinstance(result, torch.Tensor) else tuple(result)
     if len(result) != len(k.outputs):
         raise BackendError(f"{k.name} ({k.label}) returned {len(result)} tensors, "
@@ -307,6 +304,15 @@ def extern_results(k: Extern, args: list, types: Sequence,
             raise BackendError(f"{k.name} ({k.label}) returned {t.dtype}{list(t.shape)} "
                                f"for {b}, which is {want.dtype}{list(want.shape)}")
     return [own(t.contiguous(), args) for t in result]
+
+
+def extern_at(k: Extern, sizes: dict) -> Extern:
+    """``k`` with its params (and its Impl's views of its operands) at ``sizes``, the size
+    symbols' values (NOTE [symbolic sizes])."""
+    fn = k.fn
+    if is_symbolic(getattr(fn, "views", ())):
+        fn = attrs.evolve(fn, views=concrete(fn.views, sizes))
+    return attrs.evolve(k, fn=fn, params=tuple((n, concrete(v, sizes)) for n, v in k.params))
 
 
 def own(t: torch.Tensor, inputs: list) -> torch.Tensor:

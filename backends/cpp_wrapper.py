@@ -67,7 +67,7 @@ from ..errors import BackendError
 from ..graph.loops import Extern, Kernel, Wait
 from ..graph.types import TensorType, concrete, hints, is_symbolic, size_values
 from ..tracer.registry import Impl
-from .codegen import entry_pointers, extern_results, extern_text, kernel_error
+from .codegen import entry_pointers, extern_at, extern_results, extern_text, kernel_error
 from .toolchain import CPP_DTYPES, build, ctype
 
 # ---------------------------------------------------------------------------------------
@@ -234,6 +234,21 @@ extern "C" int plait_scatter(const plait_view* v, const int64_t* p, const double
     out.copy_(tensor(&v[0]));
     if (p[1]) out.scatter_add_(p[0], tensor(&v[1]), tensor(&v[2]));
     else out.scatter_(p[0], tensor(&v[1]), tensor(&v[2]));
+  });
+}
+
+// cumsum and cumprod along dim (ints: dim), in the result's dtype (an integer operand's own).
+extern "C" int plait_cumsum(const plait_view* v, const int64_t* p, const double*) {
+  return guarded([&] {
+    auto out = tensor(&v[1]);
+    at::cumsum_out(out, tensor(&v[0]), p[0], out.scalar_type());
+  });
+}
+
+extern "C" int plait_cumprod(const plait_view* v, const int64_t* p, const double*) {
+  return guarded([&] {
+    auto out = tensor(&v[1]);
+    at::cumprod_out(out, tensor(&v[0]), p[0], out.scalar_type());
   });
 }
 
@@ -450,6 +465,8 @@ NATIVE = {
     "conv": lambda p, _: None if (ints := _conv_ints(p)) is None else (ints, ()),
     "conv_backward": lambda p, _: None if (ints := _conv_ints(p)) is None else (
         ints + [int(p.get("lhs_grad", True))], ()),
+    "cumsum": lambda p, _: ([p["dim"]], ()),
+    "cumprod": lambda p, _: ([p["dim"]], ()),
     "scatter": lambda p, _: ([p["dim"], int(p["reduce"] == "sum")], ())
     if p["reduce"] is None or (p["reduce"] == "sum" and p["include_self"]) else None,
     # (attention with dropout: CUDA's flash kernel alone, NOTE [attention dropout]; stored
@@ -865,6 +882,7 @@ class NativeWrapper:
         self._size_items, self._views = sizes[0] if sizes else (), dict(sizes[1]) if sizes else {}
         self._bindings = fallback.bindings if sizes else ()  # the inputs' dims -> symbols
         self._size_arrays: dict = {}
+        self._steps_at: dict = {}  # (Python step, sizes) -> its extern and types there
         self._calling = threading.local()  # ``values``: the sizes of this thread's call
         self.source = None
         self.fallback, self._steps, self._bodies = fallback, steps, bodies
@@ -972,13 +990,11 @@ class NativeWrapper:
         """A Python step: the extern on tensors over its buffers, its results copied into its
         outputs. An exception is kept for the caller (ctypes would only print it)."""
         try:
-            k, in_types, out_types = self._steps[step]
             values = getattr(self._calling, "values", None)
-            if values is not None:  # the types at this call's sizes
-                in_types, out_types = ([TensorType(concrete(t.shape, values), t.dtype, t.device)
-                                        for t in ts] for ts in (in_types, out_types))
+            k, in_types, out_types = self._steps[step] if values is None else \
+                self._step_at(step, values)
             args = [_at(pointers[j], t) for j, t in enumerate(in_types)]
-            results = extern_results(k, args, out_types, values)
+            results = extern_results(k, args, out_types)
             for j, (t, r) in enumerate(zip(out_types, results)):
                 if t.nbytes:
                     _at(pointers[len(in_types) + j], t).copy_(r)
@@ -1001,11 +1017,11 @@ class NativeWrapper:
         if self._bindings:  # NOTE [symbolic sizes]: S, and the types at these sizes
             values = size_values(self._bindings, inputs)
             self._calling.values = values
+            sized, handed, outputs = self._size_array(values)
             try:
-                rc = self._run(pointers, self._table, results, self._size_array(values))
+                rc = self._run(pointers, self._table, results, sized)
             finally:
                 self._calling.values = None
-            handed, outputs = concrete((self.handed_types, self._outputs), values)
         else:
             rc = self._run(pointers, self._table, results, None)
             handed, outputs = self.handed_types, self._outputs
@@ -1019,9 +1035,25 @@ class NativeWrapper:
                   for j, same, shape, dtype in outputs]
         return [unique[u] for u in self._order]
 
-    def _size_array(self, values: dict):
-        """``S`` at a call's sizes (NOTE [symbolic sizes]): evaluated once per distinct
-        sizes, the last SIZE_ARRAYS kept."""
+    def _step_at(self, step: int, values: dict) -> tuple:
+        """Python step ``step``'s extern and types at a call's sizes (NOTE [symbolic
+        sizes]): evaluated once per distinct sizes, those of SIZE_ARRAYS sizes kept."""
+        key = step, tuple(values.values())
+        found = self._steps_at.get(key)
+        if found is None:
+            k, in_types, out_types = self._steps[step]
+            found = (extern_at(k, values), *([TensorType(concrete(t.shape, values), t.dtype,
+                                                         t.device) for t in ts]
+                                             for ts in (in_types, out_types)))
+            if len(self._steps_at) >= SIZE_ARRAYS * len(self._steps):
+                self._steps_at.clear()
+            self._steps_at[key] = found
+        return found
+
+    def _size_array(self, values: dict) -> tuple:
+        """``S`` at a call's sizes (NOTE [symbolic sizes]), and the types of the results
+        there (handed over, and output): evaluated once per distinct sizes, the last
+        SIZE_ARRAYS kept."""
         key = tuple(values.values())
         found = self._size_arrays.get(key)
         if found is None:
@@ -1035,8 +1067,9 @@ class NativeWrapper:
                     views[i, j] = _view_of(*self._views[i, j], values)
                 return views[i, j][field] if field == 2 else views[i, j][field][d]
 
-            found = (ctypes.c_int64 * max(1, len(self._size_items)))(
-                *map(value, self._size_items))
+            found = ((ctypes.c_int64 * max(1, len(self._size_items)))(
+                *map(value, self._size_items)),
+                *concrete((self.handed_types, self._outputs), values))
             if len(self._size_arrays) >= SIZE_ARRAYS:
                 self._size_arrays.clear()
             self._size_arrays[key] = found

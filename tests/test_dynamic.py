@@ -258,6 +258,32 @@ def test_sizes_decided_equal_and_size_arithmetic_are_guarded(backend):
                                                              odd.dynamic_failure)
 
 
+def test_two_arguments_sizes_that_meet_are_guarded_equal_and_the_loss_stays_traced(backend):
+    """Logits and labels, each its own size symbols: the loss's gather and broadcasts
+    guard them equal (torch's duck sizing would make them one), so cross-entropy is traced,
+    not run as one opaque op, and gradients match eager's at every length; labels of
+    another length retrace and fail as eager does."""
+    def loss(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    jitted = plait.jit(loss, backend=backend)
+    for n in (3, 5, 8, 13):
+        logits = torch.randn(2, n, 7, requires_grad=True)
+        labels = torch.randint(0, 7, (2, n))
+        labels[0, 0] = -100
+        assert_close(jitted(logits, labels), loss(logits, labels))
+        got, = torch.autograd.grad(jitted(logits, labels), logits)
+        want, = torch.autograd.grad(loss(logits, labels), logits)
+        assert_close(got, want)
+    assert jitted.trace_count == 2
+    graph = jitted.lower(logits, labels).graph
+    assert not [n for n in graph.order if graph.node(n).prim == "opaque"]
+    with pytest.raises(Exception, match="batch_size|match|broadcast"):
+        loss(torch.randn(2, 4, 7), torch.randint(0, 7, (2, 5)))
+    with pytest.raises(Exception, match="batch_size|match|broadcast"):
+        jitted(torch.randn(2, 4, 7), torch.randint(0, 7, (2, 5)))
+
+
 def test_a_size_that_may_be_one_is_squeezed_as_eager_squeezes_it(backend):
     f = plait.jit(lambda x: x[1:].squeeze(0), backend=backend)
     for n in (5, 6, 2, 3):

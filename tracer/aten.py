@@ -26,7 +26,7 @@ from ..graph.types import contiguous_strides, dimension, equal_sizes, is_symboli
 from .primitives import (BINARY, COMPARISONS, SPECIAL_BINARY, SPECIAL_UNARY, UNARY,
                          UNARY_PREDICATES)
 from . import randomness as _randomness  # noqa: F401  (refuses seeding while tracing)
-from .sizes import Specialized, is_one, params_dimensions, reported
+from .sizes import Specialized, is_one, params_dimensions, reported, same_size
 from .trace import (FUNCTION_HANDLERS, HANDLERS, TracerTensor, _NeedsFallback, _meta_with,
                     bind, current_trace, unwrap_functional)
 
@@ -91,9 +91,9 @@ def broadcast_shapes(*shapes) -> tuple[int, ...]:
     """The shape ``shapes`` broadcast to (torch.broadcast_shapes imports the symbolic-shapes
     machinery on its first call: NOTE [plain forms of torch's references])."""
     out = [1] * max(map(len, shapes), default=0)
-    for shape in shapes:  # size expressions compare without guards (NOTE [symbolic sizes])
+    for shape in shapes:  # sizes equal only at these sizes are guarded (``same_size``)
         for i, n in enumerate(map(dimension, shape), len(out) - len(shape)):
-            if n != out[i] and not is_one(n) and not is_one(out[i]):
+            if not is_one(n) and not is_one(out[i]) and not same_size(n, out[i]):
                 raise ShapeError("shapes " + ", ".join(str(list(s)) for s in shapes) +
                                  " do not broadcast: sizes must match or be 1 in every dim")
             out[i] = n if is_one(out[i]) else out[i]

@@ -26,7 +26,7 @@ import torch
 from ..errors import CheckError, ShapeError, UnsupportedOpError
 from ..graph.types import TensorType, equal_sizes
 from .registry import PRIMITIVES, OperandSlot, batch_rule, define, jvp_rule, vjp_rule
-from .sizes import holds
+from .sizes import holds, same_size
 from .trace import bind, current_trace
 
 prims = torch.ops.prims
@@ -449,7 +449,7 @@ define("iota", lambda *, length, start, step, dtype, device: _types(((length,), 
 # ---------------------------------------------------------------------------------------
 def _broadcast_infer(x, *, shape, broadcast_dimensions):
     ok = len(broadcast_dimensions) == x.ndim and all(
-        0 <= d < len(shape) and x.shape[i] in (1, shape[d])
+        0 <= d < len(shape) and (x.shape[i] == 1 or same_size(x.shape[i], shape[d]))
         for i, d in enumerate(broadcast_dimensions)) and list(broadcast_dimensions) == sorted(
         broadcast_dimensions)
     _check(ok, "broadcast_in_dim",
@@ -846,7 +846,7 @@ def _dot_cotangent(ct, other, out_free, other_free, other_batch, batch, free, co
 
 def _gather_infer(x, index, *, dim):
     ok = index.dtype == torch.int64 and index.ndim == x.ndim and 0 <= dim < x.ndim and all(
-        i <= n for d, (i, n) in enumerate(zip(index.shape, x.shape)) if d != dim)
+        holds(i <= n) for d, (i, n) in enumerate(zip(index.shape, x.shape)) if d != dim)
     _check(ok, "gather", f"index must be int64 with the operand's rank and no longer than it "
            f"in every dim but dim={dim}", x, index)
     return (TensorType(index.shape, x.dtype, x.device),)

@@ -28,7 +28,7 @@ import sympy
 import torch
 
 from ..errors import PlaitError
-from ..graph.types import TensorType, dimension, set_size_hint, standard
+from ..graph.types import TensorType, dimension, equal_sizes, set_size_hint, standard
 
 
 class Specialized(PlaitError):
@@ -183,6 +183,13 @@ def holds(relation) -> bool:
     if sizes is None:
         raise TypeError(f"cannot decide {relation} outside the trace of its size symbols")
     return bool(sizes.env.evaluate_expr(decided))
+
+
+def same_size(a, b) -> bool:
+    """Are two sizes equal: at every size (``equal_sizes``), or at these sizes, with a guard
+    that they stay so (two arguments' dimensions that meet in a broadcast, such as a
+    model's input ids and labels, which torch's duck sizing would have made one symbol)?"""
+    return equal_sizes(a, b) or holds(sympy.Eq(a, b))
 
 
 def is_one(n) -> bool:
