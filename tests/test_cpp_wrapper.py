@@ -375,8 +375,8 @@ def test_a_cond_runs_its_branches_natively():
 
 def test_a_program_of_symbolic_sizes_runs_natively_at_every_size():
     """NOTE [symbolic sizes]: allocations, results' shapes, kernels' sizes and the views of
-    native matrix products and attention come from the call's sizes; a Python step's types
-    too (a cumulative sum is one)."""
+    native matrix products, attention and cumulative sums come from the call's sizes; a
+    Python step's types too (a cumulative log-sum-exp is one)."""
     torch.manual_seed(0)
     w, wo = torch.randn(16, 48), torch.randn(16, 16)
 
@@ -384,7 +384,7 @@ def test_a_program_of_symbolic_sizes_runs_natively_at_every_size():
         q, k, v = (x @ w).view(x.shape[0], x.shape[1], 3, 2, 8).unbind(2)
         a = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
                                            is_causal=True)
-        return a.transpose(1, 2).reshape(x.shape) @ wo + x.cumsum(1)
+        return a.transpose(1, 2).reshape(x.shape) @ wo + x.cumsum(1) + x.logcumsumexp(1)
 
     f = plait.jit(fn)
     for n in (3, 4, 9, 17, 4):
@@ -393,5 +393,5 @@ def test_a_program_of_symbolic_sizes_runs_natively_at_every_size():
     assert f.trace_count == 2, f.dynamic_failure
     wrapper = _wrapper(f._latest[2].lowered)  # the compilation the calls ran
     assert isinstance(wrapper, NativeWrapper) and wrapper._size_items
-    assert wrapper._steps  # the cumulative sum: a Python step at the call's sizes
+    assert len(wrapper._steps) == 1  # the log-sum-exp: a Python step at the call's sizes
     assert len(wrapper._size_arrays) == 3  # S once per distinct size: 4, 9, 17 (3: static)
