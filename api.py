@@ -28,14 +28,14 @@ from .backends import get_backend, program_cache, resolve_backend
 from .backends.eager import compile_graph as eager_program
 from .config import config
 from .distributed import ddp_call
-from .errors import TraceError
+from .errors import DistributedError, TraceError
 from .graph import Graph, TensorType
 from .compiler import pipeline
 from .compiler.stages import Stages, collector_paused
 from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.sizes import reopened
-from .tracer.state import STATE_LOCK, hook_module, tensor_key
+from .tracer.state import HOOKS_AROUND, STATE_LOCK, fully_sharded, hook_module, tensor_key
 from .tracer.strided import passed
 from .tracer.trace import foreign_mode_active, no_dynamo_import, tracing_active
 
@@ -1011,6 +1011,8 @@ class JittedModule(torch.nn.Module):
         # wrapper's, nn.Module's, would run the global hooks a second time
         if self._forward_pre_hooks or self._forward_hooks:
             return _around_hooks(self, self.jitted, args, kwargs)
+        if self._orig_mod in HOOKS_AROUND:  # a fully-sharded model: its forward is traced
+            return _around_hooks(_hooks_run_around(self._orig_mod), self.jitted, args, kwargs)
         return self.jitted(*args, **kwargs)
 
     forward = __call__
@@ -1054,6 +1056,21 @@ class JittedModule(torch.nn.Module):
         return functools.partial(jit, static_argnums=j.static_argnums, backend=j.backend,
                                  donate_argnums=j.donate_argnums, dynamic=j.dynamic), \
             (self._orig_mod,)
+
+
+def _hooks_run_around(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` (fully sharded, its forward alone traced), once checked for what would not
+    run around its compiled call (NOTE [distributed wrappers] in tracer/state.py)."""
+    hooked = [k for k in ("_backward_pre_hooks", "_backward_hooks") if getattr(module, k)] + [
+        "torch's global forward hooks" for g in (torch.nn.modules.module._global_forward_hooks,
+                                                  torch.nn.modules.module._global_forward_pre_hooks)
+        if g]
+    if hooked:
+        raise DistributedError(
+            f"plait.jit of a model fully_shard manages traces its forward and runs its forward "
+            f"hooks around each call, but it has {hooked[0]}, which would not run: compile its "
+            "blocks instead, fully_shard(plait.jit(block)) for each.")
+    return module
 
 
 def _hooked(wrapper: JittedModule, register: str, hook, options: dict):
@@ -1154,6 +1171,10 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
     if isinstance(fn, torch.nn.parallel.DistributedDataParallel):  # NOTE [jit of DDP]
         return _JittedDDP(fn, Jitted(fn.module, static_argnums, backend, donate_argnums,
                                      dynamic))
+    if isinstance(fn, torch.nn.Module) and fully_sharded(fn):  # NOTE [distributed wrappers]
+        HOOKS_AROUND.add(fn)
+        return JittedModule(fn, Jitted(fn.forward, static_argnums, backend, donate_argnums,
+                                       dynamic))
     jitted = Jitted(fn, static_argnums, backend, donate_argnums, dynamic)
     return JittedModule(fn, jitted) if isinstance(fn, torch.nn.Module) else jitted
 

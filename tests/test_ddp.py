@@ -234,6 +234,23 @@ def fully_shard_of_jitted_blocks():
     assert [block.trace_count for block in blocks] == [1, 1, 1]
 
 
+@check("fast")
+def jit_of_a_fully_sharded_model():
+    """plait.jit of a model fully_shard manages (its blocks not sharded apart): its forward
+    is traced, FSDP's hooks and the user's run around each compiled call."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    fully_shard(model)
+    calls = []
+    model.register_forward_hook(lambda m, args, out: calls.append(out.shape))
+    jitted = plait.jit(model, backend="cpp")
+    assert [n for n, _ in jitted.named_parameters()] == [n for n, _ in mlp().named_parameters()]
+    train(jitted, jitted.parameters())
+    assert_trained(model.parameters())
+    assert jitted.trace_count == 1 and len(calls) == STEPS
+
+
 @check("slow")
 def fully_shard_of_jitted_blocks_together():
     """fully_shard([a, b]) of two jitted blocks: one group, its hooks (always_call among
@@ -267,8 +284,14 @@ def fsdp_inside_jit_refused():
     from torch.distributed.fsdp import fully_shard
 
     sharded = mlp()
+    for layer in sharded[::2]:
+        fully_shard(layer)
     fully_shard(sharded)
     assert_refused(lambda: plait.jit(sharded)(X), "fully_shard(plait.jit(block)) for each")
+    hooked = mlp()
+    fully_shard(hooked)
+    hooked.register_full_backward_hook(lambda *_: None)
+    assert_refused(lambda: plait.jit(hooked)(X), "_backward_hooks, which would not run")
     blocks = [plait.jit(layer) for layer in mlp()]
     for block in blocks:
         fully_shard(block)

@@ -51,6 +51,7 @@ import operator
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
@@ -219,8 +220,10 @@ def reach(roots: Sequence[Any]) -> Reachable:
                 seen.add(id(m))
                 refuse_distributed(name, m)
                 sub = _under((), name)
+                around = m in HOOKS_AROUND  # its hooks run outside the trace
                 children += [(sub + ((True, "__dict__"), (False, k)), v, None)
-                             for k, v in vars(m).items() if k not in _UNWALKED]
+                             for k, v in vars(m).items()
+                             if k not in _UNWALKED and not (around and k in _NOT_DESCRIBED)]
                 forward = getattr(type(m), "forward", None)
                 if isinstance(forward, types.FunctionType):
                     children.append((sub + ((True, "__class__"), (True, "forward")), forward,
@@ -319,17 +322,20 @@ def _filled(cell) -> bool:
 # Traced, that bookkeeping would run once, while tracing, and no compiled call would repeat
 # it: the ranks would silently train apart, or the trace would meet DTensor internals. So
 # ``reach`` refuses a module tree holding one, and a function refuses DTensor arguments,
-# each error naming the order that works: ``plait.jit(ddp)`` (``api.py`` compiles the
-# module DDP wraps and runs DDP's bookkeeping around each compiled call),
+# each error naming the order that works: ``plait.jit(ddp)`` (``api.py`` compiles the module
+# DDP wraps and runs DDP's bookkeeping around each compiled call),
 # ``DistributedDataParallel(plait.jit(model))``, ``FullyShardedDataParallel(plait.jit(
-# model))``, ``fully_shard(plait.jit(block))`` (the hooks FSDP registers on the jitted
-# block stay on the wrapper, which runs them around each compiled call, and FSDP finds each
-# parameter on the module that holds it: ``JittedModule`` in api.py), and under
-# ``fully_shard`` a block whose forward calls a jitted inner computation: the block's hooks
-# run around that call. Either way the compiled call sees the gathered parameters as plain
-# tensors, and its gradients reach them, whence FSDP reduce-scatters them. Whether a tensor's class dispatches its ops itself (a DTensor, unlike a
-# Parameter) is part of its key, so a DTensor where a plain tensor was traced retraces, and
-# is refused.
+# model))``, ``fully_shard(plait.jit(block))`` (the hooks FSDP registers on the jitted block
+# stay on the wrapper, which runs them around each compiled call, and FSDP finds each
+# parameter on the module that holds it: ``JittedModule`` in api.py), ``plait.jit`` of a
+# module ``fully_shard`` manages, none of whose submodules it manages (its forward alone is
+# traced, and every forward hook of the module itself, FSDP's and the user's, runs around
+# each compiled call: ``HOOKS_AROUND``), and under ``fully_shard`` a block whose forward
+# calls a jitted inner computation: the block's hooks run around that call. Either way the
+# compiled call sees the gathered parameters as plain tensors, and its gradients reach them,
+# whence FSDP reduce-scatters them. Whether a tensor's class dispatches its ops itself (a
+# DTensor, unlike a Parameter) is part of its key, so a DTensor where a plain tensor was
+# traced retraces, and is refused.
 _SHARD_LOCALLY = ("plait traces plain tensors: compute on each rank's shards "
                   "(dtensor.to_local()) and combine them with plait.distributed's "
                   "collectives inside the jitted function, or keep this part outside plait.jit")
@@ -357,9 +363,22 @@ def refuse_dtensor(x: torch.Tensor, what: str) -> None:
                                f"{_SHARD_LOCALLY}.")
 
 
+def fully_sharded(module: torch.nn.Module) -> bool:
+    """Does ``fully_shard`` manage ``module`` (it swaps in a subclass of FSDPModule)?"""
+    return any(c.__name__ == "FSDPModule" and c.__module__.startswith("torch.distributed.fsdp")
+               for c in type(module).__mro__)
+
+
+# modules whose forward hooks their JittedModule runs around each compiled call, tracing
+# their forward alone (``plait.jit`` of a fully-sharded model: NOTE [distributed wrappers])
+HOOKS_AROUND: weakref.WeakSet = weakref.WeakSet()
+
+
 def refuse_distributed(name: str, module: torch.nn.Module) -> None:
     """Refuse a module that torch.distributed manages, in a traced function's state (NOTE
     [distributed wrappers])."""
+    if module in HOOKS_AROUND:
+        return
     where = f"the {type(module).__name__} module" + (f" {name!r}" if name else "")
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         raise DistributedError(
