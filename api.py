@@ -1015,7 +1015,9 @@ class JittedModule(torch.nn.Module):
             return _around_hooks(_hooks_run_around(self._orig_mod), self.jitted, args, kwargs)
         return self.jitted(*args, **kwargs)
 
-    forward = __call__
+    def forward(self, *args, **kwargs):
+        """The compiled call without this wrapper's hooks, as ``nn.Module.forward`` is."""
+        return self.jitted(*args, **kwargs)
 
     def __getattr__(self, name: str):
         try:
