@@ -53,3 +53,21 @@ def test_peak_bytes_counts_only_the_calls_allocations():
         return out
 
     assert run._peak_bytes(two_temporaries, (torch.empty(mib // 4),)) == 9 * mib
+
+
+@pytest.mark.slow  # two torchrun launches of 2 gloo ranks, tiny GPT-2 compiled per column
+@pytest.mark.parametrize("wrapper, columns", [("ddp", "eager,plait.jit(DDP),DDP(plait.jit)"),
+                                              ("fsdp", "eager,plait")])
+def test_data_parallel_benchmark_runs_on_the_cpu(wrapper, columns):
+    """benchmarks/ddp.py on 2 gloo ranks (tiny configs): every column trains, with
+    gradients matching eager's (float32)."""
+    proc = subprocess.run(
+        [_python(), "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         os.path.join(ROOT, "benchmarks", "ddp.py"), "--wrapper", wrapper, "--columns",
+         columns, "--models", "GPT2LMHeadModel", "--dtype", "float32", "--steps", "1",
+         "--repeat", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = [dict(f.split("=", 1) for f in line.split(" ") if "=" in f)
+            for line in proc.stdout.splitlines() if line.startswith("model=")]
+    assert [r["column"] for r in rows] == columns.split(","), proc.stdout
+    assert all(float(r["grad_error"]) < 1e-4 for r in rows), proc.stdout
