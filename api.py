@@ -35,7 +35,8 @@ from .compiler.stages import Stages, collector_paused
 from .passes import autodiff, memory
 from .tracer import Static, TracedFunction, trace_function
 from .tracer.sizes import reopened
-from .tracer.state import HOOKS_AROUND, STATE_LOCK, fully_sharded, hook_module, tensor_key
+from .tracer.state import (STATE_LOCK, fully_sharded, hook_module, hooks_outside,
+                           tensor_key)
 from .tracer.strided import passed
 from .tracer.trace import foreign_mode_active, no_dynamo_import, tracing_active
 
@@ -727,15 +728,18 @@ class Jitted:
             self.trace_count += 1
         stages = Stages(debug.function_name(self.fn))
         start = time.perf_counter()
-        # the traced modules' parameters are tracers meanwhile (NOTE [threads])
-        with collector_paused(), STATE_LOCK:
-            traced = trace_function(self.fn, leaves, tree, live=True,
-                                    eager_layouts=self.eager_layouts, dynamic=dynamic,
-                                    evaluate=lambda graph, tensors: eager_program(graph)(tensors))
+        traced = self._trace(leaves, tree, dynamic)
         stages.record("traced", traced.graph, time.perf_counter() - start)
         lowered = Lowered(traced, backend, donated, stages)
         debug.on_compile(self.fn, lowered)  # logs; writes the report when debug_dir is set
         return lowered
+
+    def _trace(self, leaves, tree, dynamic: dict | None) -> TracedFunction:
+        # the traced modules' parameters are tracers meanwhile (NOTE [threads])
+        with collector_paused(), STATE_LOCK:
+            return trace_function(self.fn, leaves, tree, live=True,
+                                  eager_layouts=self.eager_layouts, dynamic=dynamic,
+                                  evaluate=lambda graph, tensors: eager_program(graph)(tensors))
 
     def __call__(self, *args, **kwargs):
         if tracing_active():  # inside another jit or a transform: traced into its graph, as
@@ -835,8 +839,10 @@ class Jitted:
         except Exception as e:
             if self._floats_turn_static(args, kwargs):
                 return None, None
-            if dynamic and self._give_up_dynamic(e):
-                return None, None
+            if dynamic:  # a call that fails at its own sizes too (as eager would) raises
+                self._trace(leaves, tree, {})  # that, and keeps the symbolic sizes
+                if self._give_up_dynamic(e):
+                    return None, None
             raise
         state_before, state = state, lowered.traced.state
         read_before, read = read, state.read()
@@ -1009,11 +1015,21 @@ class JittedModule(torch.nn.Module):
     def __call__(self, *args, **kwargs):
         # the module's own call, its hooks and torch's global ones, is what is traced; this
         # wrapper's, nn.Module's, would run the global hooks a second time
+        call = self._sharded_call if self.__dict__.get("sharded") else self.jitted
         if self._forward_pre_hooks or self._forward_hooks:
-            return _around_hooks(self, self.jitted, args, kwargs)
-        if self._orig_mod in HOOKS_AROUND:  # a fully-sharded model: its forward is traced
-            return _around_hooks(_hooks_run_around(self._orig_mod), self.jitted, args, kwargs)
-        return self.jitted(*args, **kwargs)
+            return _around_hooks(self, call, args, kwargs)
+        return call(*args, **kwargs)
+
+    def _sharded_call(self, *args, **kwargs):
+        """A fully-sharded model's call: its forward compiled, its forward hooks (FSDP's
+        among them) run around it (NOTE [distributed wrappers] in tracer/state.py)."""
+        module = _hooks_run_around(self._orig_mod)
+
+        def forward(*args, **kwargs):
+            with hooks_outside(module):
+                return self.jitted(*args, **kwargs)
+
+        return _around_hooks(module, forward, args, kwargs)
 
     def forward(self, *args, **kwargs):
         """The compiled call without this wrapper's hooks, as ``nn.Module.forward`` is."""
@@ -1174,9 +1190,10 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
         return _JittedDDP(fn, Jitted(fn.module, static_argnums, backend, donate_argnums,
                                      dynamic))
     if isinstance(fn, torch.nn.Module) and fully_sharded(fn):  # NOTE [distributed wrappers]
-        HOOKS_AROUND.add(fn)
-        return JittedModule(fn, Jitted(fn.forward, static_argnums, backend, donate_argnums,
-                                       dynamic))
+        wrapper = JittedModule(fn, Jitted(fn.forward, static_argnums, backend, donate_argnums,
+                                          dynamic))
+        wrapper.__dict__["sharded"] = True
+        return wrapper
     jitted = Jitted(fn, static_argnums, backend, donate_argnums, dynamic)
     return JittedModule(fn, jitted) if isinstance(fn, torch.nn.Module) else jitted
 

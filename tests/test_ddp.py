@@ -20,6 +20,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.testing import assert_close
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plait
@@ -243,12 +244,17 @@ def jit_of_a_fully_sharded_model():
     model = mlp()
     fully_shard(model)
     calls = []
-    model.register_forward_hook(lambda m, args, out: calls.append(out.shape))
     jitted = plait.jit(model, backend="cpp")
     assert [n for n, _ in jitted.named_parameters()] == [n for n, _ in mlp().named_parameters()]
     train(jitted, jitted.parameters())
     assert_trained(model.parameters())
-    assert jitted.trace_count == 1 and len(calls) == STEPS
+    model.register_forward_hook(lambda m, args, out: calls.append(out.shape))
+    x = X.chunk(W)[dist.get_rank()].clone()  # the batch trained on, dense
+    with torch.no_grad():  # a hook registered after the first call runs, and retraces nothing
+        assert_close(jitted(x), model(x))
+    assert jitted.trace_count == 1 and len(calls) == 2
+    # another function holding the model traces its hooks: refused, as before
+    assert_refused(lambda: plait.jit(lambda x: model(x) * 2)(X), "managed by FSDP")
 
 
 @check("slow")

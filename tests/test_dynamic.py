@@ -262,7 +262,8 @@ def test_two_arguments_sizes_that_meet_are_guarded_equal_and_the_loss_stays_trac
     """Logits and labels, each its own size symbols: the loss's gather and broadcasts
     guard them equal (torch's duck sizing would make them one), so cross-entropy is traced,
     not run as one opaque op, and gradients match eager's at every length; labels of
-    another length retrace and fail as eager does."""
+    another length retrace and fail as eager does, and the lengths after them still share
+    one program."""
     def loss(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
@@ -282,6 +283,10 @@ def test_two_arguments_sizes_that_meet_are_guarded_equal_and_the_loss_stays_trac
         loss(torch.randn(2, 4, 7), torch.randint(0, 7, (2, 5)))
     with pytest.raises(Exception, match="batch_size|match|broadcast"):
         jitted(torch.randn(2, 4, 7), torch.randint(0, 7, (2, 5)))
+    # a call eager refuses too leaves the symbolic program in use for the lengths after it
+    traces, logits, labels = jitted.trace_count, torch.randn(2, 21, 7), torch.randint(0, 7, (2, 21))
+    assert_close(jitted(logits, labels), loss(logits, labels))
+    assert jitted.trace_count == traces and jitted.dynamic_failure is None
 
 
 def test_a_size_that_may_be_one_is_squeezed_as_eager_squeezes_it(backend):

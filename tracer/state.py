@@ -45,13 +45,13 @@ ResNet's walk costs 160 us, the comparison 14.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
 import sys
 import threading
 import types
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
@@ -71,6 +71,7 @@ _LIBRARIES = ("torch", "plait")  # their functions' globals are not user state
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
 _HOOK_NAMES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _BACKWARD_HOOKS = ("_backward_pre_hooks", "_backward_hooks")
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, "_global" + name)
                       for name in _HOOK_NAMES)  # torch's registries: mutated, never rebound
 # a module's attributes its structure leaves out: read apart, or torch's bookkeeping of
@@ -220,7 +221,7 @@ def reach(roots: Sequence[Any]) -> Reachable:
                 seen.add(id(m))
                 refuse_distributed(name, m)
                 sub = _under((), name)
-                around = m in HOOKS_AROUND  # its hooks run outside the trace
+                around = _hooks_outside(m)  # its hooks run outside the trace
                 children += [(sub + ((True, "__dict__"), (False, k)), v, None)
                              for k, v in vars(m).items()
                              if k not in _UNWALKED and not (around and k in _NOT_DESCRIBED)]
@@ -330,7 +331,7 @@ def _filled(cell) -> bool:
 # parameter on the module that holds it: ``JittedModule`` in api.py), ``plait.jit`` of a
 # module ``fully_shard`` manages, none of whose submodules it manages (its forward alone is
 # traced, and every forward hook of the module itself, FSDP's and the user's, runs around
-# each compiled call: ``HOOKS_AROUND``), and under ``fully_shard`` a block whose forward
+# each compiled call: ``hooks_outside``), and under ``fully_shard`` a block whose forward
 # calls a jitted inner computation: the block's hooks run around that call. Either way the
 # compiled call sees the gathered parameters as plain tensors, and its gradients reach them,
 # whence FSDP reduce-scatters them. Whether a tensor's class dispatches its ops itself (a
@@ -369,15 +370,35 @@ def fully_sharded(module: torch.nn.Module) -> bool:
                for c in type(module).__mro__)
 
 
-# modules whose forward hooks their JittedModule runs around each compiled call, tracing
-# their forward alone (``plait.jit`` of a fully-sharded model: NOTE [distributed wrappers])
-HOOKS_AROUND: weakref.WeakSet = weakref.WeakSet()
+class _HooksOutside(threading.local):
+    def __init__(self):
+        self.modules: tuple = ()
+
+
+_OUTSIDE = _HooksOutside()
+
+
+@contextlib.contextmanager
+def hooks_outside(module: torch.nn.Module):
+    """While this thread's JittedModule of a fully-sharded ``module`` calls its compiled
+    forward, around which it runs the module's forward hooks (NOTE [distributed wrappers]):
+    the state walk neither refuses the module nor follows or keys those hooks."""
+    before = _OUTSIDE.modules
+    _OUTSIDE.modules = (*before, module)
+    try:
+        yield
+    finally:
+        _OUTSIDE.modules = before
+
+
+def _hooks_outside(module: torch.nn.Module) -> bool:
+    return any(m is module for m in _OUTSIDE.modules)
 
 
 def refuse_distributed(name: str, module: torch.nn.Module) -> None:
     """Refuse a module that torch.distributed manages, in a traced function's state (NOTE
     [distributed wrappers])."""
-    if module in HOOKS_AROUND:
+    if _hooks_outside(module):
         return
     where = f"the {type(module).__name__} module" + (f" {name!r}" if name else "")
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
@@ -600,9 +621,11 @@ def module_state(module: torch.nn.Module) -> ModuleState:
         dicts += [attrs_, attrs_["_modules"], *hooks]
         tensor_dicts += [attrs_["_parameters"], attrs_["_buffers"]]
         modules.append(m)
+        keyed = [{} if k in _FORWARD_HOOKS and _hooks_outside(m) else h  # run outside
+                 for k, h in zip(_HOOK_NAMES, hooks)]
         structure.append((name, _Same(m), _Same(type(m)), tuple(
             [(k, _described(v)) for k, v in attrs_.items() if k not in _NOT_DESCRIBED]),
-            tuple(map(_hooks, _HOOK_NAMES, hooks))))
+            tuple(map(_hooks, _HOOK_NAMES, keyed))))
         for kind in ("_parameters", "_buffers"):
             for key, t in attrs_[kind].items():
                 if t is None:
