@@ -1015,21 +1015,12 @@ class JittedModule(torch.nn.Module):
     def __call__(self, *args, **kwargs):
         # the module's own call, its hooks and torch's global ones, is what is traced; this
         # wrapper's, nn.Module's, would run the global hooks a second time
-        call = self._sharded_call if self.__dict__.get("sharded") else self.jitted
         if self._forward_pre_hooks or self._forward_hooks:
-            return _around_hooks(self, call, args, kwargs)
-        return call(*args, **kwargs)
+            return _around_hooks(self, self._call, args, kwargs)
+        return self._call(*args, **kwargs)
 
-    def _sharded_call(self, *args, **kwargs):
-        """A fully-sharded model's call: its forward compiled, its forward hooks (FSDP's
-        among them) run around it (NOTE [distributed wrappers] in tracer/state.py)."""
-        module = _hooks_run_around(self._orig_mod)
-
-        def forward(*args, **kwargs):
-            with hooks_outside(module):
-                return self.jitted(*args, **kwargs)
-
-        return _around_hooks(module, forward, args, kwargs)
+    def _call(self, *args, **kwargs):
+        return self.jitted(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
         """The compiled call without this wrapper's hooks, as ``nn.Module.forward`` is."""
@@ -1076,19 +1067,27 @@ class JittedModule(torch.nn.Module):
             (self._orig_mod,)
 
 
-def _hooks_run_around(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` (fully sharded, its forward alone traced), once checked for what would not
-    run around its compiled call (NOTE [distributed wrappers] in tracer/state.py)."""
-    hooked = [k for k in ("_backward_pre_hooks", "_backward_hooks") if getattr(module, k)] + [
-        "torch's global forward hooks" for g in (torch.nn.modules.module._global_forward_hooks,
-                                                  torch.nn.modules.module._global_forward_pre_hooks)
-        if g]
-    if hooked:
-        raise DistributedError(
-            f"plait.jit of a model fully_shard manages traces its forward and runs its forward "
-            f"hooks around each call, but it has {hooked[0]}, which would not run: compile its "
-            "blocks instead, fully_shard(plait.jit(block)) for each.")
-    return module
+class _JittedSharded(JittedModule):
+    """``plait.jit`` of a model ``fully_shard`` manages as one unit: its forward compiled
+    (``jitted``), its forward hooks (FSDP's among them) run around each compiled call (NOTE
+    [distributed wrappers] in tracer/state.py)."""
+
+    def _call(self, *args, **kwargs):
+        module = self._orig_mod
+        hooked = [k for k in ("_backward_pre_hooks", "_backward_hooks") if getattr(module, k)]
+        hooked += ["torch's global forward hooks" for g in (
+            torch.nn.modules.module._global_forward_hooks,
+            torch.nn.modules.module._global_forward_pre_hooks) if g]
+        if hooked:
+            raise DistributedError(
+                f"plait.jit of a model fully_shard manages traces its forward and runs its "
+                f"forward hooks around each call, but it has {hooked[0]}, which would not "
+                "run: compile its blocks instead, fully_shard(plait.jit(block)) for each.")
+        return _around_hooks(module, self._compiled_forward, args, kwargs)
+
+    def _compiled_forward(self, *args, **kwargs):
+        with hooks_outside(self._orig_mod):
+            return self.jitted(*args, **kwargs)
 
 
 def _hooked(wrapper: JittedModule, register: str, hook, options: dict):
@@ -1190,10 +1189,8 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] | int = (),
         return _JittedDDP(fn, Jitted(fn.module, static_argnums, backend, donate_argnums,
                                      dynamic))
     if isinstance(fn, torch.nn.Module) and fully_sharded(fn):  # NOTE [distributed wrappers]
-        wrapper = JittedModule(fn, Jitted(fn.forward, static_argnums, backend, donate_argnums,
-                                          dynamic))
-        wrapper.__dict__["sharded"] = True
-        return wrapper
+        return _JittedSharded(fn, Jitted(fn.forward, static_argnums, backend, donate_argnums,
+                                         dynamic))
     jitted = Jitted(fn, static_argnums, backend, donate_argnums, dynamic)
     return JittedModule(fn, jitted) if isinstance(fn, torch.nn.Module) else jitted
 

@@ -1275,9 +1275,9 @@ class CompiledProgram(codegen.CompiledProgram):
         # after each call) or collectives a graph cannot hold
         self._graphed = None if self.plan.comm_pools or any(
             getattr(k, "collective", False) and not graphable(dict(k.params)["group_name"])
-            for k in program.kernels) else cuda_graphs.Graphed(self._run, lambda d: [t for _, t in self._on_device[d]],
-                                     sized=any(is_symbolic(b.type)
-                                               for b in program.buffers.values()))
+            for k in program.kernels) else cuda_graphs.Graphed(
+                self._run, lambda d: [t for _, t in self._on_device[d]],
+                sized=any(is_symbolic(b.type) for b in program.buffers.values()))
 
     def replays_after(self, before) -> None:
         """This program runs after ``before`` and never beside it (a backward after its

@@ -64,12 +64,13 @@ functional collectives return a pending result at once) and a ``Wait`` completes
 start moves up, past compute it does not depend on, to just after the last step it must
 follow: a writer of its operands, the collective before it, a barrier; one whose operand is
 another collective's result stays where it is (moving it up would pull that one's wait up
-with it). A kernel whose only reader is the collective (the join of a bucket of gradients:
-NOTE [gradients averaged in the backward] in distributed.py), which memory-aware order
-leaves late, moves up first, to just after the writers of what it reads. The wait goes just before the first step that reads a result, or the next barrier,
-or the end. Compute in between runs while the collective communicates (NCCL on its own
-stream, gloo on its threads). The wait also reads the collective's operands, so liveness
-keeps them alive, unwritten and out of reused slots until the collective is done.
+with it). A kernel whose only reader is the collective (gradients joined for one
+all-reduce), which memory-aware order may leave late, moves up first, to just after the
+writers of what it reads. The wait goes just before the first step that reads a result, or
+the next barrier, or the end. Compute in between runs while the collective communicates
+(NCCL on its own stream, gloo on its threads). The wait also reads the collective's
+operands, so liveness keeps them alive, unwritten and out of reused slots until the
+collective is done.
 Collectives keep their order: a start never moves past another collective.
 """
 from __future__ import annotations

@@ -392,7 +392,8 @@ def hooks_outside(module: torch.nn.Module):
 
 
 def _hooks_outside(module: torch.nn.Module) -> bool:
-    return any(m is module for m in _OUTSIDE.modules)
+    modules = _OUTSIDE.modules  # none, but within a fully-sharded model's call
+    return bool(modules) and any(m is module for m in modules)
 
 
 def refuse_distributed(name: str, module: torch.nn.Module) -> None:
@@ -621,8 +622,8 @@ def module_state(module: torch.nn.Module) -> ModuleState:
         dicts += [attrs_, attrs_["_modules"], *hooks]
         tensor_dicts += [attrs_["_parameters"], attrs_["_buffers"]]
         modules.append(m)
-        keyed = [{} if k in _FORWARD_HOOKS and _hooks_outside(m) else h  # run outside
-                 for k, h in zip(_HOOK_NAMES, hooks)]
+        outside = _hooks_outside(m)  # its forward hooks run outside the trace
+        keyed = [{} if outside and k in _FORWARD_HOOKS else h for k, h in zip(_HOOK_NAMES, hooks)]
         structure.append((name, _Same(m), _Same(type(m)), tuple(
             [(k, _described(v)) for k, v in attrs_.items() if k not in _NOT_DESCRIBED]),
             tuple(map(_hooks, _HOOK_NAMES, keyed))))
